@@ -1,0 +1,1 @@
+"""The Ray driver: job config, worker group, control loop, run directory, CLI."""

@@ -1,0 +1,91 @@
+"""``ringleader`` command line.
+
+Exit codes: 0 finished, 1 the job failed, 2 bad input (job file, overrides, run directory),
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringleader", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run a training job (the built-in example without JOB)")
+    run.add_argument("job", nargs="?", help="job file (YAML); omit for the built-in digits example")
+    run.add_argument("--workers", type=int, help="number of workers (overrides scaling.workers)")
+    run.add_argument("--address", help="Ray cluster to join; default: start a local Ray")
+    run.add_argument("--run-dir", help="where events, telemetry, model and summary go")
+    run.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a job field, e.g. --set steps=50 --set scaling.workers=3",
+    )
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from orchestrator.config import ConfigError, load_job
+
+    # Like `python -m`: job files may name factories in modules next to where the user runs.
+    sys.path.insert(0, os.getcwd())
+    overrides = list(args.overrides)
+    if args.workers is not None:
+        overrides.append(f"scaling.workers={args.workers}")
+    if args.run_dir is not None:
+        overrides.append(f"run_dir={json.dumps(args.run_dir)}")
+    try:
+        job = load_job(args.job, overrides)
+    except ConfigError as err:
+        print(f"ringleader: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+    from orchestrator.driver import default_run_dir, run_job
+
+    run_dir = default_run_dir(job)
+    try:
+        result = run_job(job, address=args.address, run_dir=run_dir, progress=not args.no_progress)
+    except FileExistsError as err:
+        print(f"ringleader: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    summary = result.summary
+    accuracy = summary["eval"].get("accuracy")
+    shown = f", eval accuracy {accuracy:.4f}" if accuracy is not None else ""
+    print(
+        f"ringleader: {summary['status']}: {summary['steps']} steps, "
+        f"{summary['samples_per_s']:.0f} samples/s, final loss {summary['final_loss']}"
+        f"{shown}, wall {summary['wall_s']:.1f}s; run dir {result.run_dir}"
+    )
+    if summary["status"] == "finished":
+        return 0
+    if summary["status"] == "stopped":
+        return EXIT_INTERRUPTED
+    print(f"ringleader: job failed: {summary.get('error')}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    if args.command == "run":
+        return _cmd_run(args)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

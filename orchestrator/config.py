@@ -1,0 +1,253 @@
+"""Job configuration: pydantic models validated once, at the edge, before any actor starts.
+
+The defaults of :class:`JobConfig` are the built-in example (the digits classifier), so
+``ringleader run`` with no job file trains it; ``examples/digits.yaml`` spells the same job out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from workers.factories import resolve_import_path
+
+class ConfigError(Exception):
+    """A job file or override is invalid. ``str(err)`` is the message for the user."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FactorySpec(_Strict):
+    """A ``module:function`` that builds a model or dataset, with keyword arguments."""
+
+    factory: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("factory")
+    @classmethod
+    def _resolves(cls, value: str) -> str:
+        resolve_import_path(value)
+        return value
+
+
+OptimizerName = Literal["sgd", "adam", "adamw"]
+
+
+class OptimizerConfig(_Strict):
+    name: OptimizerName = "adam"
+    kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 0.001})
+
+
+class ScalingConfig(_Strict):
+    """How many workers, and what each one gets from Ray.
+
+    ``resources_per_worker`` uses Ray's resource names: ``CPU``, ``GPU``, ``TPU`` or custom ones.
+    """
+
+    workers: int = Field(4, ge=1)
+    min_workers: int = Field(1, ge=1)
+    max_workers: int | None = Field(None, ge=1, description="defaults to `workers`")
+    resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 0.5})
+    accelerator_type: str | None = None
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _non_negative(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if amount < 0:
+                raise ValueError(f"resource {name!r} must be >= 0, got {amount}")
+        return value
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "ScalingConfig":
+        upper = self.max_workers if self.max_workers is not None else self.workers
+        if not self.min_workers <= self.workers <= upper:
+            raise ValueError(
+                f"need min_workers <= workers <= max_workers, got "
+                f"{self.min_workers} <= {self.workers} <= {upper}"
+            )
+        return self
+
+    @property
+    def upper_workers(self) -> int:
+        return self.max_workers if self.max_workers is not None else self.workers
+
+
+class CollectiveConfig(_Strict):
+    """Gradient all-reduce settings. ``bucket_mb`` bounds the size of one collective call."""
+
+    algorithm: Literal["native"] = "native"
+    bucket_mb: float = Field(4.0, gt=0)
+    overlap: bool = False
+
+    @field_validator("overlap")
+    @classmethod
+    def _overlap_not_yet(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("overlap during backward is not available yet; set overlap: false")
+        return value
+
+
+class CheckpointConfig(_Strict):
+    every_steps: int = Field(0, ge=0)
+    keep: int = Field(3, ge=1)
+
+    @field_validator("every_steps")
+    @classmethod
+    def _not_yet(cls, value: int) -> int:
+        if value:
+            raise ValueError("periodic checkpoints are not available yet; set every_steps: 0")
+        return value
+
+
+class ChaosConfig(_Strict):
+    """Fault and slowness injection, for tests and demos.
+
+    ``shuffle_shards``: deal each step's shards to workers at random (seeded, uneven counts,
+    some workers may get none) instead of evenly; the result must not change.
+    """
+
+    shuffle_shards: bool = False
+
+
+class TimeoutConfig(_Strict):
+    """Upper bounds, in seconds, on every wait. A timeout fails the job with a clear error."""
+
+    start_s: float = Field(180.0, gt=0, description="actors created and data loaded")
+    rendezvous_s: float = Field(60.0, gt=0, description="process group formed")
+    step_s: float = Field(300.0, gt=0, description="one training step on every worker")
+    collective_s: float = Field(60.0, gt=0, description="one collective operation")
+
+
+_DIGITS = "ringleader_examples.digits"
+
+
+class JobConfig(_Strict):
+    """A data-parallel training job. The defaults are the built-in digits example."""
+
+    name: str = Field("digits", pattern=r"^[\w.-]+$")
+    seed: int = 0
+    model: FactorySpec = FactorySpec(factory=f"{_DIGITS}:make_model", kwargs={"hidden": 128})
+    dataset: FactorySpec = FactorySpec(factory=f"{_DIGITS}:make_dataset", kwargs={"split": "train"})
+    eval: FactorySpec | None = FactorySpec(
+        factory=f"{_DIGITS}:make_dataset", kwargs={"split": "test"}
+    )
+    loss: Literal["cross_entropy", "mse"] = "cross_entropy"
+    optimizer: OptimizerConfig = OptimizerConfig()
+    batch_size: int = Field(256, ge=1, description="global samples per step")
+    shards: int = Field(16, ge=1, description="shards per step, independent of the worker count")
+    steps: int | None = Field(300, ge=1)
+    epochs: float | None = Field(None, gt=0, description="alternative to steps")
+    scaling: ScalingConfig = ScalingConfig()
+    collective: CollectiveConfig = CollectiveConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    chaos: ChaosConfig = ChaosConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()
+    run_dir: str | None = Field(None, description="default: runs/<name>-<timestamp>")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobConfig":
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of 'steps' and 'epochs' (use steps: null with epochs)")
+        if self.shards > self.batch_size:
+            raise ValueError(
+                f"shards ({self.shards}) must not exceed batch_size ({self.batch_size}): "
+                "every shard needs at least one sample"
+            )
+        if self.shards < self.scaling.upper_workers:
+            raise ValueError(
+                f"shards ({self.shards}) must be >= the most workers the job may have "
+                f"({self.scaling.upper_workers}), or some workers would have nothing to do"
+            )
+        return self
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``--set a.b=value`` overrides (values parsed as YAML) to a raw job mapping."""
+    result = dict(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set steps=50")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--set {item!r}: value is not valid YAML ({err})") from None
+        node = result
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = {}
+            elif not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                raise ConfigError(f"--set {item!r}: field '{where}' is not a mapping")
+            node[part] = dict(child)
+            node = node[part]
+        node[parts[-1]] = value
+    return result
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    lines = [f"invalid job ({source}):"]
+    for problem in err.errors():
+        field = ".".join(str(p) for p in problem["loc"]) or "(top level)"
+        if problem["type"] == "extra_forbidden":
+            message = "unknown field"
+        else:
+            message = problem["msg"].removeprefix("Value error, ")
+        got = problem.get("input")
+        shown = "" if problem["type"] in ("missing",) or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  field '{field}': {message}{shown}")
+    return "\n".join(lines)
+
+
+def load_job(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
+    """Read, override and validate a job. ``path=None`` gives the built-in example.
+
+    Raises ConfigError naming the file and field on any problem.
+    """
+    source = "built-in example"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError(f"cannot read job file {source}: {err.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"job file {source} is not valid YAML: {err}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"job file {source}: expected a mapping at the top level")
+        raw = loaded
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        job = JobConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, source)) from None
+    check_optimizer(job.optimizer, source)
+    return job
+
+
+def check_optimizer(spec: OptimizerConfig, source: str) -> None:
+    """Build the optimizer on a dummy parameter so bad kwargs fail here, not in a worker."""
+    from workers.training import build_optimizer  # torch import kept off the light path
+
+    import torch
+
+    try:
+        build_optimizer(spec.name, spec.kwargs, [torch.nn.Parameter(torch.zeros(1))])
+    except (TypeError, ValueError) as err:
+        raise ConfigError(
+            f"invalid job ({source}):\n  field 'optimizer.kwargs': {err}"
+        ) from None

@@ -1,0 +1,244 @@
+"""The driver: owns a job from start to summary and runs its control loop."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+import ray
+from tqdm import tqdm
+
+from orchestrator.config import JobConfig
+from orchestrator.run_dir import RunDirectory
+from orchestrator.state import JobState, JobStateMachine
+from orchestrator.worker_group import RendezvousStore, WorkerGroup, WorkerGroupError
+from policies.assignment import ShardAssignment
+from workers.actor import WorkerSpec
+from workers.telemetry import StepTelemetry
+
+# Steps submitted ahead of the one being collected: the driver's round trip and bookkeeping
+# overlap the workers' compute instead of sitting between steps.
+STEPS_IN_FLIGHT = 2
+
+EVENT_COUNTERS = (
+    "failures",
+    "recoveries",
+    "steps_redone",
+    "stragglers_detected",
+    "speculative_shards",
+    "stolen_shards",
+    "rebalances",
+    "checkpoints",
+)
+
+
+class JobFailed(RuntimeError):
+    """The job could not finish; the run directory's summary says why."""
+
+
+@dataclass(frozen=True)
+class JobResult:
+    run_dir: Path
+    summary: dict[str, Any]
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None) -> Iterator[None]:
+    """Use the Ray already initialised in this process, else connect or start one.
+
+    No ``address`` and no ``RAY_ADDRESS`` (set by ``ray job submit``) starts a fresh local Ray,
+    which is shut down on exit; a given address joins that cluster.
+    """
+    if ray.is_initialized():
+        yield
+        return
+    if address:
+        ray.init(address=address, logging_level="WARNING")
+    elif os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level="WARNING")
+    else:
+        ray.init(address="local", include_dashboard=False, logging_level="WARNING")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def worker_spec(job: JobConfig) -> WorkerSpec:
+    return WorkerSpec(
+        model_factory=job.model.factory,
+        model_kwargs=dict(job.model.kwargs),
+        dataset_factory=job.dataset.factory,
+        dataset_kwargs=dict(job.dataset.kwargs),
+        eval_factory=job.eval.factory if job.eval else None,
+        eval_kwargs=dict(job.eval.kwargs) if job.eval else {},
+        loss=job.loss,
+        optimizer=job.optimizer.name,
+        optimizer_kwargs=dict(job.optimizer.kwargs),
+        batch_size=job.batch_size,
+        num_shards=job.shards,
+        seed=job.seed,
+        steps=job.steps,
+        epochs=job.epochs,
+        bucket_bytes=int(job.collective.bucket_mb * 2**20),
+        collective_timeout_s=job.timeouts.collective_s,
+    )
+
+
+def default_run_dir(job: JobConfig) -> Path:
+    if job.run_dir:
+        return Path(job.run_dir)
+    return Path("runs") / f"{job.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def _reason(err: BaseException) -> str:
+    cause = getattr(err, "cause", None) or err
+    return f"{type(cause).__name__}: {cause}".strip()
+
+
+class JobDriver:
+    """Runs one job: start workers, train, evaluate, save, summarise.
+
+    The loop keeps ``STEPS_IN_FLIGHT`` steps queued on every worker and checks each finished
+    step's shard coverage; any worker error or timeout fails the job with its reason.
+    """
+
+    def __init__(self, job: JobConfig, run_dir: Path, *, progress: bool, launched: float) -> None:
+        self.job = job
+        self.run = RunDirectory(run_dir)
+        self.progress = progress
+        self.launched = launched
+        self.machine = JobStateMachine(self._on_state)
+        self.counters = dict.fromkeys(EVENT_COUNTERS, 0)
+        self.samples = 0
+        self.steps_done = 0
+        self.shards_committed = 0
+        self.final_loss: float | None = None
+        self.first_step_s: float | None = None
+        self.train_s = 0.0
+
+    def _on_state(self, old: JobState, new: JobState, reason: str) -> None:
+        self.run.event("state", old=old.value, new=new.value, reason=reason)
+
+    def assignment(self, step: int, world_size: int) -> ShardAssignment:
+        if self.job.chaos.shuffle_shards:
+            return ShardAssignment.shuffled(self.job.shards, world_size, seed=self.job.seed * 7919 + step)
+        return ShardAssignment.balanced(self.job.shards, world_size)
+
+    def execute(self) -> JobResult:
+        job = self.job
+        self.run.event("job_start", name=job.name, config=job.model_dump(mode="json"))
+        group = WorkerGroup(worker_spec(job), job.scaling, job.timeouts)
+        num_steps = 0
+        workers_start = job.scaling.workers
+        metrics: dict[str, float] = {}
+        error: str | None = None
+        try:
+            info = group.start(job.scaling.workers)
+            num_steps = int(info[0]["num_steps"])
+            store = RendezvousStore(job.timeouts.rendezvous_s)
+            group.form_group(store)
+            self.run.event("workers_ready", workers=info, seconds=time.perf_counter() - self.launched)
+            self.machine.to(JobState.RUNNING)
+            self._train(group, num_steps)
+            metrics = group.call_rank(0, "evaluate", job.timeouts.step_s)
+            self.run.event("eval", step=self.steps_done, metrics=metrics)
+            self.run.save_model(group.call_rank(0, "model_state", job.timeouts.step_s))
+            self.machine.to(JobState.FINISHED)
+        except KeyboardInterrupt:
+            error = "interrupted"
+            self.machine.to(JobState.STOPPED, error)
+        except (WorkerGroupError, ray.exceptions.RayError, JobFailed) as err:
+            error = _reason(err)
+            self.run.event("error", message=error)
+            self.machine.to(JobState.FAILED, error)
+        finally:
+            workers_end = group.size
+            group.shutdown()
+        summary = self._summary(num_steps, metrics, workers_start, workers_end, error)
+        self.run.event("job_end", status=summary["status"])
+        self.run.save_summary(summary)
+        self.run.close()
+        return JobResult(self.run.path, summary)
+
+    def _train(self, group: WorkerGroup, num_steps: int) -> None:
+        inflight: deque[tuple[int, list[ray.ObjectRef]]] = deque()
+        started = time.perf_counter()
+        with tqdm(total=num_steps, unit="step", disable=not self.progress, dynamic_ncols=True) as bar:
+            for step in range(num_steps):
+                inflight.append((step, group.submit_step(step, self.assignment(step, group.size))))
+                if len(inflight) >= STEPS_IN_FLIGHT:
+                    self._collect(*inflight.popleft(), bar)
+            while inflight:
+                self._collect(*inflight.popleft(), bar)
+        self.train_s = time.perf_counter() - started
+
+    def _collect(self, step: int, refs: list[ray.ObjectRef], bar: tqdm) -> None:
+        try:
+            reports: list[StepTelemetry] = ray.get(refs, timeout=self.job.timeouts.step_s)
+        except ray.exceptions.GetTimeoutError:
+            raise JobFailed(f"step {step} did not finish within {self.job.timeouts.step_s:.0f}s") from None
+        committed = sorted(s for r in reports for s in r.shards)
+        if committed != list(range(self.job.shards)):
+            raise JobFailed(f"step {step}: committed shards {committed} are not each shard exactly once")
+        if self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - self.launched
+        self.shards_committed += len(committed)
+        self.steps_done += 1
+        self.samples += reports[0].global_samples
+        self.final_loss = reports[0].loss
+        self.run.telemetry([r.to_json() for r in reports])
+        step_s = max(r.step_s for r in reports)
+        self.run.event("step", step=step, loss=self.final_loss, samples=reports[0].global_samples, step_s=step_s)
+        bar.update(1)
+        bar.set_postfix(loss=f"{self.final_loss:.4f}", refresh=False)
+
+    def _summary(
+        self,
+        num_steps: int,
+        metrics: dict[str, float],
+        workers_start: int,
+        workers_end: int,
+        error: str | None,
+    ) -> dict[str, Any]:
+        wall_s = time.perf_counter() - self.launched
+        summary: dict[str, Any] = {
+            "name": self.job.name,
+            "status": self.machine.state.value,
+            "steps": self.steps_done,
+            "steps_planned": num_steps,
+            "samples": self.samples,
+            "wall_s": wall_s,
+            "train_s": self.train_s,
+            "first_step_s": self.first_step_s,
+            "samples_per_s": self.samples / self.train_s if self.train_s else 0.0,
+            "final_loss": self.final_loss,
+            "eval": metrics,
+            "workers": {"start": workers_start, "end": workers_end},
+            "shards_expected": self.steps_done * self.job.shards,
+            "shards_committed": self.shards_committed,
+            "events": dict(self.counters),
+        }
+        if error:
+            summary["error"] = error
+        return summary
+
+
+def run_job(
+    job: JobConfig, *, address: str | None = None, run_dir: Path | None = None, progress: bool = False
+) -> JobResult:
+    """Run ``job`` to the end on Ray (see ``ray_session`` for which Ray).
+
+    Returns the run directory and summary whatever the outcome; ``summary["status"]`` is
+    ``finished``, ``failed`` or ``stopped``. Raises FileExistsError if ``run_dir`` is not empty.
+    """
+    launched = time.perf_counter()
+    driver = JobDriver(job, run_dir or default_run_dir(job), progress=progress, launched=launched)
+    with ray_session(address):
+        return driver.execute()

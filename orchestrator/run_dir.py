@@ -1,0 +1,70 @@
+"""The run directory: events, telemetry, final model and summary, written so nothing is torn."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, IO
+
+import torch
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write via a temp file in the same directory, fsync, then rename over ``path``.
+
+    A reader sees the old file or the new one, never a partial one.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class RunDirectory:
+    """Owns one run's folder. Append-only JSONL logs are flushed per record."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if path.exists() and any(path.iterdir()):
+            raise FileExistsError(f"run directory {path} is not empty; choose a new --run-dir")
+        path.mkdir(parents=True, exist_ok=True)
+        self._events = open(path / "events.jsonl", "a", encoding="utf-8")
+        self._telemetry = open(path / "telemetry.jsonl", "a", encoding="utf-8")
+
+    def event(self, kind: str, **fields: Any) -> None:
+        record = {"time": time.time(), "event": kind, **fields}
+        self._events.write(json.dumps(record) + "\n")
+        self._events.flush()
+
+    def telemetry(self, records: list[dict[str, Any]]) -> None:
+        self._telemetry.writelines(json.dumps(r) + "\n" for r in records)
+        self._telemetry.flush()
+
+    def save_model(self, state: dict[str, torch.Tensor]) -> Path:
+        target = self.path / "model.pt"
+        write_atomic(target, lambda handle: torch.save(state, handle))
+        return target
+
+    def save_summary(self, summary: dict[str, Any]) -> Path:
+        target = self.path / "summary.json"
+        text = json.dumps(summary, indent=2, sort_keys=True).encode()
+        write_atomic(target, lambda handle: handle.write(text))
+        return target
+
+    def close(self) -> None:
+        self._events.close()
+        self._telemetry.close()

@@ -1,0 +1,137 @@
+"""Worker actors in a placement group, and the driver-hosted rendezvous store they meet at."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import ray
+import torch.distributed as dist
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orchestrator.config import ScalingConfig, TimeoutConfig
+from policies.assignment import ShardAssignment
+from workers.actor import TrainWorker, WorkerSpec
+
+RemoteTrainWorker = ray.remote(concurrency_groups={"compute": 1, "control": 1})(TrainWorker)
+
+
+class WorkerGroupError(RuntimeError):
+    """Workers could not be placed, started or did not answer in time."""
+
+
+class RendezvousStore:
+    """A TCPStore in the driver process, so no worker is a single point of failure.
+
+    Each process group formed through it uses a fresh key prefix (its generation).
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.host = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(
+            self.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
+        self.port = self._store.port
+        self.generation = 0
+
+    def next_prefix(self) -> str:
+        self.generation += 1
+        return f"gen{self.generation}/"
+
+
+def actor_options(scaling: ScalingConfig) -> dict[str, Any]:
+    """Ray actor options for one worker, from the job's resources per worker."""
+    resources = dict(scaling.resources_per_worker)
+    options: dict[str, Any] = {
+        "num_cpus": resources.pop("CPU", 0),
+        "num_gpus": resources.pop("GPU", 0),
+        "resources": resources,
+        "max_restarts": 0,
+    }
+    if scaling.accelerator_type:
+        options["accelerator_type"] = scaling.accelerator_type
+    return options
+
+
+class WorkerGroup:
+    """Starts, drives and tears down the worker actors of one job."""
+
+    def __init__(self, spec: WorkerSpec, scaling: ScalingConfig, timeouts: TimeoutConfig) -> None:
+        self.spec = spec
+        self.scaling = scaling
+        self.timeouts = timeouts
+        self.actors: list[Any] = []
+        self.placement: PlacementGroup | None = None
+        self.info: list[dict[str, Any]] = []
+
+    @property
+    def size(self) -> int:
+        return len(self.actors)
+
+    def start(self, count: int) -> list[dict[str, Any]]:
+        """Reserve ``count`` bundles, start one actor in each, wait until all have loaded.
+
+        Returns each actor's ``describe()``. Raises WorkerGroupError on a timeout or a worker error.
+        """
+        bundle = {k: v for k, v in self.scaling.resources_per_worker.items() if v > 0}
+        self.placement = placement_group([bundle] * count, strategy=self.scaling.placement_strategy)
+        try:
+            ray.get(self.placement.ready(), timeout=self.timeouts.start_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerGroupError(
+                f"could not reserve {count} x {bundle} within {self.timeouts.start_s:.0f}s "
+                f"(cluster has {ray.cluster_resources()}); lower scaling.workers or "
+                "scaling.resources_per_worker"
+            ) from None
+        options = actor_options(self.scaling)
+        self.actors = [
+            RemoteTrainWorker.options(
+                **options,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement, placement_group_bundle_index=i
+                ),
+            ).remote(self.spec)
+            for i in range(count)
+        ]
+        self.info = self._get([a.describe.remote() for a in self.actors], self.timeouts.start_s, "start")
+        return self.info
+
+    def form_group(self, store: RendezvousStore) -> None:
+        """All actors join one torch.distributed group through the driver's store."""
+        prefix = store.next_prefix()
+        world = self.size
+        self._get(
+            [
+                actor.join_group.remote(store.host, store.port, prefix, rank, world, self.timeouts.rendezvous_s)
+                for rank, actor in enumerate(self.actors)
+            ],
+            self.timeouts.rendezvous_s,
+            "rendezvous",
+        )
+
+    def submit_step(self, step: int, assignment: ShardAssignment) -> list[ray.ObjectRef]:
+        if assignment.world_size != self.size:
+            raise ValueError(f"assignment is for {assignment.world_size} ranks, group has {self.size}")
+        return [
+            actor.train_step.remote(step, list(shards))
+            for actor, shards in zip(self.actors, assignment.shards_by_rank)
+        ]
+
+    def call_rank(self, rank: int, method: str, timeout_s: float) -> Any:
+        return self._get(getattr(self.actors[rank], method).remote(), timeout_s, method)
+
+    def _get(self, refs: Any, timeout_s: float, what: str) -> Any:
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerGroupError(f"workers did not finish '{what}' within {timeout_s:.0f}s") from None
+
+    def shutdown(self) -> None:
+        """Kill every actor and release the placement group. Safe to call twice."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self.placement is not None:
+            remove_placement_group(self.placement)
+            self.placement = None

@@ -1,0 +1,1 @@
+"""Pure decision logic: telemetry in, a small frozen decision out. No Ray or torch imports."""

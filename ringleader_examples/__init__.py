@@ -1,0 +1,1 @@
+"""Example models and datasets that ship with ringleader (no downloads)."""

@@ -1,0 +1,1 @@
+"""The worker side: model replica, deterministic shards, collectives, telemetry."""

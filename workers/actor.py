@@ -1,0 +1,207 @@
+"""The training worker: one Ray actor per rank, holding a model replica and its optimizer.
+
+Methods run in two concurrency groups: ``compute`` (one at a time, in submission order: the
+step pipeline) and ``control`` (answers while a step runs, so the driver can always ask).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+from workers import factories
+from workers.communicator import CollectiveTimeout, NativeAllReduce, pick_backend
+from workers.sampler import ShardSampler
+from workers.telemetry import StepTelemetry
+from workers.training import FlatGradients, build_optimizer, fetch_batch, move_to, per_sample_loss
+
+EVAL_BATCH = 1024
+
+
+class ShardCensusError(RuntimeError):
+    """After the all-reduce some shard was counted zero or several times: the step is invalid."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to build its replica; the same for every rank."""
+
+    model_factory: str
+    model_kwargs: dict[str, Any]
+    dataset_factory: str
+    dataset_kwargs: dict[str, Any]
+    eval_factory: str | None
+    eval_kwargs: dict[str, Any]
+    loss: str
+    optimizer: str
+    optimizer_kwargs: dict[str, Any]
+    batch_size: int
+    num_shards: int
+    seed: int
+    steps: int | None
+    epochs: float | None
+    bucket_bytes: int
+    collective_timeout_s: float
+
+
+def _shard_seed(seed: int, step: int, shard: int) -> int:
+    # Any randomness inside the forward pass (dropout) depends on the shard, not on the worker.
+    return ((seed * 1_000_003 + step) * 1_000_003 + shard) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class TrainWorker:
+    """A model replica. Built identically on every rank; rank 0's parameters win at join."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+        self.device = torch.device("cuda", 0) if gpu_ids and torch.cuda.is_available() else torch.device("cpu")
+        torch.manual_seed(spec.seed)
+        self.dataset = factories.build(spec.dataset_factory, spec.dataset_kwargs)
+        num_samples = len(self.dataset)
+        total = None if spec.epochs is None else max(1, round(spec.epochs * num_samples))
+        self.sampler = ShardSampler(num_samples, spec.batch_size, spec.num_shards, spec.seed, total)
+        self.num_steps = spec.steps if spec.steps is not None else self.sampler.num_steps
+        self.model: torch.nn.Module = factories.build(spec.model_factory, spec.model_kwargs).to(self.device)
+        self.model.train()
+        # Trailing slots: one census entry per shard, then the step's loss and sample count.
+        self.grads = FlatGradients(self.model.parameters(), extra=spec.num_shards + 2)
+        self.optimizer = build_optimizer(spec.optimizer, spec.optimizer_kwargs, self.grads.params)
+        self.rank = -1
+        self.world_size = 0
+        self.comm: NativeAllReduce | None = None
+
+    @ray.method(concurrency_group="control")
+    def describe(self) -> dict[str, Any]:
+        """Facts the driver needs before training: sizes, device, where this actor runs."""
+        context = ray.get_runtime_context()
+        return {
+            "num_samples": self.sampler.num_samples,
+            "num_steps": self.num_steps,
+            "num_params": self.grads.num_grad,
+            "device": str(self.device),
+            "node_id": context.get_node_id(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+
+    @ray.method(concurrency_group="compute")
+    def join_group(
+        self, store_host: str, store_port: int, prefix: str, rank: int, world_size: int, timeout_s: float
+    ) -> None:
+        """Form the torch.distributed group through the driver's TCPStore, then take rank 0's
+        parameters so every replica starts identical whatever the factory did."""
+        self.leave_group()
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            pick_backend(self.device),
+            store=dist.PrefixStore(prefix, store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=self.spec.collective_timeout_s),
+        )
+        self.rank, self.world_size = rank, world_size
+        self.comm = NativeAllReduce(None, self.spec.bucket_bytes, self.spec.collective_timeout_s)
+        with torch.no_grad():
+            flat = torch.nn.utils.parameters_to_vector(self.model.parameters())
+            dist.broadcast(flat, src=0)
+            torch.nn.utils.vector_to_parameters(flat, self.model.parameters())
+
+    @ray.method(concurrency_group="compute")
+    def leave_group(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.comm = None
+
+    @ray.method(concurrency_group="compute")
+    def train_step(self, step: int, shards: list[int]) -> StepTelemetry:
+        """Compute the summed gradient of ``shards``, all-reduce it, take the optimizer step.
+
+        Each shard's loss is the sum over its samples divided by the step's global batch size,
+        so the all-reduced sum is the mean gradient of the whole step whoever ran what.
+        Raises ShardCensusError if the ranks together did not cover every shard exactly once.
+        """
+        if self.comm is None:
+            raise RuntimeError("train_step called before join_group")
+        started = time.perf_counter()
+        spec = self.spec
+        batch_total = self.sampler.step_batch_size(step)
+        self.grads.zero()
+        census = self.grads.extra[: spec.num_shards]
+        loss_sum = torch.zeros((), device=self.device)
+        samples = 0
+        for shard in shards:
+            census[shard] = 1.0
+            indices = self.sampler.shard_indices(step, shard)
+            if len(indices) == 0:
+                continue
+            inputs, targets = move_to(fetch_batch(self.dataset, indices), self.device)
+            torch.manual_seed(_shard_seed(spec.seed, step, shard))
+            loss = per_sample_loss(spec.loss, self.model(inputs), targets).sum() / batch_total
+            loss.backward()
+            loss_sum += loss.detach()
+            samples += len(indices)
+        self.grads.extra[spec.num_shards] = loss_sum
+        self.grads.extra[spec.num_shards + 1] = samples
+        computed = time.perf_counter()
+        comm_s = self.comm.all_reduce_sum(self.grads.buffer)
+        counts = census.cpu()
+        if not torch.all(counts == 1):
+            bad = {i: float(c) for i, c in enumerate(counts.tolist()) if c != 1}
+            raise ShardCensusError(f"step {step}: shards not committed exactly once: {bad}")
+        reduced = time.perf_counter()
+        self.optimizer.step()
+        done = time.perf_counter()
+        return StepTelemetry(
+            step=step,
+            rank=self.rank,
+            shards=tuple(shards),
+            samples=samples,
+            global_samples=int(self.grads.extra[spec.num_shards + 1].item()),
+            loss=float(self.grads.extra[spec.num_shards].item()),
+            compute_s=computed - started,
+            comm_s=comm_s,
+            optim_s=done - reduced,
+            step_s=done - started,
+        )
+
+    @ray.method(concurrency_group="compute")
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss (and accuracy, for cross-entropy) on the eval dataset; {} without one."""
+        if self.spec.eval_factory is None:
+            return {}
+        dataset = factories.build(self.spec.eval_factory, self.spec.eval_kwargs)
+        self.model.eval()
+        loss_total, correct, positions, count = 0.0, 0, 0, 0
+        with torch.no_grad():
+            for lo in range(0, len(dataset), EVAL_BATCH):
+                indices = torch.arange(lo, min(lo + EVAL_BATCH, len(dataset))).numpy()
+                inputs, targets = move_to(fetch_batch(dataset, indices), self.device)
+                output = self.model(inputs)
+                loss_total += float(per_sample_loss(self.spec.loss, output, targets).sum())
+                count += len(indices)
+                if self.spec.loss == "cross_entropy":
+                    correct += int((output.argmax(dim=-1) == targets).sum())
+                    positions += targets.numel()
+        self.model.train()
+        metrics = {"loss": loss_total / max(count, 1), "samples": float(count)}
+        if positions:
+            metrics["accuracy"] = correct / positions
+        return metrics
+
+    @ray.method(concurrency_group="compute")
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The replica's parameters and buffers, on the CPU."""
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+
+__all__ = ["CollectiveTimeout", "ShardCensusError", "TrainWorker", "WorkerSpec"]

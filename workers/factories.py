@@ -1,0 +1,35 @@
+"""Resolve the ``package.module:function`` paths that name model and dataset factories."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any, Callable
+
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def resolve_import_path(path: str) -> Callable[..., Any]:
+    """Import ``"package.module:attr"`` and return the callable it names.
+
+    Raises ValueError with a message saying which part did not resolve.
+    """
+    if not _IMPORT_PATH.match(path):
+        raise ValueError(f"expected 'package.module:function', got {path!r}")
+    module_name, attr_path = path.split(":", 1)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import module {module_name!r} ({err})") from None
+    for attr in attr_path.split("."):
+        if not hasattr(obj, attr):
+            raise ValueError(f"module {module_name!r} has no attribute {attr_path!r}")
+        obj = getattr(obj, attr)
+    if not callable(obj):
+        raise ValueError(f"{path!r} is not callable")
+    return obj
+
+
+def build(path: str, kwargs: dict[str, Any]) -> Any:
+    """Call the factory at ``path`` with ``kwargs``."""
+    return resolve_import_path(path)(**kwargs)

@@ -1,0 +1,95 @@
+"""Model-side building blocks of a worker: optimizer, shard loss, batches, flat gradients."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, default_collate
+
+_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
+
+
+def build_optimizer(
+    name: str, kwargs: dict[str, Any], params: Iterable[torch.nn.Parameter]
+) -> torch.optim.Optimizer:
+    """Raises ValueError for an unknown name and TypeError/ValueError for bad kwargs."""
+    if name not in _OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(_OPTIMIZERS)}")
+    return _OPTIMIZERS[name](params, **kwargs)
+
+
+def per_sample_loss(kind: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Loss of each sample (shape ``[batch]``), averaged over any non-batch positions.
+
+    ``cross_entropy`` takes logits ``[batch, ..., classes]`` and class ids ``[batch, ...]`` (so a
+    language model's per-token loss is averaged within each sequence); ``mse`` takes matching
+    shapes.
+    """
+    if kind == "cross_entropy":
+        losses = F.cross_entropy(
+            output.reshape(-1, output.shape[-1]), target.reshape(-1), reduction="none"
+        )
+    elif kind == "mse":
+        losses = F.mse_loss(output, target.to(output.dtype), reduction="none")
+    else:
+        raise ValueError(f"unknown loss {kind!r}")
+    return losses.reshape(output.shape[0], -1).mean(dim=1)
+
+
+def fetch_batch(dataset: Dataset, indices: np.ndarray) -> Any:
+    """Gather samples by index; one indexing op for a TensorDataset, else collate item by item."""
+    tensors = getattr(dataset, "tensors", None)
+    if tensors is not None:
+        idx = torch.from_numpy(indices)
+        return tuple(t[idx] for t in tensors)
+    return default_collate([dataset[int(i)] for i in indices])
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    return type(batch)(move_to(b, device) for b in batch)
+
+
+class FlatGradients:
+    """All of a model's gradients as views into one flat buffer, plus ``extra`` trailing slots.
+
+    Backward accumulates into ``param.grad`` in place, so the buffer always holds the sum of
+    every shard's gradient since the last ``zero()``, ready for a single all-reduce (the same
+    trick as DDP's ``gradient_as_bucket_view``). The ``extra`` slots let per-step bookkeeping
+    (shard census, loss, sample count) ride along in that same all-reduce. Parameters without
+    ``requires_grad`` are left out.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], extra: int = 0) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters")
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"mixed parameter dtypes are not supported: {sorted(map(str, dtypes))}")
+        self.num_grad = sum(p.numel() for p in self.params)
+        first = self.params[0]
+        self.buffer = torch.zeros(self.num_grad + extra, dtype=first.dtype, device=first.device)
+        self.extra = self.buffer[self.num_grad :]
+        self._views = []
+        offset = 0
+        for p in self.params:
+            view = self.buffer[offset : offset + p.numel()].view_as(p)
+            p.grad = view
+            self._views.append(view)
+            offset += p.numel()
+
+    def zero(self) -> None:
+        """Zero the buffer; raises if something replaced a ``.grad`` (e.g. ``set_to_none``)."""
+        for p, view in zip(self.params, self._views):
+            if p.grad is not view:
+                raise RuntimeError("a parameter's .grad no longer views the flat gradient buffer")
+        self.buffer.zero_()
