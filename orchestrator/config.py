@@ -51,7 +51,7 @@ class ScalingConfig(_Strict):
 
     workers: int = Field(4, ge=1)
     min_workers: int = Field(1, ge=1)
-    max_workers: int | None = Field(None, ge=1, description="defaults to `workers`")
+    max_workers: int = Field(4, ge=1, description="defaults to `workers` when not given")
     resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 0.5})
     accelerator_type: str | None = None
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -64,19 +64,21 @@ class ScalingConfig(_Strict):
                 raise ValueError(f"resource {name!r} must be >= 0, got {amount}")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _max_follows_workers(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("max_workers") is None and "workers" in data:
+            return {**data, "max_workers": data["workers"]}
+        return data
+
     @model_validator(mode="after")
     def _ordered(self) -> "ScalingConfig":
-        upper = self.max_workers if self.max_workers is not None else self.workers
-        if not self.min_workers <= self.workers <= upper:
+        if not self.min_workers <= self.workers <= self.max_workers:
             raise ValueError(
                 f"need min_workers <= workers <= max_workers, got "
-                f"{self.min_workers} <= {self.workers} <= {upper}"
+                f"{self.min_workers} <= {self.workers} <= {self.max_workers}"
             )
         return self
-
-    @property
-    def upper_workers(self) -> int:
-        return self.max_workers if self.max_workers is not None else self.workers
 
 
 class CollectiveConfig(_Strict):
@@ -160,10 +162,10 @@ class JobConfig(_Strict):
                 f"shards ({self.shards}) must not exceed batch_size ({self.batch_size}): "
                 "every shard needs at least one sample"
             )
-        if self.shards < self.scaling.upper_workers:
+        if self.shards < self.scaling.max_workers:
             raise ValueError(
                 f"shards ({self.shards}) must be >= the most workers the job may have "
-                f"({self.scaling.upper_workers}), or some workers would have nothing to do"
+                f"({self.scaling.max_workers}), or some workers would have nothing to do"
             )
         return self
 

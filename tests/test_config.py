@@ -1,0 +1,127 @@
+"""Job files: defaults, overrides, and clear errors (exit 2, field named, no traceback)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.cli import main
+from orchestrator.config import ConfigError, JobConfig, load_job
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_builtin_example_is_examples_digits_yaml():
+    assert load_job(None) == load_job(REPO / "examples" / "digits.yaml")
+
+
+@pytest.mark.parametrize("name", ["digits.yaml", "tinylm.yaml"])
+def test_shipped_examples_validate(name):
+    job = load_job(REPO / "examples" / name)
+    assert job.name == Path(name).stem
+
+
+def test_max_workers_follows_workers_unless_given():
+    assert load_job(None, ["scaling.workers=8"]).scaling.max_workers == 8
+    assert load_job(None, ["scaling={workers: 2, max_workers: 3}"]).scaling.max_workers == 3
+
+
+def test_overrides_set_nested_fields():
+    job = load_job(None, ["steps=50", "scaling.workers=3", "optimizer.kwargs.lr=0.5", "eval=null"])
+    assert job.steps == 50 and job.scaling.workers == 3
+    assert job.optimizer.kwargs == {"lr": 0.5} and job.eval is None
+
+
+def test_epochs_instead_of_steps():
+    job = load_job(None, ["steps=null", "epochs=2.5"])
+    assert job.steps is None and job.epochs == 2.5
+
+
+def _write(tmp_path: Path, mapping: dict) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(mapping))
+    return str(path)
+
+
+BAD_JOBS = [
+    ({"steps": 10, "learning_rate": 0.1}, "'learning_rate': unknown field"),
+    ({"scaling": {"workers": "many"}}, "'scaling.workers'"),
+    ({"batch_size": -3}, "'batch_size'"),
+    ({"model": {"factory": "no_such_module_xyz:make"}}, "'model.factory': cannot import module 'no_such_module_xyz'"),
+    ({"dataset": {"factory": "ringleader_examples.digits:nope"}}, "'dataset.factory': module 'ringleader_examples.digits' has no attribute 'nope'"),
+    ({"model": {"factory": "not a path"}}, "'model.factory': expected 'package.module:function'"),
+    ({"batch_size": 8, "shards": 16}, "shards (16) must not exceed batch_size (8)"),
+    ({"shards": 2}, "shards (2) must be >= the most workers"),
+    ({"scaling": {"workers": 5, "max_workers": 4}}, "min_workers <= workers <= max_workers"),
+    ({"optimizer": {"name": "lamb"}}, "'optimizer.name'"),
+    ({"optimizer": {"name": "adam", "kwargs": {"learning_rate": 1}}}, "'optimizer.kwargs'"),
+    ({"collective": {"algorithm": "butterfly"}}, "'collective.algorithm'"),
+    ({"scaling": {"resources_per_worker": {"CPU": -1}}}, "'scaling.resources_per_worker'"),
+    ({"steps": 10, "epochs": 2}, "exactly one of 'steps' and 'epochs'"),
+]
+
+
+@pytest.mark.parametrize("mapping, expected", BAD_JOBS, ids=[e for _, e in BAD_JOBS])
+def test_bad_job_file_exits_2_naming_the_field(tmp_path, capsys, mapping, expected):
+    path = _write(tmp_path, mapping)
+    assert main(["run", path, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert path in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--set", "steps"], "expected FIELD=VALUE"),
+        (["--set", "scaling.workers=[1"], "not valid YAML"),
+        (["--workers", "0"], "'scaling.workers'"),
+    ],
+)
+def test_bad_overrides_exit_2(tmp_path, capsys, args, expected):
+    assert main(["run", *args, "--run-dir", str(tmp_path / "run")]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_override_through_a_scalar_names_it(tmp_path, capsys):
+    path = _write(tmp_path, {"scaling": {"workers": 2}})
+    assert main(["run", path, "--set", "scaling.workers.x=1"]) == 2
+    assert "field 'scaling.workers' is not a mapping" in capsys.readouterr().err
+
+
+def test_unreadable_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read job file"):
+        load_job(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("steps: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_job(broken)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_job(listing)
+
+
+def test_non_empty_run_dir_is_refused_before_starting(tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("precious")
+    assert main(["run", "--run-dir", str(tmp_path)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (tmp_path / "keep.txt").read_text() == "precious"
+
+
+def test_console_entry_point_exit_code_and_no_traceback(tmp_path):
+    path = _write(tmp_path, {"scaling": {"workers": "two"}})
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "run", path], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "field 'scaling.workers'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_jobconfig_is_immutable():
+    with pytest.raises(Exception):
+        JobConfig().steps = 3

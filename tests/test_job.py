@@ -1,0 +1,128 @@
+"""Whole jobs on the session's Ray cluster: the shard-sum invariant, outputs, failure paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.cli import main
+from orchestrator.config import load_job
+from orchestrator.driver import EVENT_COUNTERS, run_job
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def _params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def _run(tmp_path: Path, name: str, *overrides: str):
+    job = load_job(None, ["steps=25", "eval=null", *overrides])
+    result = run_job(job, run_dir=tmp_path / name)
+    assert result.summary["status"] == "finished", result.summary.get("error")
+    assert result.summary["shards_committed"] == result.summary["shards_expected"] == job.steps * job.shards
+    return result
+
+
+def test_parameters_do_not_depend_on_worker_count_or_assignment(tmp_path):
+    """design.md §1: any assignment of shards to workers gives the same update."""
+    reference = _params(_run(tmp_path, "w1", "scaling.workers=1").run_dir)
+    variants = {
+        "w3": _run(tmp_path, "w3", "scaling.workers=3"),
+        "w4": _run(tmp_path, "w4", "scaling.workers=4"),
+        "w4-shuffled": _run(tmp_path, "w4s", "scaling.workers=4", "chaos.shuffle_shards=true"),
+    }
+    for name, result in variants.items():
+        params = _params(result.run_dir)
+        assert params.keys() == reference.keys()
+        for key in reference:
+            torch.testing.assert_close(params[key], reference[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+    # The check must be able to fail: a different seed moves the parameters well past tolerance.
+    other = _params(_run(tmp_path, "seed1", "scaling.workers=1", "seed=1").run_dir)
+    assert any(not torch.allclose(other[k], reference[k], rtol=1e-5, atol=1e-6) for k in reference)
+
+
+def test_shuffled_assignment_really_moves_shards(tmp_path):
+    result = _run(tmp_path, "moves", "scaling.workers=4", "chaos.shuffle_shards=true", "steps=3")
+    lines = [json.loads(l) for l in (result.run_dir / "telemetry.jsonl").read_text().splitlines()]
+    counts = {(r["step"], r["rank"]): len(r["shards"]) for r in lines}
+    assert len(set(counts.values())) > 1
+
+
+def test_builtin_example_end_to_end(tmp_path, capsys):
+    """`ringleader run` with no job file: 4 workers, held-out accuracy >= 0.95, full run dir."""
+    run_dir = tmp_path / "example"
+    assert main(["run", "--run-dir", str(run_dir), "--no-progress"]) == 0
+    assert "finished: 300 steps" in capsys.readouterr().out
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    assert summary["eval"]["accuracy"] >= 0.95
+    assert summary["steps"] == 300 and summary["samples"] == 300 * 256
+    assert summary["shards_committed"] == summary["shards_expected"] == 300 * 16
+    assert summary["workers"] == {"start": 4, "end": 4}
+    assert set(summary["events"]) == set(EVENT_COUNTERS) and not any(summary["events"].values())
+    for key in ("wall_s", "samples_per_s", "final_loss"):
+        assert summary[key] > 0
+
+    events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "job_start" and kinds[-1] == "job_end"
+    assert kinds.count("step") == 300 and "eval" in kinds
+    states = [(e["old"], e["new"]) for e in events if e["event"] == "state"]
+    assert states == [("starting", "running"), ("running", "finished")]
+
+    telemetry = [json.loads(l) for l in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    assert len(telemetry) == 300 * 4
+    assert {r["rank"] for r in telemetry} == {0, 1, 2, 3}
+    assert all(r["compute_s"] > 0 and r["comm_s"] > 0 for r in telemetry)
+    assert sum(r["samples"] for r in telemetry if r["step"] == 7) == 256
+
+    state = _params(run_dir)
+    model = load_job(None).model
+    from workers.factories import build
+
+    build(model.factory, model.kwargs).load_state_dict(state)
+
+
+def test_epochs_give_a_short_last_step(tmp_path):
+    # 1437 training samples x 0.5 epochs = 718 samples at batch 256: 256, 256, 206.
+    job = load_job(None, ["steps=null", "epochs=0.5", "scaling.workers=2", "eval=null"])
+    summary = run_job(job, run_dir=tmp_path / "epochs").summary
+    assert summary["status"] == "finished"
+    assert summary["steps"] == 3 and summary["samples"] == 718
+    assert summary["shards_committed"] == summary["shards_expected"] == 3 * 16
+
+
+def test_worker_error_fails_the_job_with_its_reason(tmp_path, capsys):
+    code = main(
+        [
+            "run", "--run-dir", str(tmp_path / "broken"), "--no-progress", "--workers", "2",
+            "--set", "dataset.factory=tests.helpers.factories:make_broken_dataset",
+            "--set", "dataset.kwargs={}",
+        ]
+    )
+    assert code == 1
+    assert "training data not found at /nowhere/data.bin" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "broken" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "FileNotFoundError" in summary["error"]
+
+
+def test_step_timeout_fails_instead_of_hanging(tmp_path):
+    job = load_job(
+        None,
+        [
+            "model.factory=tests.helpers.factories:make_sleepy_model",
+            "model.kwargs={seconds: 30}",
+            "scaling.workers=2",
+            "timeouts.step_s=2",
+            "eval=null",
+        ],
+    )
+    result = run_job(job, run_dir=tmp_path / "slow")
+    assert result.summary["status"] == "failed"
+    assert "did not finish within 2s" in result.summary["error"]
+    assert result.summary["wall_s"] < 30

@@ -1,0 +1,79 @@
+"""Worker-side math without Ray: flat gradients, per-sample loss, shard-sum invariance."""
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from workers.training import FlatGradients, build_optimizer, fetch_batch, per_sample_loss
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+
+def test_flat_gradients_accumulate_in_place_across_backwards():
+    model = _model()
+    flat = FlatGradients(model.parameters(), extra=2)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    per_sample_loss("cross_entropy", model(x[:3]), y[:3]).sum().backward()
+    per_sample_loss("cross_entropy", model(x[3:]), y[3:]).sum().backward()
+    shard_sum = flat.buffer[: flat.num_grad].clone()
+
+    reference = _model()
+    per_sample_loss("cross_entropy", reference(x), y).sum().backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    torch.testing.assert_close(shard_sum, expected)
+    assert flat.extra.shape == (2,) and torch.all(flat.extra == 0)
+
+    flat.zero()
+    assert torch.all(flat.buffer == 0)
+    assert all(torch.all(p.grad == 0) for p in model.parameters())
+
+
+def test_flat_gradients_detect_replaced_grads():
+    model = _model()
+    flat = FlatGradients(model.parameters())
+    build_optimizer("sgd", {"lr": 0.1}, flat.params).zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="no longer views"):
+        flat.zero()
+
+
+def test_per_sample_loss_averages_over_sequence_positions():
+    logits = torch.randn(2, 4, 6)
+    targets = torch.randint(0, 6, (2, 4))
+    losses = per_sample_loss("cross_entropy", logits, targets)
+    expected = torch.nn.functional.cross_entropy(logits[1], targets[1])
+    assert losses.shape == (2,)
+    torch.testing.assert_close(losses[1], expected)
+    mse = per_sample_loss("mse", torch.ones(3, 2), torch.zeros(3, 2))
+    torch.testing.assert_close(mse, torch.ones(3))
+
+
+def test_fetch_batch_tensor_dataset_and_generic():
+    data = TensorDataset(torch.arange(10.0), torch.arange(10) * 2)
+    x, y = fetch_batch(data, np.array([3, 1]))
+    assert x.tolist() == [3.0, 1.0] and y.tolist() == [6, 2]
+    generic = [(torch.tensor([float(i)]), i) for i in range(5)]
+    gx, gy = fetch_batch(generic, np.array([4, 0]))
+    assert gx.tolist() == [[4.0], [0.0]] and gy.tolist() == [4, 0]
+
+
+def test_build_optimizer_rejects_unknown_name_and_kwargs():
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        build_optimizer("lamb", {}, params)
+    with pytest.raises(TypeError):
+        build_optimizer("adam", {"learning_rate": 0.1}, params)
+
+
+def test_digits_example_reads_sklearns_bundled_data_exactly():
+    from sklearn.datasets import load_digits
+
+    from ringleader_examples.digits import _load_digits
+
+    images, labels = _load_digits()
+    expected_images, expected_labels = load_digits(return_X_y=True)
+    np.testing.assert_array_equal(images, expected_images)
+    np.testing.assert_array_equal(labels, expected_labels)
