@@ -126,3 +126,43 @@ def test_step_timeout_fails_instead_of_hanging(tmp_path):
     assert result.summary["status"] == "failed"
     assert "did not finish within 2s" in result.summary["error"]
     assert result.summary["wall_s"] < 30
+
+
+def test_ctrl_c_stops_cleanly_and_releases_actors(tmp_path):
+    """The CLI joins this session's cluster by --address; SIGINT mid-run exits 130, writes the
+    summary, and frees every actor and the placement group."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import ray
+
+    run_dir = tmp_path / "interrupted"
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "orchestrator.cli", "run", "--no-progress", "--workers", "2",
+            "--address", ray.get_runtime_context().gcs_address, "--run-dir", str(run_dir),
+            "--set", "steps=100000", "--set", "eval=null",
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+    )
+    events = run_dir / "events.jsonl"
+    deadline = time.monotonic() + 120
+    while not (events.exists() and '"event": "step"' in events.read_text()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no step within 120 s"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "stopped" and 0 < summary["steps"] < 100000
+    assert summary["shards_committed"] == summary["shards_expected"]
+
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, f"resources not released: {ray.available_resources()}"
+        time.sleep(0.2)
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())

@@ -21,10 +21,14 @@ from workers import factories
 from workers.communicator import CollectiveTimeout, NativeAllReduce, pick_backend
 from workers.sampler import ShardSampler
 from workers.telemetry import StepTelemetry
-from workers.training import FlatGradients, build_optimizer, fetch_batch, move_to, per_sample_loss
-
-EVAL_BATCH = 1024
-
+from workers.training import (
+    FlatGradients,
+    build_optimizer,
+    evaluate_model,
+    fetch_batch,
+    move_to,
+    per_sample_loss,
+)
 
 class ShardCensusError(RuntimeError):
     """After the all-reduce some shard was counted zero or several times: the step is invalid."""
@@ -180,23 +184,7 @@ class TrainWorker:
         if self.spec.eval_factory is None:
             return {}
         dataset = factories.build(self.spec.eval_factory, self.spec.eval_kwargs)
-        self.model.eval()
-        loss_total, correct, positions, count = 0.0, 0, 0, 0
-        with torch.no_grad():
-            for lo in range(0, len(dataset), EVAL_BATCH):
-                indices = torch.arange(lo, min(lo + EVAL_BATCH, len(dataset))).numpy()
-                inputs, targets = move_to(fetch_batch(dataset, indices), self.device)
-                output = self.model(inputs)
-                loss_total += float(per_sample_loss(self.spec.loss, output, targets).sum())
-                count += len(indices)
-                if self.spec.loss == "cross_entropy":
-                    correct += int((output.argmax(dim=-1) == targets).sum())
-                    positions += targets.numel()
-        self.model.train()
-        metrics = {"loss": loss_total / max(count, 1), "samples": float(count)}
-        if positions:
-            metrics["accuracy"] = correct / positions
-        return metrics
+        return evaluate_model(self.model, dataset, self.spec.loss)
 
     @ray.method(concurrency_group="compute")
     def model_state(self) -> dict[str, torch.Tensor]:

@@ -52,6 +52,29 @@ def fetch_batch(dataset: Dataset, indices: np.ndarray) -> Any:
     return default_collate([dataset[int(i)] for i in indices])
 
 
+def evaluate_model(model: torch.nn.Module, dataset: Dataset, loss: str, batch: int = 1024) -> dict[str, float]:
+    """Mean per-sample loss over ``dataset`` (and accuracy over all positions, for
+    cross-entropy), without gradients; leaves the model in the mode it found it."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    loss_total, correct, positions = 0.0, 0, 0
+    with torch.no_grad():
+        for lo in range(0, len(dataset), batch):
+            indices = np.arange(lo, min(lo + batch, len(dataset)))
+            inputs, targets = move_to(fetch_batch(dataset, indices), device)
+            output = model(inputs)
+            loss_total += float(per_sample_loss(loss, output, targets).sum())
+            if loss == "cross_entropy":
+                correct += int((output.argmax(dim=-1) == targets).sum())
+                positions += targets.numel()
+    model.train(was_training)
+    metrics = {"loss": loss_total / max(len(dataset), 1), "samples": float(len(dataset))}
+    if positions:
+        metrics["accuracy"] = correct / positions
+    return metrics
+
+
 def move_to(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
