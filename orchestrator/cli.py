@@ -32,6 +32,20 @@ def _parser() -> argparse.ArgumentParser:
         help="override a job field, e.g. --set steps=50 --set scaling.workers=3",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    bench = commands.add_parser("bench", help="benchmarks (side by side, one run)")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    throughput = benches.add_parser(
+        "throughput", help="clean samples/s and launch time vs Ray Train and torchrun"
+    )
+    throughput.add_argument("--workers", type=int, default=2)
+    throughput.add_argument("--steps", type=int, default=100)
+    throughput.add_argument("--repeats", type=int, default=3)
+    throughput.add_argument(
+        "--workload", action="append", choices=["digits", "tinylm"],
+        help="repeatable; default: both",
+    )
+    throughput.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
     return parser
 
 
@@ -84,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     if args.command == "run":
         return _cmd_run(args)
+    if args.command == "bench":
+        from benchmarks import throughput
+
+        workloads = args.workload or ["digits", "tinylm"]
+        return throughput.main(workloads, args.workers, args.steps, args.repeats, args.json_path)
     raise AssertionError(f"unhandled command {args.command}")
 
 

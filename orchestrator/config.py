@@ -96,6 +96,19 @@ class CollectiveConfig(_Strict):
         return value
 
 
+class WorkerConfig(_Strict):
+    """How a worker runs its shards.
+
+    ``fuse_shards``: one forward/backward over all of a worker's shards in a step (fast: weight
+    gradients are written once, not once per shard). The summed gradient is the same up to
+    float order. Models with randomness in the forward pass (dropout) get the exact same
+    trajectory on any worker count only with ``fuse_shards: false``, where each shard runs
+    alone with its own seed.
+    """
+
+    fuse_shards: bool = True
+
+
 class CheckpointConfig(_Strict):
     every_steps: int = Field(0, ge=0)
     keep: int = Field(3, ge=1)
@@ -148,6 +161,7 @@ class JobConfig(_Strict):
     epochs: float | None = Field(None, gt=0, description="alternative to steps")
     scaling: ScalingConfig = ScalingConfig()
     collective: CollectiveConfig = CollectiveConfig()
+    worker: WorkerConfig = WorkerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     chaos: ChaosConfig = ChaosConfig()
     timeouts: TimeoutConfig = TimeoutConfig()

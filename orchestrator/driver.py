@@ -86,6 +86,7 @@ def worker_spec(job: JobConfig) -> WorkerSpec:
         seed=job.seed,
         steps=job.steps,
         epochs=job.epochs,
+        fuse_shards=job.worker.fuse_shards,
         bucket_bytes=int(job.collective.bucket_mb * 2**20),
         collective_timeout_s=job.timeouts.collective_s,
     )

@@ -45,6 +45,27 @@ def test_parameters_do_not_depend_on_worker_count_or_assignment(tmp_path):
     assert any(not torch.allclose(other[k], reference[k], rtol=1e-5, atol=1e-6) for k in reference)
 
 
+def test_dropout_model_is_invariant_with_unfused_shards(tmp_path):
+    """Per-shard seeding makes forward randomness depend on (seed, step, shard) only.
+
+    SGD, not Adam: the attention key bias has a true gradient of zero, and Adam would scale its
+    float noise up to full-size updates.
+    """
+    tiny = [
+        "optimizer={name: sgd, kwargs: {lr: 0.1, momentum: 0.9}}",
+        "model={factory: 'ringleader_examples.tinylm:make_model', kwargs: {d_model: 32, layers: 1, heads: 2, seq_len: 16, dropout: 0.2}}",
+        "dataset={factory: 'ringleader_examples.tinylm:make_dataset', kwargs: {seq_len: 16}}",
+        "batch_size=32", "shards=8", "steps=6", "worker.fuse_shards=false",
+    ]
+    one = _params(_run(tmp_path, "lm1", *tiny, "scaling.workers=1").run_dir)
+    three = _params(_run(tmp_path, "lm3", *tiny, "scaling.workers=3", "chaos.shuffle_shards=true").run_dir)
+    for key in one:
+        torch.testing.assert_close(three[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
+    # Control: fused passes draw different dropout masks, and the comparison sees it.
+    fused = _params(_run(tmp_path, "lm1f", *tiny, "scaling.workers=1", "worker.fuse_shards=true").run_dir)
+    assert any(not torch.allclose(fused[k], one[k], rtol=1e-5, atol=1e-6) for k in one)
+
+
 def test_shuffled_assignment_really_moves_shards(tmp_path):
     result = _run(tmp_path, "moves", "scaling.workers=4", "chaos.shuffle_shards=true", "steps=3")
     lines = [json.loads(l) for l in (result.run_dir / "telemetry.jsonl").read_text().splitlines()]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 import torch.distributed as dist
@@ -52,13 +53,19 @@ class WorkerSpec:
     seed: int
     steps: int | None
     epochs: float | None
+    fuse_shards: bool
     bucket_bytes: int
     collective_timeout_s: float
 
 
 def _shard_seed(seed: int, step: int, shard: int) -> int:
-    # Any randomness inside the forward pass (dropout) depends on the shard, not on the worker.
+    # Randomness inside the forward pass (dropout) depends on the shard, not on the worker.
     return ((seed * 1_000_003 + step) * 1_000_003 + shard) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _passes(shards: list[int], fuse: bool) -> list[list[int]]:
+    """Shards run together in one forward/backward: all of them, or one at a time."""
+    return [list(shards)] if fuse and shards else [[s] for s in shards]
 
 
 class TrainWorker:
@@ -130,7 +137,7 @@ class TrainWorker:
     def train_step(self, step: int, shards: list[int]) -> StepTelemetry:
         """Compute the summed gradient of ``shards``, all-reduce it, take the optimizer step.
 
-        Each shard's loss is the sum over its samples divided by the step's global batch size,
+        Shards run in one forward/backward (``fuse_shards``) or one pass each. Each shard's loss is the sum over its samples divided by the step's global batch size,
         so the all-reduced sum is the mean gradient of the whole step whoever ran what.
         Raises ShardCensusError if the ranks together did not cover every shard exactly once.
         """
@@ -143,13 +150,13 @@ class TrainWorker:
         census = self.grads.extra[: spec.num_shards]
         loss_sum = torch.zeros((), device=self.device)
         samples = 0
-        for shard in shards:
-            census[shard] = 1.0
-            indices = self.sampler.shard_indices(step, shard)
+        for group in _passes(shards, spec.fuse_shards):
+            census[group] = 1.0
+            indices = np.concatenate([self.sampler.shard_indices(step, s) for s in group])
             if len(indices) == 0:
                 continue
             inputs, targets = move_to(fetch_batch(self.dataset, indices), self.device)
-            torch.manual_seed(_shard_seed(spec.seed, step, shard))
+            torch.manual_seed(_shard_seed(spec.seed, step, group[0]))
             loss = per_sample_loss(spec.loss, self.model(inputs), targets).sum() / batch_total
             loss.backward()
             loss_sum += loss.detach()
