@@ -82,18 +82,16 @@ class ScalingConfig(_Strict):
 
 
 class CollectiveConfig(_Strict):
-    """Gradient all-reduce settings. ``bucket_mb`` bounds the size of one collective call."""
+    """Gradient all-reduce settings.
+
+    ``bucket_mb``: the most gradient data in one collective call (the first bucket is at most
+    1 MB, so communication starts early). ``overlap``: reduce buckets during backward, as
+    their gradients become ready, instead of after it.
+    """
 
     algorithm: Literal["native"] = "native"
     bucket_mb: float = Field(4.0, gt=0)
-    overlap: bool = False
-
-    @field_validator("overlap")
-    @classmethod
-    def _overlap_not_yet(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("overlap during backward is not available yet; set overlap: false")
-        return value
+    overlap: bool = True
 
 
 class WorkerConfig(_Strict):

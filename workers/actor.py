@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from workers import factories
 from workers.communicator import CollectiveTimeout, NativeAllReduce, pick_backend
+from workers.overlap import GradientReducer
 from workers.sampler import ShardSampler
 from workers.telemetry import StepTelemetry
 from workers.training import (
@@ -55,6 +56,7 @@ class WorkerSpec:
     epochs: float | None
     fuse_shards: bool
     bucket_bytes: int
+    overlap: bool
     collective_timeout_s: float
 
 
@@ -88,7 +90,7 @@ class TrainWorker:
         self.optimizer = build_optimizer(spec.optimizer, spec.optimizer_kwargs, self.grads.params)
         self.rank = -1
         self.world_size = 0
-        self.comm: NativeAllReduce | None = None
+        self.reducer: GradientReducer | None = None
 
     @ray.method(concurrency_group="control")
     def describe(self) -> dict[str, Any]:
@@ -121,7 +123,12 @@ class TrainWorker:
             timeout=timedelta(seconds=self.spec.collective_timeout_s),
         )
         self.rank, self.world_size = rank, world_size
-        self.comm = NativeAllReduce(None, self.spec.bucket_bytes, self.spec.collective_timeout_s)
+        self.reducer = GradientReducer(
+            self.grads,
+            NativeAllReduce(None, self.spec.collective_timeout_s),
+            self.spec.bucket_bytes,
+            self.spec.overlap,
+        )
         with torch.no_grad():
             flat = torch.nn.utils.parameters_to_vector(self.model.parameters())
             dist.broadcast(flat, src=0)
@@ -129,42 +136,50 @@ class TrainWorker:
 
     @ray.method(concurrency_group="compute")
     def leave_group(self) -> None:
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.comm = None
 
     @ray.method(concurrency_group="compute")
     def train_step(self, step: int, shards: list[int]) -> StepTelemetry:
         """Compute the summed gradient of ``shards``, all-reduce it, take the optimizer step.
 
-        Shards run in one forward/backward (``fuse_shards``) or one pass each. Each shard's loss is the sum over its samples divided by the step's global batch size,
-        so the all-reduced sum is the mean gradient of the whole step whoever ran what.
+        Shards run in one forward/backward (``fuse_shards``) or one pass each; the final
+        backward overlaps with the all-reduce when ``overlap`` is on. Each shard's loss is the
+        sum over its samples divided by the step's global batch size, so the all-reduced sum
+        is the mean gradient of the whole step whoever ran what.
         Raises ShardCensusError if the ranks together did not cover every shard exactly once.
         """
-        if self.comm is None:
+        if self.reducer is None:
             raise RuntimeError("train_step called before join_group")
         started = time.perf_counter()
         spec = self.spec
         batch_total = self.sampler.step_batch_size(step)
         self.grads.zero()
         census = self.grads.extra[: spec.num_shards]
+        census[list(shards)] = 1.0
+        passes = [
+            (group, np.concatenate([self.sampler.shard_indices(step, s) for s in group]))
+            for group in _passes(shards, spec.fuse_shards)
+        ]
+        passes = [(group, indices) for group, indices in passes if len(indices)]
+        samples = sum(len(indices) for _, indices in passes)
+        self.grads.extra[spec.num_shards + 1] = samples
         loss_sum = torch.zeros((), device=self.device)
-        samples = 0
-        for group in _passes(shards, spec.fuse_shards):
-            census[group] = 1.0
-            indices = np.concatenate([self.sampler.shard_indices(step, s) for s in group])
-            if len(indices) == 0:
-                continue
+        for number, (group, indices) in enumerate(passes):
             inputs, targets = move_to(fetch_batch(self.dataset, indices), self.device)
             torch.manual_seed(_shard_seed(spec.seed, step, group[0]))
             loss = per_sample_loss(spec.loss, self.model(inputs), targets).sum() / batch_total
-            loss.backward()
             loss_sum += loss.detach()
-            samples += len(indices)
-        self.grads.extra[spec.num_shards] = loss_sum
-        self.grads.extra[spec.num_shards + 1] = samples
+            if number == len(passes) - 1:
+                # The loss rides in the last bucket, which may go out during this backward.
+                self.grads.extra[spec.num_shards] = loss_sum
+                self.reducer.arm()
+            loss.backward()
         computed = time.perf_counter()
-        comm_s = self.comm.all_reduce_sum(self.grads.buffer)
+        comm_s = self.reducer.finish()
         counts = census.cpu()
         if not torch.all(counts == 1):
             bad = {i: float(c) for i, c in enumerate(counts.tolist()) if c != 1}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import Protocol
 
@@ -14,43 +13,45 @@ class CollectiveTimeout(RuntimeError):
     """A collective did not finish within its timeout (a peer died, hung or is far behind)."""
 
 
-class Communicator(Protocol):
-    def all_reduce_sum(self, tensor: torch.Tensor) -> float:
-        """Sum ``tensor`` in place across all ranks; returns the seconds spent.
+class PendingReduce(Protocol):
+    def wait(self) -> None:
+        """Block until the sum is in place; raises CollectiveTimeout past the timeout."""
+        ...
 
-        Raises CollectiveTimeout when the operation does not finish in time.
+
+class Communicator(Protocol):
+    def start_sum(self, tensor: torch.Tensor) -> PendingReduce:
+        """Begin summing ``tensor`` in place across all ranks; returns at once.
+
+        Every rank must start the same sequence of sums, in the same order.
         """
         ...
 
 
+class _NativeWork:
+    def __init__(self, work: dist.Work, timeout: timedelta) -> None:
+        self._work = work
+        self._timeout = timeout
+
+    def wait(self) -> None:
+        try:
+            self._work.wait(self._timeout)
+        except RuntimeError as err:
+            raise CollectiveTimeout(
+                f"all-reduce did not finish within {self._timeout.total_seconds():.0f}s: {err}"
+            ) from err
+
+
 class NativeAllReduce:
-    """``torch.distributed.all_reduce`` on buckets of at most ``bucket_bytes`` each.
+    """``torch.distributed.all_reduce``, asynchronous, each wait bounded by ``timeout_s``."""
 
-    All buckets are launched asynchronously and then awaited, each wait bounded by ``timeout_s``.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None, bucket_bytes: int, timeout_s: float) -> None:
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
         self.group = group
-        self.bucket_bytes = bucket_bytes
         self.timeout = timedelta(seconds=timeout_s)
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> float:
-        start = time.perf_counter()
-        per_bucket = max(1, self.bucket_bytes // tensor.element_size())
-        works = [
-            dist.all_reduce(chunk, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            for chunk in tensor.view(-1).split(per_bucket)
-        ]
-        for work in works:
-            try:
-                work.wait(self.timeout)
-            except RuntimeError as err:
-                raise CollectiveTimeout(
-                    f"all-reduce did not finish within {self.timeout.total_seconds():.0f}s: {err}"
-                ) from err
-        return time.perf_counter() - start
+    def start_sum(self, tensor: torch.Tensor) -> PendingReduce:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return _NativeWork(work, self.timeout)
 
 
 def pick_backend(device: torch.device) -> str:

@@ -10,8 +10,9 @@ from typing import Any
 class StepTelemetry:
     """One worker's account of one step. Times are wall-clock seconds on that worker.
 
-    ``compute_s``: forward and backward over its shards; ``comm_s``: the gradient all-reduce;
-    ``optim_s``: the optimizer step. ``loss`` and ``global_samples`` are the whole step's (the
+    ``compute_s``: forward and backward over its shards (with overlap, the all-reduce of early
+    buckets runs inside it); ``comm_s``: time spent waiting for the all-reduce after backward,
+    the exposed part of communication; ``optim_s``: the optimizer step. ``loss`` and ``global_samples`` are the whole step's (the
     same on every rank, read back from the all-reduce); ``samples`` and ``shards`` are this rank's.
     """
 

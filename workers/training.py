@@ -94,13 +94,13 @@ def move_to(batch: Any, device: torch.device) -> Any:
 
 
 class FlatGradients:
-    """All of a model's gradients as views into one flat buffer, plus ``extra`` trailing slots.
+    """All of a model's gradients as views into one flat buffer laid out ``[extra | params]``.
 
     Backward accumulates into ``param.grad`` in place, so the buffer always holds the sum of
-    every shard's gradient since the last ``zero()``, ready for a single all-reduce (the same
-    trick as DDP's ``gradient_as_bucket_view``). The ``extra`` slots let per-step bookkeeping
-    (shard census, loss, sample count) ride along in that same all-reduce. Parameters without
-    ``requires_grad`` are left out.
+    every shard's gradient since the last ``zero()``, ready to all-reduce without copies (the
+    same trick as DDP's ``gradient_as_bucket_view``). The ``extra`` slots in front let per-step
+    bookkeeping (shard census, loss, sample count) ride along in the bucket that holds the first
+    parameters, which is reduced last. Parameters without ``requires_grad`` are left out.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], extra: int = 0) -> None:
@@ -112,14 +112,17 @@ class FlatGradients:
             raise ValueError(f"mixed parameter dtypes are not supported: {sorted(map(str, dtypes))}")
         self.num_grad = sum(p.numel() for p in self.params)
         first = self.params[0]
-        self.buffer = torch.zeros(self.num_grad + extra, dtype=first.dtype, device=first.device)
-        self.extra = self.buffer[self.num_grad :]
+        self.buffer = torch.zeros(extra + self.num_grad, dtype=first.dtype, device=first.device)
+        self.extra = self.buffer[:extra]
+        #: ``(start, end)`` of each parameter's gradient in ``buffer``, in parameter order.
+        self.ranges: list[tuple[int, int]] = []
         self._views = []
-        offset = 0
+        offset = extra
         for p in self.params:
             view = self.buffer[offset : offset + p.numel()].view_as(p)
             p.grad = view
             self._views.append(view)
+            self.ranges.append((offset, offset + p.numel()))
             offset += p.numel()
 
     def zero(self) -> None:

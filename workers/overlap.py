@@ -1,0 +1,126 @@
+"""Gradient buckets, reduced during backward (overlap) or after it.
+
+The flat gradient buffer (``[extra | params]``, see ``FlatGradients``) is cut into buckets: contiguous
+ranges taken in reverse parameter order, because backward produces the last layers' gradients
+first. The first bucket is kept small so communication starts early. The final bucket also
+covers the ``extra`` slots in front of the first parameter.
+
+Buckets are launched strictly in index order, whatever order their gradients become ready in,
+so every rank issues the same sequence of collectives: a rank with no shards this step, or
+whose backward skipped some parameters, launches the rest in ``finish`` in that same order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from workers.communicator import Communicator, PendingReduce
+from workers.training import FlatGradients
+
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Bucket:
+    start: int
+    end: int
+    params: tuple[int, ...]  # indices into FlatGradients.params
+
+
+def plan_buckets(ranges: list[tuple[int, int]], capacity: int, first_capacity: int) -> list[Bucket]:
+    """Group parameters (given by their ``(start, end)`` buffer ranges, in parameter order and
+    contiguous) into buckets of at most ``capacity`` elements, in reverse order, the first at
+    most ``first_capacity``. A parameter larger than the capacity gets a bucket of its own.
+    The last bucket extends down to element 0. Returns buckets in launch order.
+    """
+    if capacity < 1 or first_capacity < 1:
+        raise ValueError(f"bucket capacities must be >= 1, got {capacity} and {first_capacity}")
+    buckets: list[Bucket] = []
+    members: list[int] = []
+    limit = min(first_capacity, capacity)
+    for index in reversed(range(len(ranges))):
+        size = ranges[index][1] - ranges[index][0]
+        current = ranges[members[0]][1] - ranges[members[-1]][0] if members else 0
+        if members and current + size > limit:
+            buckets.append(Bucket(ranges[members[-1]][0], ranges[members[0]][1], tuple(members)))
+            members, limit = [], capacity
+        members.append(index)
+    if members:
+        buckets.append(Bucket(0, ranges[members[0]][1], tuple(members)))
+    return buckets
+
+
+class GradientReducer:
+    """Sums the flat gradient buffer across ranks, bucket by bucket.
+
+    Per step: ``arm()`` right before the final backward (only that one overlaps: earlier passes
+    of the step accumulate locally), then ``finish()`` after it. With ``overlap`` off, ``finish``
+    launches every bucket. ``finish`` returns the seconds spent waiting: the exposed part of
+    communication.
+    """
+
+    def __init__(self, grads: FlatGradients, comm: Communicator, bucket_bytes: int, overlap: bool) -> None:
+        element = grads.buffer.element_size()
+        self.grads = grads
+        self.comm = comm
+        self.overlap = overlap
+        self.buckets = plan_buckets(
+            grads.ranges, max(1, bucket_bytes // element), max(1, FIRST_BUCKET_BYTES // element)
+        )
+        self._bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+        self._missing: list[int] = []
+        self._pending: list[PendingReduce] = []
+        self._armed = False
+        self._hooks = (
+            [param.register_post_accumulate_grad_hook(self._hook(i)) for i, param in enumerate(grads.params)]
+            if overlap
+            else []
+        )
+
+    def close(self) -> None:
+        """Remove the gradient hooks (the reducer is bound to one process group)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._armed = False
+
+    def _hook(self, index: int):  # noqa: ANN202 - autograd hook signature
+        def on_ready(_: torch.Tensor) -> None:
+            if self._armed:
+                bucket = self._bucket_of[index]
+                self._missing[bucket] -= 1
+                self._launch_ready()
+
+        return on_ready
+
+    def _launch_ready(self) -> None:
+        while len(self._pending) < len(self.buckets) and self._missing[len(self._pending)] == 0:
+            self._launch(len(self._pending))
+
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
+        self._pending.append(self.comm.start_sum(self.grads.buffer[bucket.start : bucket.end]))
+
+    def arm(self) -> None:
+        """Call right before the step's final backward: buckets go out as their grads are ready."""
+        self._missing = [len(b.params) for b in self.buckets]
+        self._pending = []
+        self._armed = self.overlap
+
+    def finish(self) -> float:
+        """Launch what backward did not, wait for every bucket; returns seconds waited."""
+        started = time.perf_counter()
+        if not self._armed:
+            self._pending = []
+        self._armed = False
+        for index in range(len(self._pending), len(self.buckets)):
+            self._launch(index)
+        try:
+            for pending in self._pending:
+                pending.wait()
+        finally:
+            self._pending = []
+        return time.perf_counter() - started
