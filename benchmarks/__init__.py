@@ -1,0 +1,1 @@
+"""Benchmarks: ringleader side by side with its peers, on the same jobs, in one run."""

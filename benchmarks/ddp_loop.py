@@ -1,0 +1,50 @@
+"""The peers' training loop: stock DDP on the same model, data, batch and optimizer as ringleader.
+
+Each rank takes the same contiguous block of shards ringleader's balanced assignment gives it,
+so every framework sees exactly the same samples in every step. DDP averages gradients over
+ranks, so each rank's loss is scaled by ``world / batch``: the averaged gradient is then the
+step's mean gradient, as in ringleader.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from orchestrator.config import JobConfig
+from policies.assignment import ShardAssignment
+from workers import factories
+from workers.sampler import ShardSampler
+from workers.training import build_optimizer, evaluate_model, fetch_batch, per_sample_loss
+
+
+def train_ddp(
+    job: JobConfig, rank: int, world: int, wrap: Callable[[torch.nn.Module], torch.nn.Module]
+) -> dict[str, Any]:
+    """Train ``job.steps`` steps; ``wrap`` turns the model into its DDP form.
+
+    Returns the wall-clock (epoch seconds) end time of each step, and on rank 0 the eval metrics.
+    """
+    torch.manual_seed(job.seed)
+    dataset = factories.build(job.dataset.factory, job.dataset.kwargs)
+    sampler = ShardSampler(len(dataset), job.batch_size, job.shards, job.seed)
+    model = wrap(factories.build(job.model.factory, job.model.kwargs))
+    optimizer = build_optimizer(job.optimizer.name, job.optimizer.kwargs, model.parameters())
+    my_shards = ShardAssignment.balanced(job.shards, world).shards_by_rank[rank]
+    step_ends: list[float] = []
+    for step in range(job.steps or 0):
+        indices = np.concatenate([sampler.shard_indices(step, s) for s in my_shards])
+        inputs, targets = fetch_batch(dataset, indices)
+        optimizer.zero_grad(set_to_none=True)
+        loss = per_sample_loss(job.loss, model(inputs), targets).sum() * (world / job.batch_size)
+        loss.backward()
+        optimizer.step()
+        step_ends.append(time.time())
+    metrics: dict[str, float] = {}
+    if rank == 0 and job.eval is not None:
+        module = getattr(model, "module", model)
+        metrics = evaluate_model(module, factories.build(job.eval.factory, job.eval.kwargs), job.loss)
+    return {"step_ends": step_ends, "eval": metrics}

@@ -1,0 +1,54 @@
+"""Ray Train ``TorchTrainer`` with stock ``prepare_model`` (DDP, gloo on CPU) on a local Ray."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer, prepare_model
+
+from benchmarks.ddp_loop import train_ddp
+from orchestrator.config import JobConfig
+
+
+def _loop(config: dict[str, Any]) -> None:
+    job = JobConfig.model_validate_json(config["job"])
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    result = train_ddp(job, rank, world, prepare_model)
+    if rank == 0:
+        Path(config["result"]).write_text(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", required=True, help="job as JSON")
+    parser.add_argument("--result", required=True, help="where rank 0 writes its JSON")
+    args = parser.parse_args()
+    job_json = Path(args.job).read_text()
+    job = JobConfig.model_validate_json(job_json)
+    ray.init(address="local", include_dashboard=False, logging_level="WARNING")
+    try:
+        with tempfile.TemporaryDirectory() as storage:
+            trainer = TorchTrainer(
+                _loop,
+                train_loop_config={"job": job_json, "result": args.result},
+                scaling_config=ScalingConfig(
+                    num_workers=job.scaling.workers,
+                    use_gpu=False,
+                    resources_per_worker=dict(job.scaling.resources_per_worker),
+                ),
+                run_config=RunConfig(storage_path=storage, name="bench"),
+            )
+            trainer.fit()
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Clean throughput and launch time: ringleader vs Ray Train ``TorchTrainer`` vs torchrun.
+
+Every run is a fresh process launched from here, so launch-to-first-step counts everything a
+user waits for (interpreter, imports, ``ray.init`` where it applies, actors, rendezvous).
+Frameworks run interleaved (A B C A B C ...) so drift on a shared machine hits all alike.
+Step time is the median interval between consecutive step completions as the training loop
+sees them; samples/s counts every step after the first over the time they took.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from benchmarks.workloads import workload_job
+from orchestrator.config import JobConfig
+
+FRAMEWORKS = ("ringleader", "ray_train", "torchrun")
+RUN_TIMEOUT_S = 900
+
+
+class BenchmarkError(RuntimeError):
+    """A framework's run failed; the message carries the end of its output."""
+
+
+@dataclass(frozen=True)
+class RunRow:
+    framework: str
+    workload: str
+    first_step_s: float
+    step_s: float
+    samples_per_s: float
+    wall_s: float
+    eval_loss: float | None
+
+
+def _command_ringleader(job_file: Path, result: Path) -> list[str]:
+    return [sys.executable, "-m", "orchestrator.cli", "run", str(job_file), "--run-dir", str(result), "--no-progress"]
+
+
+def _command_ray_train(job_file: Path, result: Path) -> list[str]:
+    return [sys.executable, "-m", "benchmarks.raytrain_entry", "--job", str(job_file), "--result", str(result)]
+
+
+def _command_torchrun(job: JobConfig) -> Callable[[Path, Path], list[str]]:
+    def command(job_file: Path, result: Path) -> list[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={job.scaling.workers}",
+            "-m", "benchmarks.torchrun_entry", "--job", str(job_file), "--result", str(result),
+        ]
+
+    return command
+
+
+def _ringleader_result(run_dir: Path) -> dict[str, Any]:
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"step_ends": [e["time"] for e in events if e["event"] == "step"], "eval": summary["eval"]}
+
+
+def run_once(framework: str, job: JobConfig, workdir: Path) -> RunRow:
+    """Launch one framework on ``job`` in a fresh process and measure it."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_file = workdir / "job.json"
+    job_file.write_text(job.model_dump_json())
+    result = workdir / ("run" if framework == "ringleader" else "result.json")
+    command = {
+        "ringleader": _command_ringleader,
+        "ray_train": _command_ray_train,
+        "torchrun": _command_torchrun(job),
+    }[framework](job_file, result)
+    launched = time.time()
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    wall_s = time.time() - launched
+    if proc.returncode != 0:
+        raise BenchmarkError(f"{framework} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    data = _ringleader_result(result) if framework == "ringleader" else json.loads(result.read_text())
+    ends: list[float] = data["step_ends"]
+    if len(ends) < 2:
+        raise BenchmarkError(f"{framework}: need at least 2 steps to time, got {len(ends)}")
+    intervals = [b - a for a, b in zip(ends, ends[1:])]
+    return RunRow(
+        framework=framework,
+        workload=job.name,
+        first_step_s=ends[0] - launched,
+        step_s=statistics.median(intervals),
+        samples_per_s=job.batch_size * (len(ends) - 1) / (ends[-1] - ends[0]),
+        wall_s=wall_s,
+        eval_loss=data["eval"].get("loss"),
+    )
+
+
+def run_benchmark(
+    workloads: list[str], workers: int, steps: int, repeats: int, log: Callable[[str], None] = print
+) -> list[RunRow]:
+    rows: list[RunRow] = []
+    with tempfile.TemporaryDirectory(prefix="rl-bench-") as scratch:
+        for repeat in range(repeats):
+            for workload in workloads:
+                job = workload_job(workload, workers, steps)
+                for framework in FRAMEWORKS:
+                    row = run_once(framework, job, Path(scratch) / f"{repeat}-{workload}-{framework}")
+                    log(
+                        f"  [{repeat + 1}/{repeats}] {workload:7s} {framework:10s} first step "
+                        f"{row.first_step_s:6.2f}s  step {row.step_s * 1e3:7.2f}ms  "
+                        f"{row.samples_per_s:9.0f} samples/s"
+                    )
+                    rows.append(row)
+    return rows
+
+
+def medians(rows: list[RunRow]) -> dict[str, dict[str, dict[str, float]]]:
+    """``{workload: {framework: {first_step_s, step_s, samples_per_s, wall_s}}}``, medians."""
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for workload in dict.fromkeys(r.workload for r in rows):
+        table[workload] = {}
+        for framework in FRAMEWORKS:
+            mine = [r for r in rows if r.workload == workload and r.framework == framework]
+            table[workload][framework] = {
+                key: statistics.median(getattr(r, key) for r in mine)
+                for key in ("first_step_s", "step_s", "samples_per_s", "wall_s")
+            }
+    return table
+
+
+def format_table(table: dict[str, dict[str, dict[str, float]]]) -> str:
+    lines = [
+        f"{'workload':8s} {'framework':10s} {'first_step_s':>12s} {'step_ms':>9s} {'samples/s':>10s} {'wall_s':>8s}"
+    ]
+    for workload, by_framework in table.items():
+        for framework, m in by_framework.items():
+            lines.append(
+                f"{workload:8s} {framework:10s} {m['first_step_s']:12.2f} {m['step_s'] * 1e3:9.2f} "
+                f"{m['samples_per_s']:10.0f} {m['wall_s']:8.2f}"
+            )
+        ours = by_framework["ringleader"]
+        lines.append(
+            f"{workload:8s} ratios: samples/s ours/ray_train {ours['samples_per_s'] / by_framework['ray_train']['samples_per_s']:.2f}x"
+            f", ours/torchrun {ours['samples_per_s'] / by_framework['torchrun']['samples_per_s']:.2f}x;"
+            f" first step ours/ray_train {ours['first_step_s'] / by_framework['ray_train']['first_step_s']:.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def main(workloads: list[str], workers: int, steps: int, repeats: int, json_path: str | None) -> int:
+    print(f"throughput: {workloads} x {FRAMEWORKS}, {workers} workers, {steps} steps, {repeats} repeats")
+    rows = run_benchmark(workloads, workers, steps, repeats)
+    table = medians(rows)
+    print(format_table(table))
+    if json_path:
+        # One workload: exactly {framework: {...}}; several: keyed by workload.
+        payload: dict[str, Any] = table[workloads[0]] if len(workloads) == 1 else table
+        Path(json_path).write_text(json.dumps(payload, indent=2))
+        print(f"wrote {json_path}")
+    return 0
+
+
+__all__ = ["BenchmarkError", "FRAMEWORKS", "RunRow", "asdict", "main", "medians", "run_once"]
