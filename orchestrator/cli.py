@@ -54,7 +54,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from orchestrator.config import ConfigError, load_job
+    from orchestrator.config import ConfigError, job_source, load_job
 
     # Like `python -m`: job files may name factories in modules next to where the user runs.
     sys.path.insert(0, os.getcwd())
@@ -64,17 +64,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.run_dir is not None:
         overrides.append(f"run_dir={json.dumps(args.run_dir)}")
     try:
-        job = load_job(args.job, overrides)
+        # Checks that import torch and user code run in run_job, while Ray starts.
+        job = load_job(args.job, overrides, resolve=False)
     except ConfigError as err:
         print(f"ringleader: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
-    from orchestrator.driver import default_run_dir, run_job
+    from orchestrator.launch import default_run_dir, run_job
 
-    run_dir = default_run_dir(job)
     try:
-        result = run_job(job, address=args.address, run_dir=run_dir, progress=not args.no_progress)
-    except FileExistsError as err:
+        result = run_job(
+            job,
+            address=args.address,
+            run_dir=default_run_dir(job),
+            progress=not args.no_progress,
+            source=job_source(args.job),
+        )
+    except (ConfigError, FileExistsError) as err:
         print(f"ringleader: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     summary = result.summary

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from workers.factories import resolve_import_path
+from workers.factories import locate_import_path, resolve_import_path
 
 class ConfigError(Exception):
     """A job file or override is invalid. ``str(err)`` is the message for the user."""
@@ -30,8 +30,9 @@ class FactorySpec(_Strict):
 
     @field_validator("factory")
     @classmethod
-    def _resolves(cls, value: str) -> str:
-        resolve_import_path(value)
+    def _locatable(cls, value: str) -> str:
+        # Importing the module (and torch with it) is left to resolve_job, off the fast path.
+        locate_import_path(value)
         return value
 
 
@@ -222,15 +223,16 @@ def _describe(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def load_job(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
+def load_job(path: str | Path | None, overrides: list[str] | None = None, *, resolve: bool = True) -> JobConfig:
     """Read, override and validate a job. ``path=None`` gives the built-in example.
 
+    With ``resolve`` (the default) also runs ``resolve_job``; without it nothing heavy is
+    imported, and the caller must run ``resolve_job`` before any worker starts.
     Raises ConfigError naming the file and field on any problem.
     """
-    source = "built-in example"
+    source = job_source(path)
     raw: dict[str, Any] = {}
     if path is not None:
-        source = str(path)
         try:
             text = Path(path).read_text()
         except OSError as err:
@@ -249,19 +251,35 @@ def load_job(path: str | Path | None, overrides: list[str] | None = None) -> Job
         job = JobConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_describe(err, source)) from None
-    check_optimizer(job.optimizer, source)
+    if resolve:
+        resolve_job(job, source)
     return job
 
 
-def check_optimizer(spec: OptimizerConfig, source: str) -> None:
-    """Build the optimizer on a dummy parameter so bad kwargs fail here, not in a worker."""
-    from workers.training import build_optimizer  # torch import kept off the light path
+def job_source(path: str | Path | None) -> str:
+    """How messages name where a job came from."""
+    return "built-in example" if path is None else str(path)
 
-    import torch
 
+def resolve_job(job: JobConfig, source: str) -> None:
+    """The checks that import user code and torch: each factory path names a callable, and
+    the optimizer accepts its kwargs (so they fail here, not in a worker). Raises ConfigError
+    naming every bad field.
+    """
+    from workers.flat_optimizer import parse_optimizer  # torch import kept off the light path
+
+    problems: list[str] = []
+    for name in ("model", "dataset", "eval"):
+        spec: FactorySpec | None = getattr(job, name)
+        if spec is None:
+            continue
+        try:
+            resolve_import_path(spec.factory)
+        except ValueError as err:
+            problems.append(f"  field '{name}.factory': {err} (got {spec.factory!r})")
     try:
-        build_optimizer(spec.name, spec.kwargs, [torch.nn.Parameter(torch.zeros(1))])
+        parse_optimizer(job.optimizer.name, job.optimizer.kwargs)
     except (TypeError, ValueError) as err:
-        raise ConfigError(
-            f"invalid job ({source}):\n  field 'optimizer.kwargs': {err}"
-        ) from None
+        problems.append(f"  field 'optimizer.kwargs': {err}")
+    if problems:
+        raise ConfigError("\n".join([f"invalid job ({source}):", *problems]))

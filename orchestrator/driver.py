@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import ray
 from tqdm import tqdm
@@ -48,28 +45,6 @@ class JobResult:
     summary: dict[str, Any]
 
 
-@contextlib.contextmanager
-def ray_session(address: str | None) -> Iterator[None]:
-    """Use the Ray already initialised in this process, else connect or start one.
-
-    No ``address`` and no ``RAY_ADDRESS`` (set by ``ray job submit``) starts a fresh local Ray,
-    which is shut down on exit; a given address joins that cluster.
-    """
-    if ray.is_initialized():
-        yield
-        return
-    if address:
-        ray.init(address=address, logging_level="WARNING")
-    elif os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level="WARNING")
-    else:
-        ray.init(address="local", include_dashboard=False, logging_level="WARNING")
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def worker_spec(job: JobConfig) -> WorkerSpec:
     return WorkerSpec(
         model_factory=job.model.factory,
@@ -93,12 +68,6 @@ def worker_spec(job: JobConfig) -> WorkerSpec:
     )
 
 
-def default_run_dir(job: JobConfig) -> Path:
-    if job.run_dir:
-        return Path(job.run_dir)
-    return Path("runs") / f"{job.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-
-
 def _reason(err: BaseException) -> str:
     cause = getattr(err, "cause", None) or err
     return f"{type(cause).__name__}: {cause}".strip()
@@ -111,19 +80,23 @@ class JobDriver:
     step's shard coverage; any worker error or timeout fails the job with its reason.
     """
 
-    def __init__(self, job: JobConfig, run_dir: Path, *, progress: bool, launched: float) -> None:
+    def __init__(self, job: JobConfig, run: RunDirectory, *, progress: bool, launched: float) -> None:
         self.job = job
-        self.run = RunDirectory(run_dir)
+        self.run = run
         self.progress = progress
         self.launched = launched
+        self.startup_s: dict[str, float] = {}
         self.machine = JobStateMachine(self._on_state)
         self.counters = dict.fromkeys(EVENT_COUNTERS, 0)
         self.samples = 0
         self.steps_done = 0
         self.shards_committed = 0
         self.final_loss: float | None = None
-        self.first_step_s: float | None = None
         self.train_s = 0.0
+
+    def mark(self, milestone: str, seconds: float | None = None) -> None:
+        """Record a start-up milestone, in seconds since launch (now, unless given)."""
+        self.startup_s[milestone] = time.perf_counter() - self.launched if seconds is None else seconds
 
     def _on_state(self, old: JobState, new: JobState, reason: str) -> None:
         self.run.event("state", old=old.value, new=new.value, reason=reason)
@@ -142,11 +115,13 @@ class JobDriver:
         metrics: dict[str, float] = {}
         error: str | None = None
         try:
-            info = group.start(job.scaling.workers)
-            num_steps = int(info[0]["num_steps"])
             store = RendezvousStore(job.timeouts.rendezvous_s)
+            info = group.start(job.scaling.workers)
+            self.mark("workers_started")
+            num_steps = int(info[0]["num_steps"])
             group.form_group(store)
-            self.run.event("workers_ready", workers=info, seconds=time.perf_counter() - self.launched)
+            self.mark("group_formed")
+            self.run.event("workers_ready", workers=info, startup_s=dict(self.startup_s))
             self.machine.to(JobState.RUNNING)
             self._train(group, num_steps)
             metrics = group.call_rank(0, "evaluate", job.timeouts.step_s)
@@ -189,8 +164,8 @@ class JobDriver:
         committed = sorted(s for r in reports for s in r.shards)
         if committed != list(range(self.job.shards)):
             raise JobFailed(f"step {step}: committed shards {committed} are not each shard exactly once")
-        if self.first_step_s is None:
-            self.first_step_s = time.perf_counter() - self.launched
+        if "first_step" not in self.startup_s:
+            self.mark("first_step")
         self.shards_committed += len(committed)
         self.steps_done += 1
         self.samples += reports[0].global_samples
@@ -218,7 +193,8 @@ class JobDriver:
             "samples": self.samples,
             "wall_s": wall_s,
             "train_s": self.train_s,
-            "first_step_s": self.first_step_s,
+            "first_step_s": self.startup_s.get("first_step"),
+            "startup_s": dict(self.startup_s),
             "samples_per_s": self.samples / self.train_s if self.train_s else 0.0,
             "final_loss": self.final_loss,
             "eval": metrics,
@@ -230,17 +206,3 @@ class JobDriver:
         if error:
             summary["error"] = error
         return summary
-
-
-def run_job(
-    job: JobConfig, *, address: str | None = None, run_dir: Path | None = None, progress: bool = False
-) -> JobResult:
-    """Run ``job`` to the end on Ray (see ``ray_session`` for which Ray).
-
-    Returns the run directory and summary whatever the outcome; ``summary["status"]`` is
-    ``finished``, ``failed`` or ``stopped``. Raises FileExistsError if ``run_dir`` is not empty.
-    """
-    launched = time.perf_counter()
-    driver = JobDriver(job, run_dir or default_run_dir(job), progress=progress, launched=launched)
-    with ray_session(address):
-        return driver.execute()

@@ -7,9 +7,10 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, IO
+from typing import TYPE_CHECKING, Any, Callable, IO
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -39,11 +40,16 @@ class RunDirectory:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        if path.exists() and any(path.iterdir()):
-            raise FileExistsError(f"run directory {path} is not empty; choose a new --run-dir")
+        self.ensure_free(path)
         path.mkdir(parents=True, exist_ok=True)
         self._events = open(path / "events.jsonl", "a", encoding="utf-8")
         self._telemetry = open(path / "telemetry.jsonl", "a", encoding="utf-8")
+
+    @staticmethod
+    def ensure_free(path: Path) -> None:
+        """Raise FileExistsError unless ``path`` is missing or an empty directory."""
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise FileExistsError(f"run directory {path} is not empty; choose a new --run-dir")
 
     def event(self, kind: str, **fields: Any) -> None:
         record = {"time": time.time(), "event": kind, **fields}
@@ -55,6 +61,8 @@ class RunDirectory:
         self._telemetry.flush()
 
     def save_model(self, state: dict[str, torch.Tensor]) -> Path:
+        import torch  # kept off the launch path: the CLI imports this module before torch is needed
+
         target = self.path / "model.pt"
         write_atomic(target, lambda handle: torch.save(state, handle))
         return target

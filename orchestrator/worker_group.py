@@ -72,18 +72,12 @@ class WorkerGroup:
     def start(self, count: int) -> list[dict[str, Any]]:
         """Reserve ``count`` bundles, start one actor in each, wait until all have loaded.
 
-        Returns each actor's ``describe()``. Raises WorkerGroupError on a timeout or a worker error.
+        Actors are created at once and wait in Ray for their bundles, so reserving resources
+        overlaps their start. Returns each actor's ``describe()``. Raises WorkerGroupError on
+        a timeout (naming the resources if they could not be reserved) or a worker error.
         """
         bundle = {k: v for k, v in self.scaling.resources_per_worker.items() if v > 0}
         self.placement = placement_group([bundle] * count, strategy=self.scaling.placement_strategy)
-        try:
-            ray.get(self.placement.ready(), timeout=self.timeouts.start_s)
-        except ray.exceptions.GetTimeoutError:
-            raise WorkerGroupError(
-                f"could not reserve {count} x {bundle} within {self.timeouts.start_s:.0f}s "
-                f"(cluster has {ray.cluster_resources()}); lower scaling.workers or "
-                "scaling.resources_per_worker"
-            ) from None
         options = actor_options(self.scaling)
         self.actors = [
             RemoteTrainWorker.options(
@@ -94,7 +88,17 @@ class WorkerGroup:
             ).remote(self.spec)
             for i in range(count)
         ]
-        self.info = self._get([a.describe.remote() for a in self.actors], self.timeouts.start_s, "start")
+        try:
+            self.info = ray.get([a.describe.remote() for a in self.actors], timeout=self.timeouts.start_s)
+        except ray.exceptions.GetTimeoutError:
+            ready, _ = ray.wait([self.placement.ready()], timeout=0)
+            if not ready:
+                raise WorkerGroupError(
+                    f"could not reserve {count} x {bundle} within {self.timeouts.start_s:.0f}s "
+                    f"(cluster has {ray.cluster_resources()}); lower scaling.workers or "
+                    "scaling.resources_per_worker"
+                ) from None
+            raise WorkerGroupError(f"workers did not finish 'start' within {self.timeouts.start_s:.0f}s") from None
         return self.info
 
     def form_group(self, store: RendezvousStore) -> None:

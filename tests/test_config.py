@@ -1,5 +1,6 @@
 """Job files: defaults, overrides, and clear errors (exit 2, field named, no traceback)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,27 +51,58 @@ BAD_JOBS = [
     ({"scaling": {"workers": "many"}}, "'scaling.workers'"),
     ({"batch_size": -3}, "'batch_size'"),
     ({"model": {"factory": "no_such_module_xyz:make"}}, "'model.factory': cannot import module 'no_such_module_xyz'"),
-    ({"dataset": {"factory": "ringleader_examples.digits:nope"}}, "'dataset.factory': module 'ringleader_examples.digits' has no attribute 'nope'"),
     ({"model": {"factory": "not a path"}}, "'model.factory': expected 'package.module:function'"),
     ({"batch_size": 8, "shards": 16}, "shards (16) must not exceed batch_size (8)"),
     ({"shards": 2}, "shards (2) must be >= the most workers"),
     ({"scaling": {"workers": 5, "max_workers": 4}}, "min_workers <= workers <= max_workers"),
     ({"optimizer": {"name": "lamb"}}, "'optimizer.name'"),
-    ({"optimizer": {"name": "adam", "kwargs": {"learning_rate": 1}}}, "'optimizer.kwargs'"),
     ({"collective": {"algorithm": "butterfly"}}, "'collective.algorithm'"),
     ({"scaling": {"resources_per_worker": {"CPU": -1}}}, "'scaling.resources_per_worker'"),
     ({"steps": 10, "epochs": 2}, "exactly one of 'steps' and 'epochs'"),
 ]
 
 
-@pytest.mark.parametrize("mapping, expected", BAD_JOBS, ids=[e for _, e in BAD_JOBS])
-def test_bad_job_file_exits_2_naming_the_field(tmp_path, capsys, mapping, expected):
+# Found only by importing user code and torch, which the CLI does while Ray starts.
+DEEP_BAD_JOBS = [
+    ({"dataset": {"factory": "ringleader_examples.digits:nope"}}, "'dataset.factory': module 'ringleader_examples.digits' has no attribute 'nope'"),
+    ({"optimizer": {"name": "adam", "kwargs": {"learning_rate": 1}}}, "'optimizer.kwargs'"),
+]
+
+
+def _assert_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], mapping: dict, expected: str) -> None:
     path = _write(tmp_path, mapping)
     assert main(["run", path, "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert expected in err
     assert path in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("mapping, expected", BAD_JOBS, ids=[e for _, e in BAD_JOBS])
+def test_bad_job_file_exits_2_naming_the_field(tmp_path, capsys, mapping, expected):
+    _assert_refused(tmp_path, capsys, mapping, expected)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("mapping, expected", DEEP_BAD_JOBS, ids=[e for _, e in DEEP_BAD_JOBS])
+def test_job_that_fails_on_import_exits_2(tmp_path, capsys, mapping, expected):
+    _assert_refused(tmp_path, capsys, mapping, expected)
+
+
+@pytest.mark.parametrize("mapping, expected", BAD_JOBS + DEEP_BAD_JOBS, ids=[e for _, e in BAD_JOBS + DEEP_BAD_JOBS])
+def test_load_job_resolves_by_default(tmp_path, mapping, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_job(_write(tmp_path, mapping))
+
+
+def test_light_validation_imports_no_torch():
+    # The launch path relies on it: torch loads in a thread while Ray starts.
+    code = (
+        "import sys; from orchestrator.config import load_job; "
+        "load_job(None, resolve=False); import orchestrator.launch; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 @pytest.mark.parametrize(

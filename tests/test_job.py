@@ -10,7 +10,8 @@ import torch
 
 from orchestrator.cli import main
 from orchestrator.config import load_job
-from orchestrator.driver import EVENT_COUNTERS, run_job
+from orchestrator.driver import EVENT_COUNTERS
+from orchestrator.launch import run_job
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from workers.communicator import NativeAllReduce
 from workers.overlap import GradientReducer, plan_buckets
-from workers.training import FlatGradients
+from workers.training import FlatParameters
 
 
 def _ranges(sizes: list[int], start: int = 0) -> list[tuple[int, int]]:
@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, port: int, overlap: bool, results: dict) -> N
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(0)
     net = _Net()
-    grads = FlatGradients(net.parameters(), extra=2)
+    grads = FlatParameters(net.parameters(), extra=2)
     # Tiny buckets: many collectives, launched from hooks while backward runs.
     reducer = GradientReducer(grads, NativeAllReduce(None, timeout_s=30), bucket_bytes=400, overlap=overlap)
     for step in range(2):  # twice: the reducer must reset between steps
@@ -107,7 +107,7 @@ def test_reducer_sums_gradients_across_ranks(overlap):
     for rank in range(world):
         for step in range(2):
             torch.testing.assert_close(results[(overlap, rank, step)], expected, rtol=1e-5, atol=1e-6)
-    assert len(GradientReducer(FlatGradients(_Net().parameters(), extra=2), None, 400, False).buckets) > 3
+    assert len(GradientReducer(FlatParameters(_Net().parameters(), extra=2), None, 400, False).buckets) > 3
 
 
 class _Recorder:
@@ -131,7 +131,7 @@ def test_overlap_launches_buckets_during_backward(overlap, with_unused):
     net = _Net()
     if not with_unused:
         del net.unused
-    grads = FlatGradients(net.parameters(), extra=2)
+    grads = FlatParameters(net.parameters(), extra=2)
     recorder = _Recorder()
     reducer = GradientReducer(grads, recorder, bucket_bytes=400, overlap=overlap)
     loss = net(torch.randn(4, 6)).sum()
@@ -154,7 +154,7 @@ def test_overlap_launches_buckets_during_backward(overlap, with_unused):
 
 def test_closed_reducer_no_longer_launches_from_backward():
     net = _Net()
-    grads = FlatGradients(net.parameters(), extra=2)
+    grads = FlatParameters(net.parameters(), extra=2)
     recorder = _Recorder()
     reducer = GradientReducer(grads, recorder, bucket_bytes=400, overlap=True)
     reducer.arm()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from workers.training import FlatGradients, build_optimizer, fetch_batch, per_sample_loss
+from workers.training import FlatParameters, fetch_batch, per_sample_loss
 
 
 def _model() -> torch.nn.Module:
@@ -15,7 +15,7 @@ def _model() -> torch.nn.Module:
 
 def test_flat_gradients_accumulate_in_place_across_backwards():
     model = _model()
-    flat = FlatGradients(model.parameters(), extra=2)
+    flat = FlatParameters(model.parameters(), extra=2)
     x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
     per_sample_loss("cross_entropy", model(x[:3]), y[:3]).sum().backward()
     per_sample_loss("cross_entropy", model(x[3:]), y[3:]).sum().backward()
@@ -32,10 +32,21 @@ def test_flat_gradients_accumulate_in_place_across_backwards():
     assert all(torch.all(p.grad == 0) for p in model.parameters())
 
 
+def test_flat_parameters_are_views_of_values_in_order():
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    flat = FlatParameters(model.parameters())
+    torch.testing.assert_close(flat.values, torch.cat([b.reshape(-1) for b in before]))
+    flat.values.add_(1.0)
+    for p, b in zip(model.parameters(), before):
+        torch.testing.assert_close(p.detach(), b + 1.0)
+
+
 def test_flat_gradients_detect_replaced_grads():
     model = _model()
-    flat = FlatGradients(model.parameters())
-    build_optimizer("sgd", {"lr": 0.1}, flat.params).zero_grad(set_to_none=True)
+    flat = FlatParameters(model.parameters())
+    for p in model.parameters():
+        p.grad = None  # what optimizer.zero_grad(set_to_none=True) would do
     with pytest.raises(RuntimeError, match="no longer views"):
         flat.zero()
 
@@ -58,14 +69,6 @@ def test_fetch_batch_tensor_dataset_and_generic():
     generic = [(torch.tensor([float(i)]), i) for i in range(5)]
     gx, gy = fetch_batch(generic, np.array([4, 0]))
     assert gx.tolist() == [[4.0], [0.0]] and gy.tolist() == [4, 0]
-
-
-def test_build_optimizer_rejects_unknown_name_and_kwargs():
-    params = [torch.nn.Parameter(torch.zeros(1))]
-    with pytest.raises(ValueError, match="unknown optimizer"):
-        build_optimizer("lamb", {}, params)
-    with pytest.raises(TypeError):
-        build_optimizer("adam", {"learning_rate": 0.1}, params)
 
 
 def test_digits_example_reads_sklearns_bundled_data_exactly():

@@ -20,17 +20,18 @@ import torch.distributed as dist
 
 from workers import factories
 from workers.communicator import CollectiveTimeout, NativeAllReduce, pick_backend
+from workers.flat_optimizer import FlatOptimizer
 from workers.overlap import GradientReducer
 from workers.sampler import ShardSampler
 from workers.telemetry import StepTelemetry
 from workers.training import (
-    FlatGradients,
-    build_optimizer,
+    FlatParameters,
     evaluate_model,
     fetch_batch,
     move_to,
     per_sample_loss,
 )
+
 
 class ShardCensusError(RuntimeError):
     """After the all-reduce some shard was counted zero or several times: the step is invalid."""
@@ -86,8 +87,8 @@ class TrainWorker:
         self.model: torch.nn.Module = factories.build(spec.model_factory, spec.model_kwargs).to(self.device)
         self.model.train()
         # Trailing slots: one census entry per shard, then the step's loss and sample count.
-        self.grads = FlatGradients(self.model.parameters(), extra=spec.num_shards + 2)
-        self.optimizer = build_optimizer(spec.optimizer, spec.optimizer_kwargs, self.grads.params)
+        self.flat = FlatParameters(self.model.parameters(), extra=spec.num_shards + 2)
+        self.optimizer = FlatOptimizer(spec.optimizer, spec.optimizer_kwargs, self.flat.values, self.flat.grads)
         self.rank = -1
         self.world_size = 0
         self.reducer: GradientReducer | None = None
@@ -99,7 +100,7 @@ class TrainWorker:
         return {
             "num_samples": self.sampler.num_samples,
             "num_steps": self.num_steps,
-            "num_params": self.grads.num_grad,
+            "num_params": self.flat.numel,
             "device": str(self.device),
             "node_id": context.get_node_id(),
             "hostname": socket.gethostname(),
@@ -124,15 +125,12 @@ class TrainWorker:
         )
         self.rank, self.world_size = rank, world_size
         self.reducer = GradientReducer(
-            self.grads,
+            self.flat,
             NativeAllReduce(None, self.spec.collective_timeout_s),
             self.spec.bucket_bytes,
             self.spec.overlap,
         )
-        with torch.no_grad():
-            flat = torch.nn.utils.parameters_to_vector(self.model.parameters())
-            dist.broadcast(flat, src=0)
-            torch.nn.utils.vector_to_parameters(flat, self.model.parameters())
+        dist.broadcast(self.flat.values, src=0)
 
     @ray.method(concurrency_group="compute")
     def leave_group(self) -> None:
@@ -157,8 +155,8 @@ class TrainWorker:
         started = time.perf_counter()
         spec = self.spec
         batch_total = self.sampler.step_batch_size(step)
-        self.grads.zero()
-        census = self.grads.extra[: spec.num_shards]
+        self.flat.zero()
+        census = self.flat.extra[: spec.num_shards]
         census[list(shards)] = 1.0
         passes = [
             (group, np.concatenate([self.sampler.shard_indices(step, s) for s in group]))
@@ -166,7 +164,7 @@ class TrainWorker:
         ]
         passes = [(group, indices) for group, indices in passes if len(indices)]
         samples = sum(len(indices) for _, indices in passes)
-        self.grads.extra[spec.num_shards + 1] = samples
+        self.flat.extra[spec.num_shards + 1] = samples
         loss_sum = torch.zeros((), device=self.device)
         for number, (group, indices) in enumerate(passes):
             inputs, targets = move_to(fetch_batch(self.dataset, indices), self.device)
@@ -175,7 +173,7 @@ class TrainWorker:
             loss_sum += loss.detach()
             if number == len(passes) - 1:
                 # The loss rides in the last bucket, which may go out during this backward.
-                self.grads.extra[spec.num_shards] = loss_sum
+                self.flat.extra[spec.num_shards] = loss_sum
                 self.reducer.arm()
             loss.backward()
         computed = time.perf_counter()
@@ -192,8 +190,8 @@ class TrainWorker:
             rank=self.rank,
             shards=tuple(shards),
             samples=samples,
-            global_samples=int(self.grads.extra[spec.num_shards + 1].item()),
-            loss=float(self.grads.extra[spec.num_shards].item()),
+            global_samples=int(self.flat.extra[spec.num_shards + 1].item()),
+            loss=float(self.flat.extra[spec.num_shards].item()),
             compute_s=computed - started,
             comm_s=comm_s,
             optim_s=done - reduced,
@@ -211,7 +209,8 @@ class TrainWorker:
     @ray.method(concurrency_group="compute")
     def model_state(self) -> dict[str, torch.Tensor]:
         """The replica's parameters and buffers, on the CPU."""
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        # Copies: the parameters are views into one flat buffer, which must not travel whole.
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
 
 __all__ = ["CollectiveTimeout", "ShardCensusError", "TrainWorker", "WorkerSpec"]

@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 from typing import Any, Callable
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def locate_import_path(path: str) -> tuple[str, str]:
+    """Check ``"package.module:attr"`` without importing the module (only its parent packages).
+
+    Returns ``(module, attr)``. Raises ValueError if the syntax is off or no such module exists.
+    Cheap, so job files fail fast; ``resolve_import_path`` does the full check.
+    """
+    if not _IMPORT_PATH.match(path):
+        raise ValueError(f"expected 'package.module:function', got {path!r}")
+    module_name, attr_path = path.split(":", 1)
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as err:
+        raise ValueError(f"cannot import module {module_name!r} ({err})") from None
+    if found is None:
+        raise ValueError(f"cannot import module {module_name!r} (No module named {module_name!r})")
+    return module_name, attr_path
 
 
 def resolve_import_path(path: str) -> Callable[..., Any]:
@@ -14,9 +33,7 @@ def resolve_import_path(path: str) -> Callable[..., Any]:
 
     Raises ValueError with a message saying which part did not resolve.
     """
-    if not _IMPORT_PATH.match(path):
-        raise ValueError(f"expected 'package.module:function', got {path!r}")
-    module_name, attr_path = path.split(":", 1)
+    module_name, attr_path = locate_import_path(path)
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as err:

@@ -1,6 +1,6 @@
 """Gradient buckets, reduced during backward (overlap) or after it.
 
-The flat gradient buffer (``[extra | params]``, see ``FlatGradients``) is cut into buckets: contiguous
+The flat gradient buffer (``[extra | params]``, see ``FlatParameters``) is cut into buckets: contiguous
 ranges taken in reverse parameter order, because backward produces the last layers' gradients
 first. The first bucket is kept small so communication starts early. The final bucket also
 covers the ``extra`` slots in front of the first parameter.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.communicator import Communicator, PendingReduce
-from workers.training import FlatGradients
+from workers.training import FlatParameters
 
 FIRST_BUCKET_BYTES = 1 << 20
 
@@ -27,7 +27,7 @@ FIRST_BUCKET_BYTES = 1 << 20
 class Bucket:
     start: int
     end: int
-    params: tuple[int, ...]  # indices into FlatGradients.params
+    params: tuple[int, ...]  # indices into FlatParameters.params
 
 
 def plan_buckets(ranges: list[tuple[int, int]], capacity: int, first_capacity: int) -> list[Bucket]:
@@ -62,7 +62,7 @@ class GradientReducer:
     communication.
     """
 
-    def __init__(self, grads: FlatGradients, comm: Communicator, bucket_bytes: int, overlap: bool) -> None:
+    def __init__(self, grads: FlatParameters, comm: Communicator, bucket_bytes: int, overlap: bool) -> None:
         element = grads.buffer.element_size()
         self.grads = grads
         self.comm = comm

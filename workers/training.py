@@ -1,4 +1,4 @@
-"""Model-side building blocks of a worker: optimizer, shard loss, batches, flat gradients."""
+"""Model-side building blocks of a worker: shard loss, batches, flat parameters and gradients."""
 
 from __future__ import annotations
 
@@ -8,34 +8,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate
-
-_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-}
-
-
-def build_optimizer(
-    name: str, kwargs: dict[str, Any], params: Iterable[torch.nn.Parameter]
-) -> torch.optim.Optimizer:
-    """Build optimizer ``name`` over ``params``.
-
-    Unless ``kwargs`` choose an implementation (``fused`` or ``foreach``), the fused kernel is
-    used where the parameters' device supports it: on CPU it steps Adam ~8x faster than the
-    default per-tensor loop, with the same update rule.
-    Raises ValueError for an unknown name and TypeError/ValueError for bad kwargs.
-    """
-    if name not in _OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(_OPTIMIZERS)}")
-    params = list(params)
-    if "fused" not in kwargs and "foreach" not in kwargs:
-        try:
-            return _OPTIMIZERS[name](params, **kwargs, fused=True)
-        except RuntimeError:
-            pass  # a device or dtype without a fused kernel: the default implementation
-    return _OPTIMIZERS[name](params, **kwargs)
-
 
 def per_sample_loss(kind: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Loss of each sample (shape ``[batch]``), averaged over any non-batch positions.
@@ -93,14 +65,17 @@ def move_to(batch: Any, device: torch.device) -> Any:
     return type(batch)(move_to(b, device) for b in batch)
 
 
-class FlatGradients:
-    """All of a model's gradients as views into one flat buffer laid out ``[extra | params]``.
+class FlatParameters:
+    """A model's trainable parameters and their gradients, each as views into one flat buffer.
 
-    Backward accumulates into ``param.grad`` in place, so the buffer always holds the sum of
-    every shard's gradient since the last ``zero()``, ready to all-reduce without copies (the
-    same trick as DDP's ``gradient_as_bucket_view``). The ``extra`` slots in front let per-step
-    bookkeeping (shard census, loss, sample count) ride along in the bucket that holds the first
-    parameters, which is reduced last. Parameters without ``requires_grad`` are left out.
+    ``values`` holds the parameters back to back, in parameter order; ``buffer`` holds
+    ``[extra | gradients]`` in the same order, ``grads`` being its gradient part. Backward
+    accumulates into ``param.grad`` in place, so the buffer always holds the sum of every
+    shard's gradient since the last ``zero()``, ready to all-reduce without copies (DDP's
+    ``gradient_as_bucket_view`` trick), and one optimizer call steps ``values`` from ``grads``.
+    The ``extra`` slots in front let per-step bookkeeping (shard census, loss, sample count)
+    ride along in the bucket that holds the first parameters, which is reduced last.
+    Parameters without ``requires_grad`` are left out.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], extra: int = 0) -> None:
@@ -110,20 +85,26 @@ class FlatGradients:
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
             raise ValueError(f"mixed parameter dtypes are not supported: {sorted(map(str, dtypes))}")
-        self.num_grad = sum(p.numel() for p in self.params)
+        self.numel = sum(p.numel() for p in self.params)
         first = self.params[0]
-        self.buffer = torch.zeros(extra + self.num_grad, dtype=first.dtype, device=first.device)
+        self.values = torch.empty(self.numel, dtype=first.dtype, device=first.device)
+        self.buffer = torch.zeros(extra + self.numel, dtype=first.dtype, device=first.device)
         self.extra = self.buffer[:extra]
+        self.grads = self.buffer[extra:]
         #: ``(start, end)`` of each parameter's gradient in ``buffer``, in parameter order.
         self.ranges: list[tuple[int, int]] = []
         self._views = []
-        offset = extra
-        for p in self.params:
-            view = self.buffer[offset : offset + p.numel()].view_as(p)
-            p.grad = view
-            self._views.append(view)
-            self.ranges.append((offset, offset + p.numel()))
-            offset += p.numel()
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                end = offset + p.numel()
+                self.values[offset:end].copy_(p.reshape(-1))
+                p.data = self.values[offset:end].view_as(p)
+                view = self.grads[offset:end].view_as(p)
+                p.grad = view
+                self._views.append(view)
+                self.ranges.append((extra + offset, extra + end))
+                offset = end
 
     def zero(self) -> None:
         """Zero the buffer; raises if something replaced a ``.grad`` (e.g. ``set_to_none``)."""

@@ -1,0 +1,151 @@
+"""SGD, Adam and AdamW stepping a model's parameters as one flat buffer with torch's fused kernels.
+
+Why not ``torch.optim`` in the worker: building any ``torch.optim`` optimizer imports
+``torch._dynamo`` (over 2 s of CPU per process here, most of a worker's start-up after torch
+itself), and a per-parameter optimizer launches its kernels once per tensor. Stepping the flat
+buffer calls the very kernels ``torch.optim.<X>(fused=True)`` calls (``torch._fused_adam_``,
+``_fused_adamw_``, ``_fused_sgd_``), once per step, so updates match stock torch fused
+optimizers exactly. On a device without those kernels the buffer is stepped by ``torch.optim``
+as a single parameter instead (same rules; pays the import).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+FUSED_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class SGDSettings:
+    lr: float = 0.001
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    maximize: bool = False
+
+    def check(self) -> None:
+        _at_least_zero(self, "lr", "momentum", "weight_decay")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("nesterov momentum requires momentum > 0 and dampening = 0")
+
+
+@dataclass(frozen=True)
+class AdamSettings:
+    lr: float = 0.001
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+    maximize: bool = False
+
+    def check(self) -> None:
+        _at_least_zero(self, "lr", "eps", "weight_decay")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+
+
+OptimizerSettings = SGDSettings | AdamSettings
+
+# name -> (settings type, defaults that differ from the type's, as in torch.optim)
+_KINDS: dict[str, tuple[type[SGDSettings] | type[AdamSettings], dict[str, Any]]] = {
+    "sgd": (SGDSettings, {}),
+    "adam": (AdamSettings, {}),
+    "adamw": (AdamSettings, {"weight_decay": 0.01}),
+}
+
+
+def _at_least_zero(settings: object, *names: str) -> None:
+    for name in names:
+        value = getattr(settings, name)
+        if not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+def parse_optimizer(name: str, kwargs: dict[str, Any]) -> OptimizerSettings:
+    """Validate optimizer ``name`` (sgd, adam, adamw) and its torch.optim-style ``kwargs``.
+
+    Raises ValueError for an unknown name or a bad value, TypeError for an unknown keyword.
+    """
+    if name not in _KINDS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(_KINDS)}")
+    kind, defaults = _KINDS[name]
+    accepted = [f.name for f in fields(kind)]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise TypeError(f"{name} got unexpected keyword argument(s) {unknown}; accepted: {accepted}")
+    values = {**defaults, **kwargs}
+    if "betas" in values:
+        values["betas"] = tuple(values["betas"])
+    settings = kind(**values)
+    settings.check()
+    return settings
+
+
+class FlatOptimizer:
+    """Steps ``params`` (one flat tensor) from ``grads`` (same shape), in place.
+
+    ``name`` and ``kwargs`` as for ``parse_optimizer``: the kwargs (and defaults) of
+    torch.optim's SGD, Adam and AdamW, less the implementation switches (fused, foreach, ...).
+    """
+
+    def __init__(self, name: str, kwargs: dict[str, Any], params: torch.Tensor, grads: torch.Tensor) -> None:
+        if params.shape != grads.shape or params.dim() != 1:
+            raise ValueError(f"params and grads must be flat and alike, got {params.shape} and {grads.shape}")
+        self.name = name
+        self.settings = parse_optimizer(name, kwargs)
+        self.params = params
+        self.grads = grads
+        #: Optimizer state, flat like ``params`` (``step`` is a scalar tensor).
+        self.state: dict[str, torch.Tensor] = {}
+        self._fallback: torch.optim.Optimizer | None = None
+        if params.device.type not in FUSED_DEVICES:
+            self._fallback = self._stock_optimizer()
+
+    def _stock_optimizer(self) -> torch.optim.Optimizer:
+        flat = torch.nn.Parameter(self.params, requires_grad=True)
+        flat.grad = self.grads
+        stock = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[self.name]
+        return stock([flat], **vars(self.settings))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self._fallback is not None:
+            self._fallback.step()
+        elif isinstance(self.settings, SGDSettings):
+            self._sgd(self.settings)
+        else:
+            self._adam(self.settings)
+
+    def _sgd(self, s: SGDSettings) -> None:
+        first = "momentum_buffer" not in self.state
+        momentum: list[torch.Tensor] = []
+        if s.momentum != 0:
+            if first:
+                self.state["momentum_buffer"] = torch.empty_like(self.params)
+            momentum = [self.state["momentum_buffer"]]
+        torch._fused_sgd_(
+            [self.params], [self.grads], momentum,
+            weight_decay=s.weight_decay, momentum=s.momentum, lr=s.lr, dampening=s.dampening,
+            nesterov=s.nesterov, maximize=s.maximize, is_first_step=first and s.momentum != 0,
+        )
+
+    def _adam(self, s: AdamSettings) -> None:
+        if "step" not in self.state:
+            self.state["step"] = torch.zeros((), dtype=torch.float32, device=self.params.device)
+            self.state["exp_avg"] = torch.zeros_like(self.params)
+            self.state["exp_avg_sq"] = torch.zeros_like(self.params)
+            if s.amsgrad:
+                self.state["max_exp_avg_sq"] = torch.zeros_like(self.params)
+        self.state["step"] += 1
+        kernel = torch._fused_adamw_ if self.name == "adamw" else torch._fused_adam_
+        kernel(
+            [self.params], [self.grads], [self.state["exp_avg"]], [self.state["exp_avg_sq"]],
+            [self.state["max_exp_avg_sq"]] if s.amsgrad else [], [self.state["step"]],
+            lr=s.lr, beta1=s.betas[0], beta2=s.betas[1], weight_decay=s.weight_decay, eps=s.eps,
+            amsgrad=s.amsgrad, maximize=s.maximize,
+        )
