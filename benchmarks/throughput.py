@@ -10,6 +10,7 @@ sees them; samples/s counts every step after the first over the time they took.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -77,8 +78,10 @@ def run_once(framework: str, job: JobConfig, workdir: Path) -> RunRow:
         "ray_train": _command_ray_train,
         "torchrun": _command_torchrun(job),
     }[framework](job_file, result)
+    # Each framework starts its own Ray, never one this process or the shell points at.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     launched = time.time()
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
     wall_s = time.time() - launched
     if proc.returncode != 0:
         raise BenchmarkError(f"{framework} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
