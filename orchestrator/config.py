@@ -85,12 +85,14 @@ class ScalingConfig(_Strict):
 class CollectiveConfig(_Strict):
     """Gradient all-reduce settings.
 
+    ``algorithm``: ``ring`` (ours, over point-to-point sends), ``hierarchical`` (ours: within
+    each Ray node, then a ring across nodes) or ``native`` (torch.distributed.all_reduce).
     ``bucket_mb``: the most gradient data in one collective call (the first bucket is at most
     1 MB, so communication starts early). ``overlap``: reduce buckets during backward, as
     their gradients become ready, instead of after it.
     """
 
-    algorithm: Literal["native"] = "native"
+    algorithm: Literal["ring", "hierarchical", "native"] = "ring"
     bucket_mb: float = Field(4.0, gt=0)
     overlap: bool = True
 

@@ -62,6 +62,7 @@ def worker_spec(job: JobConfig) -> WorkerSpec:
         steps=job.steps,
         epochs=job.epochs,
         fuse_shards=job.worker.fuse_shards,
+        algorithm=job.collective.algorithm,
         bucket_bytes=int(job.collective.bucket_mb * 2**20),
         overlap=job.collective.overlap,
         collective_timeout_s=job.timeouts.collective_s,

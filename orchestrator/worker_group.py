@@ -104,10 +104,10 @@ class WorkerGroup:
     def form_group(self, store: RendezvousStore) -> None:
         """All actors join one torch.distributed group through the driver's store."""
         prefix = store.next_prefix()
-        world = self.size
+        nodes = [info["node_id"] for info in self.info]  # topology for the hierarchical all-reduce
         self._get(
             [
-                actor.join_group.remote(store.host, store.port, prefix, rank, world, self.timeouts.rendezvous_s)
+                actor.join_group.remote(store.host, store.port, prefix, rank, nodes, self.timeouts.rendezvous_s)
                 for rank, actor in enumerate(self.actors)
             ],
             self.timeouts.rendezvous_s,

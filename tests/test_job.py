@@ -35,6 +35,8 @@ def test_parameters_do_not_depend_on_worker_count_or_assignment(tmp_path):
         "w3": _run(tmp_path, "w3", "scaling.workers=3"),
         "w4": _run(tmp_path, "w4", "scaling.workers=4"),
         "w4-shuffled": _run(tmp_path, "w4s", "scaling.workers=4", "chaos.shuffle_shards=true"),
+        "w4-native": _run(tmp_path, "w4n", "scaling.workers=4", "collective.algorithm=native"),
+        "w3-hierarchical": _run(tmp_path, "w3h", "scaling.workers=3", "collective.algorithm=hierarchical"),
         "w3-no-overlap-unfused": _run(
             tmp_path, "w3n", "scaling.workers=3", "collective.overlap=false", "worker.fuse_shards=false"
         ),

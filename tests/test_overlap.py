@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from workers.communicator import NativeAllReduce
+from multiproc import comm_group, run_ranks
+from workers.communicator import make_communicator
 from workers.overlap import GradientReducer, plan_buckets
 from workers.training import FlatParameters
 
@@ -68,14 +64,14 @@ def _grads_of(rank: int) -> torch.Tensor | None:
     return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in net.parameters()])
 
 
-def _worker(rank: int, world: int, port: int, overlap: bool, results: dict) -> None:
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+def _worker(rank: int, world: int, port: int, results: dict, overlap: bool, algorithm: str) -> None:
+    group = comm_group(rank, world, port)
     torch.manual_seed(0)
     net = _Net()
     grads = FlatParameters(net.parameters(), extra=2)
     # Tiny buckets: many collectives, launched from hooks while backward runs.
-    reducer = GradientReducer(grads, NativeAllReduce(None, timeout_s=30), bucket_bytes=400, overlap=overlap)
+    communicator = make_communicator(algorithm, group, ["node-a", "node-a", "node-b"])
+    reducer = GradientReducer(grads, communicator, bucket_bytes=400, overlap=overlap)
     for step in range(2):  # twice: the reducer must reset between steps
         grads.zero()
         grads.extra[0] = 1.0
@@ -86,22 +82,14 @@ def _worker(rank: int, world: int, port: int, overlap: bool, results: dict) -> N
             loss.backward()
         reducer.finish()
         results[(overlap, rank, step)] = grads.buffer.clone()
-    dist.destroy_process_group()
+    group.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "native"])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_reducer_sums_gradients_across_ranks(overlap):
+def test_reducer_sums_gradients_across_ranks(overlap, algorithm):
     world = 3
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_worker, args=(world, _free_port(), overlap, results), nprocs=world, join=True)
-        results = dict(results)
+    results = run_ranks(_worker, world, overlap, algorithm)
     contributions = [g for g in (_grads_of(r) for r in range(world)) if g is not None]
     expected = torch.cat([torch.tensor([float(world), 0.0]), torch.stack(contributions).sum(0)])
     for rank in range(world):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from workers import factories
-from workers.communicator import CollectiveTimeout, NativeAllReduce, pick_backend
+from workers.comm_group import CollectiveAborted, CollectiveTimeout, CommGroup, new_process_group
+from workers.communicator import make_communicator, pick_backend
 from workers.flat_optimizer import FlatOptimizer
 from workers.overlap import GradientReducer
 from workers.sampler import ShardSampler
@@ -56,6 +58,7 @@ class WorkerSpec:
     steps: int | None
     epochs: float | None
     fuse_shards: bool
+    algorithm: str
     bucket_bytes: int
     overlap: bool
     collective_timeout_s: float
@@ -92,6 +95,8 @@ class TrainWorker:
         self.rank = -1
         self.world_size = 0
         self.reducer: GradientReducer | None = None
+        self.group: CommGroup | None = None
+        self.abort_flag = threading.Event()
 
     @ray.method(concurrency_group="control")
     def describe(self) -> dict[str, Any]:
@@ -109,36 +114,47 @@ class TrainWorker:
 
     @ray.method(concurrency_group="compute")
     def join_group(
-        self, store_host: str, store_port: int, prefix: str, rank: int, world_size: int, timeout_s: float
+        self,
+        store_host: str,
+        store_port: int,
+        prefix: str,
+        rank: int,
+        nodes: list[str],
+        timeout_s: float,
     ) -> None:
-        """Form the torch.distributed group through the driver's TCPStore, then take rank 0's
-        parameters so every replica starts identical whatever the factory did."""
+        """Form this generation's process group (rank ``rank`` of ``len(nodes)``; ``nodes[r]`` is
+        rank r's Ray node id) through the driver's TCPStore under key ``prefix``, then take
+        rank 0's parameters so every replica starts identical whatever the factory did."""
         self.leave_group()
-        timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout)
-        dist.init_process_group(
-            pick_backend(self.device),
-            store=dist.PrefixStore(prefix, store),
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=self.spec.collective_timeout_s),
+        self.abort_flag.clear()
+        store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        pg = new_process_group(
+            pick_backend(self.device), dist.PrefixStore(prefix, store), rank, len(nodes), self.spec.collective_timeout_s
         )
-        self.rank, self.world_size = rank, world_size
+        self.group = CommGroup(pg, rank, len(nodes), self.spec.collective_timeout_s, self.abort_flag)
+        self.rank, self.world_size = rank, len(nodes)
         self.reducer = GradientReducer(
             self.flat,
-            NativeAllReduce(None, self.spec.collective_timeout_s),
+            make_communicator(self.spec.algorithm, self.group, nodes),
             self.spec.bucket_bytes,
             self.spec.overlap,
         )
-        dist.broadcast(self.flat.values, src=0)
+        self.group.broadcast(self.flat.values, root=0)
+
+    @ray.method(concurrency_group="control")
+    def abort(self) -> None:
+        """Make every pending and future collective of this generation fail at once (the driver
+        calls this when it sees a peer die; answered even while a step is blocked)."""
+        self.abort_flag.set()
 
     @ray.method(concurrency_group="compute")
     def leave_group(self) -> None:
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     @ray.method(concurrency_group="compute")
     def train_step(self, step: int, shards: list[int]) -> StepTelemetry:
@@ -213,4 +229,4 @@ class TrainWorker:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
 
-__all__ = ["CollectiveTimeout", "ShardCensusError", "TrainWorker", "WorkerSpec"]
+__all__ = ["CollectiveAborted", "CollectiveTimeout", "ShardCensusError", "TrainWorker", "WorkerSpec"]

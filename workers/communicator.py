@@ -1,21 +1,20 @@
-"""Collective communication behind a small interface, so algorithms can be swapped per job."""
+"""The interface the gradient reducer sums through, and the algorithms behind it."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-
-class CollectiveTimeout(RuntimeError):
-    """A collective did not finish within its timeout (a peer died, hung or is far behind)."""
+from workers.comm_group import CommGroup, PendingOp
+from workers.ring import HierarchicalAllReduce, RingAllReduce
 
 
 class PendingReduce(Protocol):
     def wait(self) -> None:
-        """Block until the sum is in place; raises CollectiveTimeout past the timeout."""
+        """Block until the sum is in place; raises CollectiveTimeout/CollectiveAborted."""
         ...
 
 
@@ -28,30 +27,31 @@ class Communicator(Protocol):
         ...
 
 
-class _NativeWork:
-    def __init__(self, work: dist.Work, timeout: timedelta) -> None:
-        self._work = work
-        self._timeout = timeout
-
-    def wait(self) -> None:
-        try:
-            self._work.wait(self._timeout)
-        except RuntimeError as err:
-            raise CollectiveTimeout(
-                f"all-reduce did not finish within {self._timeout.total_seconds():.0f}s: {err}"
-            ) from err
-
-
 class NativeAllReduce:
-    """``torch.distributed.all_reduce``, asynchronous, each wait bounded by ``timeout_s``."""
+    """torch.distributed's own all-reduce (gloo's or NCCL's algorithm): the baseline."""
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+    def __init__(self, group: CommGroup) -> None:
         self.group = group
-        self.timeout = timedelta(seconds=timeout_s)
 
-    def start_sum(self, tensor: torch.Tensor) -> PendingReduce:
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return _NativeWork(work, self.timeout)
+    def start_sum(self, tensor: torch.Tensor) -> PendingOp:
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        return self.group.submit(lambda: self.group.pg.allreduce([tensor], options).wait(), "native all-reduce")
+
+
+ALGORITHMS = ("ring", "hierarchical", "native")
+
+
+def make_communicator(algorithm: str, group: CommGroup, nodes: Sequence[str]) -> Communicator:
+    """The communicator for ``algorithm`` (one of ALGORITHMS); ``nodes[rank]`` is each rank's
+    node id, used by the hierarchical algorithm."""
+    if algorithm == "native":
+        return NativeAllReduce(group)
+    if algorithm == "ring":
+        return RingAllReduce(group)
+    if algorithm == "hierarchical":
+        return HierarchicalAllReduce(group, nodes)
+    raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose one of {ALGORITHMS}")
 
 
 def pick_backend(device: torch.device) -> str:

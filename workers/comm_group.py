@@ -1,0 +1,131 @@
+"""One generation of the workers' process group, and the thread that runs its collectives.
+
+Every collective is queued to a single communication thread, in call order, so every rank
+issues the same sequence of operations, and runs there with blocking torch.distributed calls.
+Callers hold a ``PendingOp`` and wait on it: that wait polls the abort flag (raised by the
+driver when it sees a death) and a deadline, so no caller blocks past its timeout even where
+gloo would (a survivor two hops from a dead rank waits in gloo until the process-group timeout,
+and ``abort()`` does not free it). After an abort or a timeout the group is broken: ``close``
+abandons it and a new generation (a new store prefix) is formed.
+
+The process group is a ``ProcessGroupGloo``/``ProcessGroupNCCL`` object of our own rather than
+torch's global default group, so a broken generation can be dropped while its thread is still
+stuck in it, and the next one formed beside it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+# How often a waiting caller looks at the abort flag: the bound on how late an abort is seen.
+ABORT_POLL_S = 0.02
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not finish within its timeout (a peer died, hung or is far behind)."""
+
+
+class CollectiveAborted(RuntimeError):
+    """The driver raised the abort flag while a collective was pending."""
+
+
+class PendingOp:
+    """A queued collective; ``wait`` returns when it is done or raises why it never will."""
+
+    def __init__(self, future: Future[None], group: CommGroup, what: str) -> None:
+        self._future = future
+        self._group = group
+        self._what = what
+
+    def wait(self) -> None:
+        """Block until done. Raises CollectiveAborted, CollectiveTimeout (both break the group)
+        or the error the operation itself raised."""
+        group = self._group
+        deadline = time.monotonic() + group.timeout_s
+        while True:
+            if group.abort_flag.is_set():
+                group.broken = f"aborted during {self._what}"
+                raise CollectiveAborted(f"{self._what} aborted by the driver")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                group.broken = f"timed out during {self._what}"
+                raise CollectiveTimeout(
+                    f"{self._what} did not finish within {group.timeout_s:.0f}s "
+                    f"(rank {group.rank} of {group.size}; a peer died, hung or is far behind)"
+                )
+            try:
+                self._future.result(timeout=min(ABORT_POLL_S, remaining))
+                return
+            except FutureTimeout:
+                continue
+            except RuntimeError as err:  # gloo/NCCL errors: a peer closed its connection, ...
+                group.broken = f"failed during {self._what}: {err}"
+                raise CollectiveTimeout(f"{self._what} failed on rank {group.rank}: {err}") from err
+
+
+def new_process_group(
+    backend: str, store: dist.Store, rank: int, size: int, timeout_s: float
+) -> dist.ProcessGroup:
+    """A standalone gloo or NCCL process group over ``store`` (not torch's default group)."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    raise ValueError(f"unsupported backend {backend!r}; expected 'gloo' or 'nccl'")
+
+
+class CommGroup:
+    """``size`` ranks, this one being ``rank``, over the process group ``pg``.
+
+    ``timeout_s`` bounds every wait; ``abort_flag`` is shared with whoever may abort (the actor's
+    control thread). Operations queued with ``submit`` run on the communication thread.
+    """
+
+    def __init__(
+        self, pg: dist.ProcessGroup, rank: int, size: int, timeout_s: float, abort_flag: threading.Event
+    ) -> None:
+        self.pg = pg
+        self.rank = rank
+        self.size = size
+        self.timeout_s = timeout_s
+        self.abort_flag = abort_flag
+        #: Why the group can no longer be used, or None while it is healthy.
+        self.broken: str | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"ringleader-comm-r{rank}")
+
+    def submit(self, operation: Callable[[], None], what: str) -> PendingOp:
+        """Queue ``operation`` (blocking torch.distributed calls on ``pg``) after those before it."""
+        if self.broken is not None:
+            raise CollectiveAborted(f"the process group is broken ({self.broken}); re-form it")
+        return PendingOp(self._thread.submit(operation), self, what)
+
+    # Blocking point-to-point and collective primitives, for operations run on the comm thread.
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> dist.Work:
+        return self.pg.send([tensor], dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> dist.Work:
+        return self.pg.recv([tensor], src, tag)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        """Blocking broadcast from ``root`` (queued behind pending operations)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        self.submit(lambda: self.pg.broadcast([tensor], options).wait(), "broadcast").wait()
+
+    def close(self) -> None:
+        """Stop taking work. A healthy group's thread finishes what is queued; a broken group's
+        thread may stay blocked in gloo until the process-group timeout or the peer's death,
+        so it is abandoned rather than joined."""
+        self._thread.shutdown(wait=self.broken is None, cancel_futures=self.broken is not None)

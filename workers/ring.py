@@ -1,0 +1,150 @@
+"""Our all-reduce algorithms over point-to-point sends and receives: ring and hierarchical.
+
+Ring (design §5): the buffer is cut into one chunk per rank; n−1 reduce-scatter steps leave
+each rank with one fully summed chunk, n−1 all-gather steps hand those around, so every rank
+sends 2(n−1)/n of the buffer. Each step's chunk is further cut into segments, all posted at
+once, so summing one segment overlaps receiving the next.
+
+Hierarchical: ranks on one Ray node first sum into their node's leader, leaders run the ring,
+and each leader sends the result back to its node's ranks; the slow inter-node links carry
+2(n_nodes−1)/n_nodes of the buffer per leader instead of every rank crossing them.
+
+These functions block and run on a ``CommGroup``'s communication thread; ``RingAllReduce`` and
+``HierarchicalAllReduce`` queue them there and are what the worker uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from workers.comm_group import CommGroup, PendingOp
+
+SEGMENT_BYTES = 1 << 20
+
+
+def chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(length)`` into ``parts`` contiguous pieces whose sizes differ by at most 1."""
+    base, extra = divmod(length, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class _Scratch:
+    """A receive buffer reused across calls (only the communication thread touches it)."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def get(self, like: torch.Tensor, numel: int) -> torch.Tensor:
+        buffer = self._buffer
+        if buffer is None or buffer.dtype != like.dtype or buffer.device != like.device or buffer.numel() < numel:
+            buffer = self._buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel]
+
+
+def _segments(start: int, end: int, size: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + size, end)) for lo in range(start, end, size)]
+
+
+def ring_sum(group: CommGroup, flat: torch.Tensor, ranks: Sequence[int], scratch: _Scratch) -> None:
+    """Sum the 1-D ``flat`` in place over ``ranks`` (group ranks, in ring order; this rank
+    among them). Blocking; every rank in ``ranks`` must make the same call."""
+    n = len(ranks)
+    if n == 1 or flat.numel() == 0:
+        return
+    me = ranks.index(group.rank)
+    right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
+    bounds = chunk_bounds(flat.numel(), n)
+    segment = max(1, SEGMENT_BYTES // flat.element_size())
+    incoming = scratch.get(flat, max(end - start for start, end in bounds))
+
+    for step in range(n - 1):  # reduce-scatter
+        send_chunk, recv_chunk = bounds[(me - step) % n], bounds[(me - step - 1) % n]
+        sends = [group.send(flat[lo:hi], right, tag) for tag, (lo, hi) in enumerate(_segments(*send_chunk, segment))]
+        base = recv_chunk[0]
+        receives = [
+            (group.recv(incoming[lo - base : hi - base], left, tag), lo, hi)
+            for tag, (lo, hi) in enumerate(_segments(*recv_chunk, segment))
+        ]
+        for work, lo, hi in receives:
+            work.wait()
+            flat[lo:hi].add_(incoming[lo - base : hi - base])
+        for work in sends:  # the sends (and the views they read) stay alive until done
+            work.wait()
+
+    for step in range(n - 1):  # all-gather: chunk (me + 1 - step) is complete here
+        send_chunk, recv_chunk = bounds[(me + 1 - step) % n], bounds[(me - step) % n]
+        sends = [group.send(flat[lo:hi], right, tag) for tag, (lo, hi) in enumerate(_segments(*send_chunk, segment))]
+        receives = [group.recv(flat[lo:hi], left, tag) for tag, (lo, hi) in enumerate(_segments(*recv_chunk, segment))]
+        for work in receives + sends:
+            work.wait()
+
+
+class RingAllReduce:
+    """The ring over every rank of ``group``, in rank order."""
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group = group
+        self._ranks = list(range(group.size))
+        self._scratch = _Scratch()
+
+    def start_sum(self, tensor: torch.Tensor) -> PendingOp:
+        flat = tensor.view(-1)
+        return self.group.submit(lambda: ring_sum(self.group, flat, self._ranks, self._scratch), "ring all-reduce")
+
+
+def node_groups(nodes: Sequence[str]) -> list[list[int]]:
+    """Ranks grouped by node id (``nodes[rank]``), nodes in order of their lowest rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        groups.setdefault(node, []).append(rank)
+    return list(groups.values())
+
+
+def hierarchical_sum(group: CommGroup, flat: torch.Tensor, nodes: list[list[int]], scratch: _Scratch) -> None:
+    """Sum ``flat`` in place: into each node's leader (its first rank), ring across leaders,
+    back out to each node's ranks. Blocking; every rank makes the same call."""
+    mine = next(ranks for ranks in nodes if group.rank in ranks)
+    leader = mine[0]
+    if group.rank != leader:
+        group.send(flat, leader).wait()
+        group.recv(flat, leader).wait()
+        return
+    incoming = scratch.get(flat, flat.numel())
+    for member in mine[1:]:
+        group.recv(incoming, member).wait()
+        flat.add_(incoming)
+    ring_sum(group, flat, [ranks[0] for ranks in nodes], scratch)
+    sends = [group.send(flat, member) for member in mine[1:]]
+    for work in sends:
+        work.wait()
+
+
+class HierarchicalAllReduce:
+    """Node-aware all-reduce; ``nodes[rank]`` is the Ray node id of each rank of ``group``.
+
+    With one node, or one rank per node, there is nothing to gain: it runs the flat ring.
+    """
+
+    def __init__(self, group: CommGroup, nodes: Sequence[str]) -> None:
+        if len(nodes) != group.size:
+            raise ValueError(f"need a node id for each of {group.size} ranks, got {len(nodes)}")
+        self.group = group
+        self._nodes = node_groups(nodes)
+        self.flat_ring = len(self._nodes) in (1, group.size)
+        self._scratch = _Scratch()
+
+    def start_sum(self, tensor: torch.Tensor) -> PendingOp:
+        flat = tensor.view(-1)
+        if self.flat_ring:
+            ranks = list(range(self.group.size))
+            return self.group.submit(lambda: ring_sum(self.group, flat, ranks, self._scratch), "ring all-reduce")
+        return self.group.submit(
+            lambda: hierarchical_sum(self.group, flat, self._nodes, self._scratch), "hierarchical all-reduce"
+        )
