@@ -46,6 +46,20 @@ def _parser() -> argparse.ArgumentParser:
         help="repeatable; default: both",
     )
     throughput.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
+
+    allreduce = benches.add_parser("allreduce", help="all-reduce bandwidth: our ring (and hierarchical) vs native")
+    allreduce.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="world sizes (default: 2 4)")
+    allreduce.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64], metavar="MB")
+    allreduce.add_argument("--nodes", type=int, default=1, help="simulated nodes (>1 adds hierarchical)")
+    allreduce.add_argument("--iters", type=int, default=10, help="timed rounds per size")
+    allreduce.add_argument("--json", dest="json_path", metavar="FILE", help="write the rows as JSON")
+
+    overlap = benches.add_parser("overlap", help="step time and exposed communication, overlap on vs off")
+    overlap.add_argument("--workload", choices=["digits", "tinylm"], default="digits")
+    overlap.add_argument("--workers", type=int, default=2)
+    overlap.add_argument("--rounds", type=int, default=3, help="alternating on/off rounds")
+    overlap.add_argument("--steps", type=int, default=20, help="steps per round")
+    overlap.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
     return parser
 
 
@@ -104,11 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     if args.command == "run":
         return _cmd_run(args)
-    if args.command == "bench":
+    if args.command == "bench" and args.bench == "throughput":
         from benchmarks import throughput
 
         workloads = args.workload or ["digits", "tinylm"]
         return throughput.main(workloads, args.workers, args.steps, args.repeats, args.json_path)
+    if args.command == "bench" and args.bench == "allreduce":
+        from benchmarks import collectives
+
+        return collectives.main_allreduce(args.workers, args.sizes, args.nodes, args.iters, args.json_path)
+    if args.command == "bench" and args.bench == "overlap":
+        from benchmarks import collectives
+
+        return collectives.main_overlap(args.workload, args.workers, args.rounds, args.steps, args.json_path)
     raise AssertionError(f"unhandled command {args.command}")
 
 

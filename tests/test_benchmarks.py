@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.collectives import MB, allreduce_rows, format_allreduce, overlap_result
 from benchmarks.throughput import FRAMEWORKS, format_table, medians, run_once
 from benchmarks.workloads import workload_job
 
@@ -42,3 +43,23 @@ def test_each_runner_gives_a_row_and_all_reach_the_same_loss(tmp_path):
     table = medians(rows)
     assert set(table["digits"]) == set(FRAMEWORKS)
     assert "ours/ray_train" in format_table(table)
+
+
+def test_allreduce_benchmark_rows_have_the_promised_fields():
+    rows = allreduce_rows(workers=4, sizes_mb=[0.01, 0.1], nodes=2, iters=1)
+    assert {r["algorithm"] for r in rows} == {"native", "ring", "hierarchical"}
+    assert {r["size_bytes"] for r in rows} == {int(0.01 * MB) // 4 * 4, int(0.1 * MB) // 4 * 4}
+    for row in rows:
+        assert set(row) == {"algorithm", "workers", "size_bytes", "time_s", "algbw_gbps", "busbw_gbps"}
+        assert row["time_s"] > 0
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * 3 / 4)
+    assert "vs native" in format_allreduce(rows)
+
+
+def test_overlap_benchmark_reports_both_modes():
+    job = workload_job("digits", workers=2, steps=8)
+    job = job.model_copy(update={"model": job.model.model_copy(update={"kwargs": {"hidden": 64}})})
+    result = overlap_result(job.model_dump_json(), workers=2, rounds=1, steps=4)
+    assert set(result) == {"overlap", "no_overlap"}
+    for values in result.values():
+        assert values["step_s"] > 0 and values["exposed_comm_s"] >= 0

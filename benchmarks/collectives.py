@@ -1,0 +1,173 @@
+"""Collective benchmarks in plain processes (gloo, no Ray): all-reduce bandwidth, and overlap.
+
+``allreduce``: for each size, native ``all_reduce`` and our ring (and hierarchical, with
+simulated nodes) take turns, so drift hits all alike. Bandwidths as in nccl-tests: algbw =
+bytes / time, busbw = algbw * 2(n-1)/n, the per-link load a ring must carry.
+
+``overlap``: real worker steps (the actor's own ``train_step``, without Ray around it) with
+overlap on and off in alternating rounds; exposed communication is the wait after backward.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from workers.comm_group import CommGroup, new_process_group
+from workers.communicator import make_communicator
+
+MB = 1 << 20
+DEFAULT_SIZES_MB = (1, 4, 16, 64)
+
+
+def _group(rank: int, world: int, port: int) -> CommGroup:
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+    pg = new_process_group("gloo", dist.PrefixStore("bench/", store), rank, world, 300.0)
+    return CommGroup(pg, rank, world, 300.0, threading.Event())
+
+
+def _allreduce_rank(
+    rank: int, world: int, port: int, results: dict, sizes: list[int], algorithms: list[str], nodes: list[str], iters: int
+) -> None:
+    torch.set_num_threads(1)
+    group = _group(rank, world, port)
+    communicators = {name: make_communicator(name, group, nodes) for name in algorithms}
+    barrier = make_communicator("native", group, nodes)
+    token = torch.zeros(1)
+    for size in sizes:
+        tensor = torch.ones(size // 4)
+        times: dict[str, list[float]] = {name: [] for name in algorithms}
+        for iteration in range(iters + 1):  # the first round warms up connections and buffers
+            for name, communicator in communicators.items():
+                barrier.start_sum(token).wait()
+                started = time.perf_counter()
+                communicator.start_sum(tensor).wait()
+                if iteration:
+                    times[name].append(time.perf_counter() - started)
+        if rank == 0:
+            for name in algorithms:
+                results[(name, size)] = statistics.median(times[name])
+    group.close()
+
+
+def _spawn(target: Any, world: int, *args: Any) -> dict:
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(target, args=(world, store.port, results, *args), nprocs=world, join=True)
+        return dict(results)
+
+
+def allreduce_rows(workers: int, sizes_mb: list[float], nodes: int, iters: int) -> list[dict[str, Any]]:
+    """Median seconds and bandwidths per (algorithm, size); ``nodes`` > 1 simulates that many
+    nodes (ranks dealt round-robin) and adds the hierarchical algorithm."""
+    node_ids = [f"node{rank % nodes}" for rank in range(workers)]
+    algorithms = ["native", "ring"] + (["hierarchical"] if 1 < nodes < workers else [])
+    sizes = [int(mb * MB) // 4 * 4 for mb in sizes_mb]
+    times = _spawn(_allreduce_rank, workers, sizes, algorithms, node_ids, iters)
+    rows = []
+    for size in sizes:
+        for name in algorithms:
+            seconds = times[(name, size)]
+            algbw = size / seconds / 1e9
+            rows.append({
+                "algorithm": name, "workers": workers, "size_bytes": size, "time_s": seconds,
+                "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (workers - 1) / workers,
+            })
+    return rows
+
+
+def format_allreduce(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'size':>9s} {'algorithm':12s} {'workers':>7s} {'time_ms':>9s} {'algbw GB/s':>10s} {'busbw GB/s':>10s} {'vs native':>9s}"]
+    native = {(r["size_bytes"], r["workers"]): r for r in rows if r["algorithm"] == "native"}
+    for r in rows:
+        base = native[(r["size_bytes"], r["workers"])]
+        lines.append(
+            f"{r['size_bytes'] / MB:7.1f}MB {r['algorithm']:12s} {r['workers']:7d} {r['time_s'] * 1e3:9.2f} "
+            f"{r['algbw_gbps']:10.3f} {r['busbw_gbps']:10.3f} {r['busbw_gbps'] / base['busbw_gbps']:8.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def _overlap_rank(
+    rank: int, world: int, port: int, results: dict, job_json: str, rounds: int, steps: int
+) -> None:
+    from orchestrator.config import JobConfig
+    from orchestrator.driver import worker_spec
+    from policies.assignment import ShardAssignment
+    from workers.actor import TrainWorker
+
+    torch.set_num_threads(1)
+    job = JobConfig.model_validate_json(job_json)
+    shards = list(ShardAssignment.balanced(job.shards, world).shards_by_rank[rank])
+    workers = {}
+    for overlap in (True, False):
+        variant = job.model_copy(update={"collective": job.collective.model_copy(update={"overlap": overlap})})
+        workers[overlap] = TrainWorker(worker_spec(variant))
+    step = 0
+    for round_ in range(rounds):
+        for overlap, worker in workers.items():
+            worker.join_group("127.0.0.1", port, f"r{round_}-{overlap}/", rank, ["node"] * world, 60.0)
+            reports = [worker.train_step(step + i, shards) for i in range(steps)]
+            step += steps
+            worker.leave_group()
+            if rank == 0:
+                kept = reports[2:]  # skip warm-up steps of each group
+                results[(overlap, round_)] = (
+                    statistics.median(r.step_s for r in kept),
+                    statistics.median(r.comm_s for r in kept),
+                )
+
+
+def overlap_result(job_json: str, workers: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    """``{"overlap": {"step_s", "exposed_comm_s"}, "no_overlap": {...}}``, medians over rounds."""
+    results = _spawn(_overlap_rank, workers, job_json, rounds, steps)
+    out = {}
+    for overlap, key in ((True, "overlap"), (False, "no_overlap")):
+        mine = [results[(overlap, r)] for r in range(rounds)]
+        out[key] = {
+            "step_s": statistics.median(m[0] for m in mine),
+            "exposed_comm_s": statistics.median(m[1] for m in mine),
+        }
+    return out
+
+
+def main_allreduce(workers: list[int], sizes_mb: list[float], nodes: int, iters: int, json_path: str | None) -> int:
+    rows = []
+    for count in workers:
+        print(f"allreduce: {count} workers, sizes {sizes_mb} MB, {iters} timed rounds, gloo")
+        rows += allreduce_rows(count, sizes_mb, nodes, iters)
+    print(format_allreduce(rows))
+    if json_path:
+        Path(json_path).write_text(json.dumps({"rows": rows}, indent=2))
+        print(f"wrote {json_path}")
+    return 0
+
+
+def main_overlap(workload: str, workers: int, rounds: int, steps: int, json_path: str | None) -> int:
+    from benchmarks.workloads import workload_job
+
+    job = workload_job(workload, workers, steps * rounds * 2)
+    print(f"overlap: {workload}, {workers} workers, {rounds} rounds x {steps} steps each way, {job.collective.algorithm}")
+    result = overlap_result(job.model_dump_json(), workers, rounds, steps)
+    on, off = result["overlap"], result["no_overlap"]
+    print(f"{'':12s} {'step_ms':>9s} {'exposed_comm_ms':>16s}")
+    for name, values in result.items():
+        print(f"{name:12s} {values['step_s'] * 1e3:9.2f} {values['exposed_comm_s'] * 1e3:16.2f}")
+    print(
+        f"exposed comm overlap/no_overlap {on['exposed_comm_s'] / off['exposed_comm_s']:.2f}x, "
+        f"step time {on['step_s'] / off['step_s']:.2f}x"
+    )
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+        print(f"wrote {json_path}")
+    return 0
