@@ -89,12 +89,18 @@ class CollectiveConfig(_Strict):
     each Ray node, then a ring across nodes) or ``native`` (torch.distributed.all_reduce).
     ``bucket_mb``: the most gradient data in one collective call (the first bucket is at most
     1 MB, so communication starts early). ``overlap``: reduce buckets during backward, as
-    their gradients become ready, instead of after it.
+    their gradients become ready, instead of after it. ``compression``: ``bf16``/``fp16``
+    (sum in half precision), ``int8`` (per-block scales) or ``topk`` (send the largest
+    ``topk_ratio`` of entries, keep the rest as error feedback); int8 and topk run on our ring
+    whatever the algorithm. Compression trades exactness for bytes: the invariance guarantee
+    (same trajectory on any worker count) holds only with ``none``.
     """
 
     algorithm: Literal["ring", "hierarchical", "native"] = "ring"
     bucket_mb: float = Field(4.0, gt=0)
     overlap: bool = True
+    compression: Literal["none", "bf16", "fp16", "int8", "topk"] = "none"
+    topk_ratio: float = Field(0.01, gt=0, le=1)
 
 
 class WorkerConfig(_Strict):

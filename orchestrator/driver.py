@@ -63,6 +63,8 @@ def worker_spec(job: JobConfig) -> WorkerSpec:
         epochs=job.epochs,
         fuse_shards=job.worker.fuse_shards,
         algorithm=job.collective.algorithm,
+        compression=job.collective.compression,
+        topk_ratio=job.collective.topk_ratio,
         bucket_bytes=int(job.collective.bucket_mb * 2**20),
         overlap=job.collective.overlap,
         collective_timeout_s=job.timeouts.collective_s,

@@ -3,6 +3,7 @@ real gloo process groups in spawned processes (no Ray)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from multiproc import comm_group, run_ranks, tcp_store
 from workers.comm_group import CollectiveAborted, CollectiveTimeout
 from workers.communicator import make_communicator
+from workers.compression import compress
 from workers.ring import chunk_bounds, node_groups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,3 +114,45 @@ def test_absent_rank_gives_clear_error_and_group_reforms(algorithm, abort_after)
         assert results[(rank, "seconds")] < limit + 1.0  # back within its timeout: no hang
     for rank in range(world):
         torch.testing.assert_close(results[(rank, "after")], torch.full((1001,), float(sum(range(world)))))
+
+
+def _compressed_worker(rank: int, world: int, port: int, results: dict, compression: str, ratio: float) -> None:
+    group = comm_group(rank, world, port)
+    communicator = compress(compression, make_communicator("ring", group, ["n"] * world), group, ratio)
+    for step in range(2):
+        torch.manual_seed(rank * 10 + step)
+        tensor = torch.randn(10_001)
+        results[(rank, step, "input")] = tensor.clone()
+        communicator.start_sum(tensor).wait()
+        results[(rank, step, "output")] = tensor
+    if compression == "topk":
+        results[(rank, "residual")] = next(iter(communicator.residuals.values()))
+    group.close()
+
+
+@pytest.mark.parametrize(
+    "compression, ratio, tolerance",
+    [("bf16", 0, 0.05), ("fp16", 0, 0.01), ("int8", 0, 0.1), ("topk", 1.0, 1e-5)],
+)
+def test_compressed_sum_is_close_and_identical_on_every_rank(compression, ratio, tolerance):
+    world = 3
+    results = run_ranks(_compressed_worker, world, compression, ratio)
+    for step in range(2):
+        expected = torch.stack([results[(r, step, "input")] for r in range(world)]).sum(0)
+        outputs = [results[(r, step, "output")] for r in range(world)]
+        for output in outputs[1:]:
+            torch.testing.assert_close(output, outputs[0], rtol=0, atol=0)  # replicas stay identical
+        error = (outputs[0] - expected).abs().max() / expected.abs().max()
+        assert error < tolerance, f"{compression}: relative error {error:.4f}"
+
+
+def test_topk_error_feedback_loses_nothing():
+    """What a rank did not send is in its residual: over two steps, sent + residual = inputs."""
+    world, ratio = 2, 0.05
+    results = run_ranks(_compressed_worker, world, "topk", ratio)
+    inputs = sum(results[(r, s, "input")] for r in range(world) for s in range(2))
+    delivered = results[(0, 0, "output")] + results[(0, 1, "output")]
+    kept = sum(results[(r, "residual")] for r in range(world))
+    torch.testing.assert_close(delivered + kept, inputs, rtol=1e-5, atol=1e-5)
+    # And it really is sparse: one step delivers at most world * k nonzeros.
+    assert int((results[(0, 0, "output")] != 0).sum()) <= world * math.ceil(ratio * 10_001)

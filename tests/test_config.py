@@ -57,6 +57,8 @@ BAD_JOBS = [
     ({"scaling": {"workers": 5, "max_workers": 4}}, "min_workers <= workers <= max_workers"),
     ({"optimizer": {"name": "lamb"}}, "'optimizer.name'"),
     ({"collective": {"algorithm": "butterfly"}}, "'collective.algorithm'"),
+    ({"collective": {"compression": "zip"}}, "'collective.compression'"),
+    ({"collective": {"topk_ratio": 2}}, "'collective.topk_ratio'"),
     ({"scaling": {"resources_per_worker": {"CPU": -1}}}, "'scaling.resources_per_worker'"),
     ({"steps": 10, "epochs": 2}, "exactly one of 'steps' and 'epochs'"),
 ]

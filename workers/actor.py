@@ -22,6 +22,7 @@ import torch.distributed as dist
 from workers import factories
 from workers.comm_group import CollectiveAborted, CollectiveTimeout, CommGroup, new_process_group
 from workers.communicator import make_communicator, pick_backend
+from workers.compression import compress
 from workers.flat_optimizer import FlatOptimizer
 from workers.overlap import GradientReducer
 from workers.sampler import ShardSampler
@@ -59,6 +60,8 @@ class WorkerSpec:
     epochs: float | None
     fuse_shards: bool
     algorithm: str
+    compression: str
+    topk_ratio: float
     bucket_bytes: int
     overlap: bool
     collective_timeout_s: float
@@ -133,11 +136,14 @@ class TrainWorker:
         )
         self.group = CommGroup(pg, rank, len(nodes), self.spec.collective_timeout_s, self.abort_flag)
         self.rank, self.world_size = rank, len(nodes)
+        exact = make_communicator(self.spec.algorithm, self.group, nodes)
+        compressed = compress(self.spec.compression, exact, self.group, self.spec.topk_ratio)
         self.reducer = GradientReducer(
             self.flat,
-            make_communicator(self.spec.algorithm, self.group, nodes),
+            compressed,
             self.spec.bucket_bytes,
             self.spec.overlap,
+            extra_comm=exact if compressed is not exact else None,
         )
         self.group.broadcast(self.flat.values, root=0)
 

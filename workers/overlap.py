@@ -30,11 +30,13 @@ class Bucket:
     params: tuple[int, ...]  # indices into FlatParameters.params
 
 
-def plan_buckets(ranges: list[tuple[int, int]], capacity: int, first_capacity: int) -> list[Bucket]:
+def plan_buckets(
+    ranges: list[tuple[int, int]], capacity: int, first_capacity: int, floor: int = 0
+) -> list[Bucket]:
     """Group parameters (given by their ``(start, end)`` buffer ranges, in parameter order and
     contiguous) into buckets of at most ``capacity`` elements, in reverse order, the first at
     most ``first_capacity``. A parameter larger than the capacity gets a bucket of its own.
-    The last bucket extends down to element 0. Returns buckets in launch order.
+    The last bucket extends down to element ``floor``. Returns buckets in launch order.
     """
     if capacity < 1 or first_capacity < 1:
         raise ValueError(f"bucket capacities must be >= 1, got {capacity} and {first_capacity}")
@@ -49,7 +51,7 @@ def plan_buckets(ranges: list[tuple[int, int]], capacity: int, first_capacity: i
             members, limit = [], capacity
         members.append(index)
     if members:
-        buckets.append(Bucket(0, ranges[members[0]][1], tuple(members)))
+        buckets.append(Bucket(floor, ranges[members[0]][1], tuple(members)))
     return buckets
 
 
@@ -62,13 +64,24 @@ class GradientReducer:
     communication.
     """
 
-    def __init__(self, grads: FlatParameters, comm: Communicator, bucket_bytes: int, overlap: bool) -> None:
+    def __init__(
+        self,
+        grads: FlatParameters,
+        comm: Communicator,
+        bucket_bytes: int,
+        overlap: bool,
+        extra_comm: Communicator | None = None,
+    ) -> None:
         element = grads.buffer.element_size()
         self.grads = grads
         self.comm = comm
         self.overlap = overlap
+        # An inexact (compressed) ``comm`` must not touch the bookkeeping slots: with
+        # ``extra_comm`` they are summed apart, exactly, after the buckets.
+        self.extra_comm = extra_comm
+        floor = grads.extra.numel() if extra_comm is not None else 0
         self.buckets = plan_buckets(
-            grads.ranges, max(1, bucket_bytes // element), max(1, FIRST_BUCKET_BYTES // element)
+            grads.ranges, max(1, bucket_bytes // element), max(1, FIRST_BUCKET_BYTES // element), floor
         )
         self._bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         self._missing: list[int] = []
@@ -118,6 +131,8 @@ class GradientReducer:
         self._armed = False
         for index in range(len(self._pending), len(self.buckets)):
             self._launch(index)
+        if self.extra_comm is not None and self.grads.extra.numel():
+            self._pending.append(self.extra_comm.start_sum(self.grads.extra))
         try:
             for pending in self._pending:
                 pending.wait()

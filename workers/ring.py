@@ -78,10 +78,25 @@ def ring_sum(group: CommGroup, flat: torch.Tensor, ranks: Sequence[int], scratch
         for work in sends:  # the sends (and the views they read) stay alive until done
             work.wait()
 
-    for step in range(n - 1):  # all-gather: chunk (me + 1 - step) is complete here
-        send_chunk, recv_chunk = bounds[(me + 1 - step) % n], bounds[(me - step) % n]
-        sends = [group.send(flat[lo:hi], right, tag) for tag, (lo, hi) in enumerate(_segments(*send_chunk, segment))]
-        receives = [group.recv(flat[lo:hi], left, tag) for tag, (lo, hi) in enumerate(_segments(*recv_chunk, segment))]
+    # All-gather: rank r now holds the finished chunk r + 1.
+    ring_all_gather(group, [(flat[lo:hi],) for lo, hi in bounds], ranks, own=(me + 1) % n)
+
+
+def ring_all_gather(
+    group: CommGroup, pieces: Sequence[tuple[torch.Tensor, ...]], ranks: Sequence[int], own: int
+) -> None:
+    """Hand pieces around the ring until every rank holds all of them.
+
+    ``pieces[i]`` is a tuple of tensors (shapes alike on every rank); on entry this rank holds
+    ``pieces[own]``, on exit all of them. Blocking; every rank in ``ranks`` makes the call.
+    """
+    n = len(ranks)
+    me = ranks.index(group.rank)
+    right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
+    for step in range(n - 1):
+        outgoing, incoming = pieces[(own - step) % n], pieces[(own - step - 1) % n]
+        sends = [group.send(t, right, tag) for tag, t in enumerate(outgoing) if t.numel()]
+        receives = [group.recv(t, left, tag) for tag, t in enumerate(incoming) if t.numel()]
         for work in receives + sends:
             work.wait()
 
