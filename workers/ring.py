@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from workers.comm_group import CommGroup, PendingOp
 
@@ -54,7 +55,12 @@ def _segments(start: int, end: int, size: int) -> list[tuple[int, int]]:
 
 def ring_sum(group: CommGroup, flat: torch.Tensor, ranks: Sequence[int], scratch: _Scratch) -> None:
     """Sum the 1-D ``flat`` in place over ``ranks`` (group ranks, in ring order; this rank
-    among them). Blocking; every rank in ``ranks`` must make the same call."""
+    among them). Blocking; every rank in ``ranks`` must make the same call.
+
+    The 2(n-1) steps run as one pipeline: the chunk received at step t is the one sent at step
+    t + 1, so each segment goes back out as soon as it is summed (reduce-scatter) or has
+    arrived (all-gather), while later segments are still on the wire.
+    """
     n = len(ranks)
     if n == 1 or flat.numel() == 0:
         return
@@ -62,24 +68,44 @@ def ring_sum(group: CommGroup, flat: torch.Tensor, ranks: Sequence[int], scratch
     right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
     bounds = chunk_bounds(flat.numel(), n)
     segment = max(1, SEGMENT_BYTES // flat.element_size())
-    incoming = scratch.get(flat, max(end - start for start, end in bounds))
+    longest = max(end - start for start, end in bounds)
+    # Two receive buffers: step t + 1's receives are posted while step t's are being summed.
+    buffers = scratch.get(flat, 2 * longest)
+    steps = 2 * (n - 1)
 
-    for step in range(n - 1):  # reduce-scatter
-        send_chunk, recv_chunk = bounds[(me - step) % n], bounds[(me - step - 1) % n]
-        sends = [group.send(flat[lo:hi], right, tag) for tag, (lo, hi) in enumerate(_segments(*send_chunk, segment))]
-        base = recv_chunk[0]
-        receives = [
-            (group.recv(incoming[lo - base : hi - base], left, tag), lo, hi)
-            for tag, (lo, hi) in enumerate(_segments(*recv_chunk, segment))
-        ]
-        for work, lo, hi in receives:
-            work.wait()
-            flat[lo:hi].add_(incoming[lo - base : hi - base])
-        for work in sends:  # the sends (and the views they read) stay alive until done
-            work.wait()
+    def received(t: int) -> tuple[int, int]:  # the chunk arriving at step t (sent at t + 1)
+        return bounds[(me - t - 1) % n] if t < n - 1 else bounds[(me - t + n - 1) % n]
 
-    # All-gather: rank r now holds the finished chunk r + 1.
-    ring_all_gather(group, [(flat[lo:hi],) for lo, hi in bounds], ranks, own=(me + 1) % n)
+    def tag(t: int, j: int) -> int:  # at most two steps in flight per peer
+        return (t % 2) << 20 | j
+
+    def post_receives(t: int) -> list[tuple[dist.Work, int, int]]:
+        lo0 = received(t)[0]
+        out = []
+        for j, (lo, hi) in enumerate(_segments(*received(t), segment)):
+            into = buffers[(t % 2) * longest + lo - lo0 :][: hi - lo] if t < n - 1 else flat[lo:hi]
+            out.append((group.recv(into, left, tag(t, j)), lo, hi))
+        return out
+
+    sends = [group.send(flat[lo:hi], right, tag(0, j)) for j, (lo, hi) in enumerate(_segments(*bounds[me], segment))]
+    receives = post_receives(0)
+    for t in range(steps):
+        next_sends: list[dist.Work] = []
+        next_receives: list[tuple[dist.Work, int, int]] = []
+        lo0 = received(t)[0]
+        if not receives and t + 1 < steps:  # nothing arrives this step (a chunk of length 0)
+            next_receives = post_receives(t + 1)
+        for j, (work, lo, hi) in enumerate(receives):
+            work.wait()
+            if t < n - 1:
+                flat[lo:hi].add_(buffers[(t % 2) * longest + lo - lo0 :][: hi - lo])
+            if t + 1 < steps:
+                if j == 0:
+                    next_receives = post_receives(t + 1)
+                next_sends.append(group.send(flat[lo:hi], right, tag(t + 1, j)))
+        for work in sends:  # each send (and the view it reads) stays alive until done
+            work.wait()
+        sends, receives = next_sends, next_receives
 
 
 def ring_all_gather(
