@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from workers.comm_group import CommGroup, PendingOp
 
-SEGMENT_BYTES = 1 << 20
+SEGMENT_BYTES = 2 << 20
 
 
 def chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
