@@ -104,11 +104,13 @@ def _overlap_rank(
     from orchestrator.config import JobConfig
     from orchestrator.driver import worker_spec
     from policies.assignment import ShardAssignment
+    from policies.work_stealing import StepPlan
     from workers.actor import TrainWorker
 
     torch.set_num_threads(1)
     job = JobConfig.model_validate_json(job_json)
-    shards = list(ShardAssignment.balanced(job.shards, world).shards_by_rank[rank])
+    # Fixed shards, no mitigation: this measures the collectives, not the straggler machinery.
+    plan = StepPlan(ShardAssignment.balanced(job.shards, world).shards_by_rank, steal=False, speculate=False)
     workers = {}
     for overlap in (True, False):
         variant = job.model_copy(update={"collective": job.collective.model_copy(update={"overlap": overlap})})
@@ -117,7 +119,7 @@ def _overlap_rank(
     for round_ in range(rounds):
         for overlap, worker in workers.items():
             worker.join_group("127.0.0.1", port, f"r{round_}-{overlap}/", rank, ["node"] * world, 60.0)
-            reports = [worker.train_step(step + i, shards) for i in range(steps)]
+            reports = [worker.train_step(step + i, plan) for i in range(steps)]
             step += steps
             worker.leave_group()
             if rank == 0:

@@ -128,14 +128,74 @@ class CheckpointConfig(_Strict):
         return value
 
 
+class SlowChaos(_Strict):
+    """Worker ``rank`` (its rank at job start) computes ``factor`` times slower in steps
+    ``from_step`` up to, not including, ``to_step`` (null: to the end)."""
+
+    rank: int = Field(ge=0)
+    factor: float = Field(gt=1)
+    from_step: int = Field(0, ge=0)
+    to_step: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "SlowChaos":
+        if self.to_step is not None and self.to_step <= self.from_step:
+            raise ValueError(f"to_step ({self.to_step}) must be after from_step ({self.from_step})")
+        return self
+
+
+class StallChaos(_Strict):
+    """Worker ``rank`` stops for ``seconds`` at the start of step ``at_step``."""
+
+    rank: int = Field(ge=0)
+    at_step: int = Field(ge=0)
+    seconds: float = Field(gt=0)
+
+
 class ChaosConfig(_Strict):
     """Fault and slowness injection, for tests and demos.
 
     ``shuffle_shards``: deal each step's shards to workers at random (seeded, uneven counts,
-    some workers may get none) instead of evenly; the result must not change.
+    some workers may get none) instead of by the rebalancer; the result must not change.
+    ``slow``/``stall``: make a worker really compute slower, or stop, in given steps.
     """
 
     shuffle_shards: bool = False
+    slow: list[SlowChaos] = Field(default_factory=list)
+    stall: list[StallChaos] = Field(default_factory=list)
+
+
+class StragglerConfig(_Strict):
+    """Straggler detection and mitigation (design §3).
+
+    ``mitigation``: master switch; when off, every worker runs exactly its planned shards.
+    ``steal``: idle workers take unstarted shards of late workers; ``speculate``: they back up
+    late running shards (first commit wins); ``rebalance``: shard counts follow measured speed.
+    Detection: a worker is slow when its seconds per shard exceed both ``min_ratio`` x the
+    median and ``threshold`` robust deviations (MAD) of the recent ``window`` steps; slow in
+    ``persistent_steps`` of the window makes it persistently slow. ``late_factor``: a shard that
+    has sat longer than this many times its expected time gets stolen or backed up.
+    ``rebalance_alpha`` (EWMA weight) and ``rebalance_hysteresis`` (fraction of step time a new
+    split must save).
+    """
+
+    mitigation: bool = True
+    steal: bool = True
+    speculate: bool = True
+    rebalance: bool = True
+    threshold: float = Field(4.0, gt=0)
+    min_ratio: float = Field(1.5, gt=1)
+    window: int = Field(8, ge=1)
+    persistent_steps: int = Field(5, ge=1)
+    late_factor: float = Field(3.0, gt=1)
+    rebalance_alpha: float = Field(0.3, gt=0, le=1)
+    rebalance_hysteresis: float = Field(0.15, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _window(self) -> "StragglerConfig":
+        if self.persistent_steps > self.window:
+            raise ValueError(f"persistent_steps ({self.persistent_steps}) must be <= window ({self.window})")
+        return self
 
 
 class TimeoutConfig(_Strict):
@@ -170,6 +230,7 @@ class JobConfig(_Strict):
     collective: CollectiveConfig = CollectiveConfig()
     worker: WorkerConfig = WorkerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    stragglers: StragglerConfig = StragglerConfig()
     chaos: ChaosConfig = ChaosConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     run_dir: str | None = Field(None, description="default: runs/<name>-<timestamp>")
@@ -183,6 +244,13 @@ class JobConfig(_Strict):
                 f"shards ({self.shards}) must not exceed batch_size ({self.batch_size}): "
                 "every shard needs at least one sample"
             )
+        for kind in ("slow", "stall"):
+            for index, entry in enumerate(getattr(self.chaos, kind)):
+                if entry.rank >= self.scaling.max_workers:
+                    raise ValueError(
+                        f"chaos.{kind}.{index}.rank: {entry.rank} is not a worker "
+                        f"(the job has at most {self.scaling.max_workers})"
+                    )
         if self.shards < self.scaling.max_workers:
             raise ValueError(
                 f"shards ({self.shards}) must be >= the most workers the job may have "

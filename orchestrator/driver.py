@@ -9,19 +9,22 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch.distributed as dist
 from tqdm import tqdm
 
 from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDirectory
 from orchestrator.state import JobState, JobStateMachine
+from orchestrator.straggler_control import StragglerControl
 from orchestrator.worker_group import RendezvousStore, WorkerGroup, WorkerGroupError
-from policies.assignment import ShardAssignment
 from workers.actor import WorkerSpec
+from workers.claims import SLOTS, open_step
 from workers.telemetry import StepTelemetry
 
 # Steps submitted ahead of the one being collected: the driver's round trip and bookkeeping
 # overlap the workers' compute instead of sitting between steps.
 STEPS_IN_FLIGHT = 2
+assert STEPS_IN_FLIGHT < SLOTS, "open steps must not share claim slots"
 
 EVENT_COUNTERS = (
     "failures",
@@ -29,6 +32,7 @@ EVENT_COUNTERS = (
     "steps_redone",
     "stragglers_detected",
     "speculative_shards",
+    "speculative_won",
     "stolen_shards",
     "rebalances",
     "checkpoints",
@@ -68,6 +72,8 @@ def worker_spec(job: JobConfig) -> WorkerSpec:
         bucket_bytes=int(job.collective.bucket_mb * 2**20),
         overlap=job.collective.overlap,
         collective_timeout_s=job.timeouts.collective_s,
+        chaos_slow=tuple((c.rank, c.factor, c.from_step, c.to_step) for c in job.chaos.slow),
+        chaos_stall=tuple((c.rank, c.at_step, c.seconds) for c in job.chaos.stall),
     )
 
 
@@ -96,6 +102,8 @@ class JobDriver:
         self.shards_committed = 0
         self.final_loss: float | None = None
         self.train_s = 0.0
+        self.claims: dist.Store | None = None  # this generation's shard claims, once formed
+        self.stragglers: StragglerControl | None = None
 
     def mark(self, milestone: str, seconds: float | None = None) -> None:
         """Record a start-up milestone, in seconds since launch (now, unless given)."""
@@ -103,11 +111,6 @@ class JobDriver:
 
     def _on_state(self, old: JobState, new: JobState, reason: str) -> None:
         self.run.event("state", old=old.value, new=new.value, reason=reason)
-
-    def assignment(self, step: int, world_size: int) -> ShardAssignment:
-        if self.job.chaos.shuffle_shards:
-            return ShardAssignment.shuffled(self.job.shards, world_size, seed=self.job.seed * 7919 + step)
-        return ShardAssignment.balanced(self.job.shards, world_size)
 
     def execute(self) -> JobResult:
         job = self.job
@@ -123,6 +126,8 @@ class JobDriver:
             self.mark("workers_started")
             num_steps = int(info[0]["num_steps"])
             group.form_group(store)
+            self.claims = store.claims()
+            self.stragglers = StragglerControl(job, [i["worker"] for i in info], self.counters, self.run.event)
             self.mark("group_formed")
             self.run.event("workers_ready", workers=info, startup_s=dict(self.startup_s))
             self.machine.to(JobState.RUNNING)
@@ -148,11 +153,15 @@ class JobDriver:
         return JobResult(self.run.path, summary)
 
     def _train(self, group: WorkerGroup, num_steps: int) -> None:
+        assert self.stragglers is not None and self.claims is not None, "group not formed"
         inflight: deque[tuple[int, list[ray.ObjectRef]]] = deque()
         started = time.perf_counter()
         with tqdm(total=num_steps, unit="step", disable=not self.progress, dynamic_ncols=True) as bar:
             for step in range(num_steps):
-                inflight.append((step, group.submit_step(step, self.assignment(step, group.size))))
+                plan = self.stragglers.plan(step)
+                if plan.mitigating:
+                    open_step(self.claims, step, plan.num_shards)
+                inflight.append((step, group.submit_step(step, plan)))
                 if len(inflight) >= STEPS_IN_FLIGHT:
                     self._collect(*inflight.popleft(), bar)
             while inflight:
@@ -174,6 +183,7 @@ class JobDriver:
         self.samples += reports[0].global_samples
         self.final_loss = reports[0].loss
         self.run.telemetry([r.to_json() for r in reports])
+        self.stragglers.observe(step, reports)  # type: ignore[union-attr]
         step_s = max(r.step_s for r in reports)
         self.run.event("step", step=step, loss=self.final_loss, samples=reports[0].global_samples, step_s=step_s)
         bar.update(1)

@@ -11,7 +11,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import ScalingConfig, TimeoutConfig
-from policies.assignment import ShardAssignment
+from policies.work_stealing import StepPlan
 from workers.actor import TrainWorker, WorkerSpec
 
 RemoteTrainWorker = ray.remote(concurrency_groups={"compute": 1, "control": 1})(TrainWorker)
@@ -38,6 +38,10 @@ class RendezvousStore:
     def next_prefix(self) -> str:
         self.generation += 1
         return f"gen{self.generation}/"
+
+    def claims(self) -> dist.Store:
+        """The current generation's view of the store (where shard claims live)."""
+        return dist.PrefixStore(f"gen{self.generation}/", self._store)
 
 
 def actor_options(scaling: ScalingConfig) -> dict[str, Any]:
@@ -85,7 +89,7 @@ class WorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement, placement_group_bundle_index=i
                 ),
-            ).remote(self.spec)
+            ).remote(self.spec, i)
             for i in range(count)
         ]
         try:
@@ -114,13 +118,11 @@ class WorkerGroup:
             "rendezvous",
         )
 
-    def submit_step(self, step: int, assignment: ShardAssignment) -> list[ray.ObjectRef]:
-        if assignment.world_size != self.size:
-            raise ValueError(f"assignment is for {assignment.world_size} ranks, group has {self.size}")
-        return [
-            actor.train_step.remote(step, list(shards))
-            for actor, shards in zip(self.actors, assignment.shards_by_rank)
-        ]
+    def submit_step(self, step: int, plan: StepPlan) -> list[ray.ObjectRef]:
+        if len(plan.shards_by_rank) != self.size:
+            raise ValueError(f"plan is for {len(plan.shards_by_rank)} ranks, group has {self.size}")
+        # By value: a small plan inlined in the task beats a ray.put the workers must fetch.
+        return [actor.train_step.remote(step, plan) for actor in self.actors]
 
     def call_rank(self, rank: int, method: str, timeout_s: float) -> Any:
         return self._get(getattr(self.actors[rank], method).remote(), timeout_s, method)

@@ -61,6 +61,12 @@ BAD_JOBS = [
     ({"collective": {"topk_ratio": 2}}, "'collective.topk_ratio'"),
     ({"scaling": {"resources_per_worker": {"CPU": -1}}}, "'scaling.resources_per_worker'"),
     ({"steps": 10, "epochs": 2}, "exactly one of 'steps' and 'epochs'"),
+    ({"chaos": {"slow": [{"rank": 9, "factor": 3}]}}, "chaos.slow.0.rank: 9 is not a worker"),
+    ({"chaos": {"slow": [{"rank": 0, "factor": 0.5}]}}, "'chaos.slow.0.factor'"),
+    ({"chaos": {"slow": [{"rank": 0, "factor": 2, "from_step": 5, "to_step": 5}]}}, "to_step (5) must be after from_step (5)"),
+    ({"chaos": {"stall": [{"rank": 1, "at_step": 3}]}}, "'chaos.stall.0.seconds'"),
+    ({"stragglers": {"min_ratio": 1}}, "'stragglers.min_ratio'"),
+    ({"stragglers": {"window": 3, "persistent_steps": 4}}, "persistent_steps (4) must be <= window (3)"),
 ]
 
 

@@ -12,42 +12,28 @@ from orchestrator.cli import main
 from orchestrator.config import load_job
 from orchestrator.driver import EVENT_COUNTERS
 from orchestrator.launch import run_job
+from tests.helpers.jobs import assert_same_params, params, run
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-def _params(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "model.pt", weights_only=True)
-
-
-def _run(tmp_path: Path, name: str, *overrides: str):
-    job = load_job(None, ["steps=25", "eval=null", *overrides])
-    result = run_job(job, run_dir=tmp_path / name)
-    assert result.summary["status"] == "finished", result.summary.get("error")
-    assert result.summary["shards_committed"] == result.summary["shards_expected"] == job.steps * job.shards
-    return result
-
-
 def test_parameters_do_not_depend_on_worker_count_or_assignment(tmp_path):
     """design.md §1: any assignment of shards to workers gives the same update."""
-    reference = _params(_run(tmp_path, "w1", "scaling.workers=1").run_dir)
+    reference = params(run(tmp_path, "w1", "scaling.workers=1").run_dir)
     variants = {
-        "w3": _run(tmp_path, "w3", "scaling.workers=3"),
-        "w4": _run(tmp_path, "w4", "scaling.workers=4"),
-        "w4-shuffled": _run(tmp_path, "w4s", "scaling.workers=4", "chaos.shuffle_shards=true"),
-        "w4-native": _run(tmp_path, "w4n", "scaling.workers=4", "collective.algorithm=native"),
-        "w3-hierarchical": _run(tmp_path, "w3h", "scaling.workers=3", "collective.algorithm=hierarchical"),
-        "w3-no-overlap-unfused": _run(
+        "w3": run(tmp_path, "w3", "scaling.workers=3"),
+        "w4": run(tmp_path, "w4", "scaling.workers=4"),
+        "w4-shuffled": run(tmp_path, "w4s", "scaling.workers=4", "chaos.shuffle_shards=true"),
+        "w4-native": run(tmp_path, "w4n", "scaling.workers=4", "collective.algorithm=native"),
+        "w3-hierarchical": run(tmp_path, "w3h", "scaling.workers=3", "collective.algorithm=hierarchical"),
+        "w3-no-overlap-unfused": run(
             tmp_path, "w3n", "scaling.workers=3", "collective.overlap=false", "worker.fuse_shards=false"
         ),
     }
     for name, result in variants.items():
-        params = _params(result.run_dir)
-        assert params.keys() == reference.keys()
-        for key in reference:
-            torch.testing.assert_close(params[key], reference[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+        assert_same_params(params(result.run_dir), reference, name)
     # The check must be able to fail: a different seed moves the parameters well past tolerance.
-    other = _params(_run(tmp_path, "seed1", "scaling.workers=1", "seed=1").run_dir)
+    other = params(run(tmp_path, "seed1", "scaling.workers=1", "seed=1").run_dir)
     assert any(not torch.allclose(other[k], reference[k], rtol=1e-5, atol=1e-6) for k in reference)
 
 
@@ -63,17 +49,17 @@ def test_dropout_model_is_invariant_with_unfused_shards(tmp_path):
         "dataset={factory: 'ringleader_examples.tinylm:make_dataset', kwargs: {seq_len: 16}}",
         "batch_size=32", "shards=8", "steps=6", "worker.fuse_shards=false",
     ]
-    one = _params(_run(tmp_path, "lm1", *tiny, "scaling.workers=1").run_dir)
-    three = _params(_run(tmp_path, "lm3", *tiny, "scaling.workers=3", "chaos.shuffle_shards=true").run_dir)
+    one = params(run(tmp_path, "lm1", *tiny, "scaling.workers=1").run_dir)
+    three = params(run(tmp_path, "lm3", *tiny, "scaling.workers=3", "chaos.shuffle_shards=true").run_dir)
     for key in one:
         torch.testing.assert_close(three[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
     # Control: fused passes draw different dropout masks, and the comparison sees it.
-    fused = _params(_run(tmp_path, "lm1f", *tiny, "scaling.workers=1", "worker.fuse_shards=true").run_dir)
+    fused = params(run(tmp_path, "lm1f", *tiny, "scaling.workers=1", "worker.fuse_shards=true").run_dir)
     assert any(not torch.allclose(fused[k], one[k], rtol=1e-5, atol=1e-6) for k in one)
 
 
 def test_shuffled_assignment_really_moves_shards(tmp_path):
-    result = _run(tmp_path, "moves", "scaling.workers=4", "chaos.shuffle_shards=true", "steps=3")
+    result = run(tmp_path, "moves", "scaling.workers=4", "chaos.shuffle_shards=true", "steps=3")
     lines = [json.loads(l) for l in (result.run_dir / "telemetry.jsonl").read_text().splitlines()]
     counts = {(r["step"], r["rank"]): len(r["shards"]) for r in lines}
     assert len(set(counts.values())) > 1
@@ -91,7 +77,9 @@ def test_builtin_example_end_to_end(tmp_path, capsys):
     assert summary["steps"] == 300 and summary["samples"] == 300 * 256
     assert summary["shards_committed"] == summary["shards_expected"] == 300 * 16
     assert summary["workers"] == {"start": 4, "end": 4}
-    assert set(summary["events"]) == set(EVENT_COUNTERS) and not any(summary["events"].values())
+    assert set(summary["events"]) == set(EVENT_COUNTERS)
+    # Nothing failed; straggler counters may move on a busy machine (workers really are late).
+    assert not any(summary["events"][k] for k in ("failures", "recoveries", "steps_redone", "checkpoints"))
     for key in ("wall_s", "samples_per_s", "final_loss"):
         assert summary[key] > 0
 
@@ -108,7 +96,7 @@ def test_builtin_example_end_to_end(tmp_path, capsys):
     assert all(r["compute_s"] > 0 and r["comm_s"] > 0 for r in telemetry)
     assert sum(r["samples"] for r in telemetry if r["step"] == 7) == 256
 
-    state = _params(run_dir)
+    state = params(run_dir)
     model = load_job(None).model
     from workers.factories import build
 

@@ -14,26 +14,23 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 import torch.distributed as dist
 
+from policies.work_stealing import StepPlan
 from workers import factories
+from workers.chaos import ChaosSchedule, Slowdown, Stall
+from workers.claims import ShardClaims
 from workers.comm_group import CollectiveAborted, CollectiveTimeout, CommGroup, new_process_group
 from workers.communicator import make_communicator, pick_backend
 from workers.compression import compress
 from workers.flat_optimizer import FlatOptimizer
 from workers.overlap import GradientReducer
 from workers.sampler import ShardSampler
+from workers.step import StepRunner
 from workers.telemetry import StepTelemetry
-from workers.training import (
-    FlatParameters,
-    evaluate_model,
-    fetch_batch,
-    move_to,
-    per_sample_loss,
-)
+from workers.training import FlatParameters, evaluate_model
 
 
 class ShardCensusError(RuntimeError):
@@ -65,23 +62,21 @@ class WorkerSpec:
     bucket_bytes: int
     overlap: bool
     collective_timeout_s: float
-
-
-def _shard_seed(seed: int, step: int, shard: int) -> int:
-    # Randomness inside the forward pass (dropout) depends on the shard, not on the worker.
-    return ((seed * 1_000_003 + step) * 1_000_003 + shard) & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def _passes(shards: list[int], fuse: bool) -> list[list[int]]:
-    """Shards run together in one forward/backward: all of them, or one at a time."""
-    return [list(shards)] if fuse and shards else [[s] for s in shards]
+    # Injected slowness, by worker id: (worker, factor, from_step, to_step) and (worker, at_step, seconds).
+    chaos_slow: tuple[tuple[int, float, int, int | None], ...] = ()
+    chaos_stall: tuple[tuple[int, int, float], ...] = ()
 
 
 class TrainWorker:
-    """A model replica. Built identically on every rank; rank 0's parameters win at join."""
+    """A model replica. Built identically on every rank; rank 0's parameters win at join.
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    ``worker_id`` names the worker for its whole life (ranks change when the group re-forms);
+    chaos settings refer to it.
+    """
+
+    def __init__(self, spec: WorkerSpec, worker_id: int = 0) -> None:
         self.spec = spec
+        self.worker_id = worker_id
         gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
         self.device = torch.device("cuda", 0) if gpu_ids and torch.cuda.is_available() else torch.device("cpu")
         torch.manual_seed(spec.seed)
@@ -100,6 +95,15 @@ class TrainWorker:
         self.reducer: GradientReducer | None = None
         self.group: CommGroup | None = None
         self.abort_flag = threading.Event()
+        self.claims_store: dist.Store | None = None
+        self.chaos = ChaosSchedule(
+            [Slowdown(f, a, b) for w, f, a, b in spec.chaos_slow if w == worker_id],
+            [Stall(at, sec) for w, at, sec in spec.chaos_stall if w == worker_id],
+            self.abort_flag,
+        )
+        self.runner = StepRunner(
+            self.model, self.flat, self.sampler, self.dataset, spec.loss, spec.seed, spec.fuse_shards, self.chaos, self.device
+        )
 
     @ray.method(concurrency_group="control")
     def describe(self) -> dict[str, Any]:
@@ -113,6 +117,7 @@ class TrainWorker:
             "node_id": context.get_node_id(),
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
+            "worker": self.worker_id,
         }
 
     @ray.method(concurrency_group="compute")
@@ -131,6 +136,7 @@ class TrainWorker:
         self.leave_group()
         self.abort_flag.clear()
         store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.claims_store = dist.PrefixStore(prefix, store)
         pg = new_process_group(
             pick_backend(self.device), dist.PrefixStore(prefix, store), rank, len(nodes), self.spec.collective_timeout_s
         )
@@ -163,61 +169,60 @@ class TrainWorker:
             self.group = None
 
     @ray.method(concurrency_group="compute")
-    def train_step(self, step: int, shards: list[int]) -> StepTelemetry:
-        """Compute the summed gradient of ``shards``, all-reduce it, take the optimizer step.
+    def train_step(self, step: int, plan: StepPlan) -> StepTelemetry:
+        """Compute this rank's share of the step's gradient, all-reduce it, take the optimizer step.
 
-        Shards run in one forward/backward (``fuse_shards``) or one pass each; the final
-        backward overlaps with the all-reduce when ``overlap`` is on. Each shard's loss is the
-        sum over its samples divided by the step's global batch size, so the all-reduced sum
-        is the mean gradient of the whole step whoever ran what.
-        Raises ShardCensusError if the ranks together did not cover every shard exactly once.
+        With the plan's mitigations off the rank runs exactly its planned shards; with them on
+        it claims, steals and backs up shards through the driver's store (``workers/step.py``).
+        Each shard's loss is the sum over its samples divided by the step's global batch size,
+        so the all-reduced sum is the mean gradient of the whole step whoever ran what.
+        Raises ShardCensusError if the ranks together did not commit every shard exactly once.
         """
-        if self.reducer is None:
+        if self.reducer is None or self.claims_store is None:
             raise RuntimeError("train_step called before join_group")
         started = time.perf_counter()
-        spec = self.spec
-        batch_total = self.sampler.step_batch_size(step)
+        stalled_s = self.chaos.stall(step)
         self.flat.zero()
-        census = self.flat.extra[: spec.num_shards]
-        census[list(shards)] = 1.0
-        passes = [
-            (group, np.concatenate([self.sampler.shard_indices(step, s) for s in group]))
-            for group in _passes(shards, spec.fuse_shards)
-        ]
-        passes = [(group, indices) for group, indices in passes if len(indices)]
-        samples = sum(len(indices) for _, indices in passes)
-        self.flat.extra[spec.num_shards + 1] = samples
-        loss_sum = torch.zeros((), device=self.device)
-        for number, (group, indices) in enumerate(passes):
-            inputs, targets = move_to(fetch_batch(self.dataset, indices), self.device)
-            torch.manual_seed(_shard_seed(spec.seed, step, group[0]))
-            loss = per_sample_loss(spec.loss, self.model(inputs), targets).sum() / batch_total
-            loss_sum += loss.detach()
-            if number == len(passes) - 1:
-                # The loss rides in the last bucket, which may go out during this backward.
-                self.flat.extra[spec.num_shards] = loss_sum
-                self.reducer.arm()
-            loss.backward()
+        if plan.mitigating:
+            claims = ShardClaims(self.claims_store, step, plan.num_shards, self.rank)
+            work = self.runner.run_claimed(
+                step, plan, claims, self.reducer, self.spec.collective_timeout_s, self.abort_flag
+            )
+        else:
+            work = self.runner.run_fixed(step, list(plan.shards_by_rank[self.rank]), plan.num_shards, self.reducer)
+        self.chaos.record(work.compute_s, work.shards_run)
         computed = time.perf_counter()
         comm_s = self.reducer.finish()
-        counts = census.cpu()
+        counts = self.flat.extra[: plan.num_shards].cpu()
         if not torch.all(counts == 1):
             bad = {i: float(c) for i, c in enumerate(counts.tolist()) if c != 1}
             raise ShardCensusError(f"step {step}: shards not committed exactly once: {bad}")
         reduced = time.perf_counter()
         self.optimizer.step()
         done = time.perf_counter()
+        busy_s = work.compute_s + work.slowed_s
         return StepTelemetry(
             step=step,
             rank=self.rank,
-            shards=tuple(shards),
-            samples=samples,
-            global_samples=int(self.flat.extra[spec.num_shards + 1].item()),
-            loss=float(self.flat.extra[spec.num_shards].item()),
-            compute_s=computed - started,
+            worker=self.worker_id,
+            shards=tuple(sorted(work.committed)),
+            samples=work.samples,
+            global_samples=int(self.flat.extra[plan.num_shards + 1].item()),
+            loss=float(self.flat.extra[plan.num_shards].item()),
+            compute_s=computed - started - work.idle_s - stalled_s,
             comm_s=comm_s,
             optim_s=done - reduced,
             step_s=done - started,
+            shards_run=work.shards_run,
+            shard_s=busy_s / work.shards_run if work.shards_run else 0.0,
+            samples_per_s=work.samples / busy_s if busy_s > 0 else 0.0,
+            idle_s=work.idle_s,
+            stalled_s=stalled_s,
+            bytes_sent=self.group.bytes_sent if self.group is not None else 0,
+            stolen=work.stolen,
+            backups=work.backups,
+            backups_won=work.backups_won,
+            races_lost=work.races_lost,
         )
 
     @ray.method(concurrency_group="compute")

@@ -102,6 +102,8 @@ class CommGroup:
         self.abort_flag = abort_flag
         #: Why the group can no longer be used, or None while it is healthy.
         self.broken: str | None = None
+        #: Bytes handed to point-to-point sends and native all-reduces (their 2(n-1)/n share).
+        self.bytes_sent = 0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"ringleader-comm-r{rank}")
 
     def submit(self, operation: Callable[[], None], what: str) -> PendingOp:
@@ -113,6 +115,7 @@ class CommGroup:
     # Blocking point-to-point and collective primitives, for operations run on the comm thread.
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> dist.Work:
+        self.bytes_sent += tensor.numel() * tensor.element_size()
         return self.pg.send([tensor], dst, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> dist.Work:

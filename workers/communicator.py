@@ -36,6 +36,8 @@ class NativeAllReduce:
     def start_sum(self, tensor: torch.Tensor) -> PendingOp:
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.SUM
+        size = self.group.size
+        self.group.bytes_sent += tensor.numel() * tensor.element_size() * 2 * (size - 1) // size
         return self.group.submit(lambda: self.group.pg.allreduce([tensor], options).wait(), "native all-reduce")
 
 

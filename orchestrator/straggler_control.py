@@ -1,0 +1,91 @@
+"""The driver's side of straggler handling: plans each step, feeds telemetry to the policies,
+and turns their decisions into counters and events (with the evidence)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+from orchestrator.config import JobConfig
+from policies.assignment import ShardAssignment
+from policies.rebalance import Rebalancer
+from policies.straggler import StragglerDetector, WorkerStep
+from policies.work_stealing import StepPlan
+from workers.telemetry import StepTelemetry
+
+EventSink = Callable[..., None]
+
+
+class StragglerControl:
+    """Owns the detector and rebalancer of one job. Workers are named by their worker id;
+    ``workers[r]`` is the id of rank r."""
+
+    def __init__(self, job: JobConfig, workers: list[int], counters: dict[str, int], event: EventSink) -> None:
+        config = job.stragglers
+        self.job = job
+        self.config = config
+        self.workers = list(workers)
+        self.counters = counters
+        self.event = event
+        self.detector = StragglerDetector(config.threshold, config.min_ratio, config.window, config.persistent_steps)
+        self.rebalancer = Rebalancer(
+            job.shards, alpha=config.rebalance_alpha, hysteresis=config.rebalance_hysteresis
+        )
+        self.rebalancer.reset(self.workers)
+        self.suspects: set[int] = set()
+        self._late_before: set[int] = set()
+        self.expected_shard_s = 0.0
+
+    @property
+    def rebalancing(self) -> bool:
+        return self.config.mitigation and self.config.rebalance and not self.job.chaos.shuffle_shards
+
+    def plan(self, step: int) -> StepPlan:
+        """The starting assignment of ``step`` and what the workers may do about laggards."""
+        if self.job.chaos.shuffle_shards:
+            assignment = ShardAssignment.shuffled(self.job.shards, len(self.workers), seed=self.job.seed * 7919 + step)
+        else:
+            assignment = ShardAssignment.from_counts([self.rebalancer.counts[w] for w in self.workers])
+        mitigation = self.config.mitigation
+        return StepPlan(
+            shards_by_rank=assignment.shards_by_rank,
+            suspects=frozenset(r for r, w in enumerate(self.workers) if w in self.suspects),
+            expected_shard_s=self.expected_shard_s,
+            late_factor=self.config.late_factor,
+            steal=mitigation and self.config.steal,
+            speculate=mitigation and self.config.speculate,
+        )
+
+    def observe(self, step: int, reports: list[StepTelemetry]) -> None:
+        """Account one finished step: counters, detection, rebalancing."""
+        for report in reports:
+            self.counters["stolen_shards"] += report.stolen
+            self.counters["speculative_shards"] += report.backups
+            self.counters["speculative_won"] += report.backups_won
+            if report.stolen or report.backups:
+                self.event(
+                    "mitigation", step=step, worker=report.worker, stolen=report.stolen,
+                    backups=report.backups, backups_won=report.backups_won, races_lost=report.races_lost,
+                )
+        verdict = self.detector.observe(
+            step, [WorkerStep(r.worker, r.shards_run, r.shard_s) for r in reports]
+        )
+        for worker in verdict.late:
+            self.counters["stragglers_detected"] += 1
+            self.event("straggler", step=step, worker=worker, status="late", **verdict.evidence())
+        for worker in verdict.newly_persistent:
+            self.counters["stragglers_detected"] += 1
+            self.event("straggler", step=step, worker=worker, status="persistent", **verdict.evidence())
+        # One late step is often noise on a shared machine; two in a row, or persistent
+        # slowness, makes a worker a suspect for the next steps.
+        self.suspects = (set(verdict.late) & self._late_before) | set(verdict.persistent)
+        self._late_before = set(verdict.late)
+        measured = {r.worker: r.shard_s for r in reports if r.shards_run}
+        if self.rebalancing:
+            decision = self.rebalancer.observe(measured)
+            if decision is not None:
+                self.counters["rebalances"] += 1
+                self.event("rebalance", step=step, **decision.evidence())
+        healthy = [s for w, s in measured.items() if w not in self.suspects] or list(measured.values())
+        if healthy:
+            self.expected_shard_s = statistics.median(healthy)

@@ -1,0 +1,84 @@
+"""The claim protocol on a real TCPStore: under racing threads, each shard counts exactly once."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import torch.distributed as dist
+
+from policies.work_stealing import ClaimKind
+from workers.claims import ShardClaims, open_step
+
+
+def _store(port: int = 0) -> dist.Store:
+    """The driver's store (``port`` 0), or a worker's client of the one on ``port``."""
+    tcp = dist.TCPStore("127.0.0.1", port, is_master=not port, wait_for_workers=False)
+    return dist.PrefixStore("gen1/", tcp)
+
+
+def test_one_claim_wins_and_a_sealed_shard_cannot_be_backed_up():
+    store = _store()
+    open_step(store, 0, 3)
+    a, b = ShardClaims(store, 0, 3, me=0), ShardClaims(store, 0, 3, me=1)
+    assert a.claim(0) and not b.claim(0)
+    assert b.claim(1, seal=True) and not a.start_backup(1, owner=1)
+    assert a.states()[1].kind is ClaimKind.SEALED
+    # A backup races the owner: the first commit wins, the other loses.
+    assert b.start_backup(0, owner=0) and not a.start_backup(0, owner=0)
+    assert b.commit(0, owner=0) and not a.commit(0, owner=0)
+    assert a.states()[0].owner == 1
+    # The owner committing first beats the backup.
+    assert a.claim(2) and b.start_backup(2, owner=0)
+    assert a.commit(2, owner=0) and not b.commit(2, owner=0)
+
+
+def test_a_reopened_slot_starts_free():
+    store = _store()
+    open_step(store, 3, 2)
+    claims = ShardClaims(store, 3, 2, me=0)
+    assert claims.claim(0) and claims.commit(0, owner=0)
+    open_step(store, 3 + 8, 2)  # the same slot, a later step
+    assert all(s.kind is ClaimKind.FREE for s in ShardClaims(store, 11, 2, me=1).states().values())
+
+
+def test_exactly_once_under_racing_threads():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.PrefixStore("gen1/", master)
+    shards, workers, steps = 12, 4, 30
+    clients = [_store(master.port) for _ in range(workers)]
+    for step in range(steps):
+        open_step(store, step, shards)
+        winners: dict[int, list[int]] = {s: [] for s in range(shards)}
+        lock = threading.Lock()
+
+        def worker(me: int, step: int = step) -> None:
+            rng = random.Random(step * 31 + me)
+            claims = ShardClaims(clients[me], step, shards, me)
+            order = list(range(shards))
+            rng.shuffle(order)
+            for shard in order:
+                state = claims.states()[shard]
+                if state.kind is ClaimKind.FREE and claims.claim(shard, seal=rng.random() < 0.2):
+                    if claims.states()[shard].kind is ClaimKind.SEALED or claims.commit(shard, me):
+                        with lock:
+                            winners[shard].append(me)
+                elif state.kind is ClaimKind.RUN and state.owner != me and claims.start_backup(shard, state.owner):
+                    if claims.commit(shard, state.owner):
+                        with lock:
+                            winners[shard].append(me)
+            for shard in range(shards):  # owners commit whatever they still hold
+                state = claims.states()[shard]
+                if state.owner == me and state.kind in (ClaimKind.RUN, ClaimKind.RACE) and claims.commit(shard, me):
+                    with lock:
+                        winners[shard].append(me)
+
+        threads = [threading.Thread(target=worker, args=(me,)) for me in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert all(len(w) == 1 for w in winners.values()), (step, winners)
+        final = ShardClaims(store, step, shards, me=-1).states()
+        for shard, (winner,) in winners.items():
+            assert final[shard].owner == winner and final[shard].kind in (ClaimKind.DONE, ClaimKind.SEALED)

@@ -1,0 +1,173 @@
+"""Pure tests of straggler detection, rebalancing and within-step work choice (no Ray, no torch)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies.rebalance import Rebalancer, proportional_counts
+from policies.straggler import StragglerDetector, WorkerStep
+from policies.work_stealing import (
+    FREE,
+    Backup,
+    ClaimKind,
+    ClaimState,
+    Finished,
+    RunShards,
+    StepPlan,
+    Wait,
+    pick_work,
+)
+
+
+def _step(rng: random.Random, speeds: list[float], noise: float, shards: list[int] | None = None) -> list[WorkerStep]:
+    shards = shards or [4] * len(speeds)
+    return [
+        WorkerStep(w, shards[w], 0.01 / speeds[w] * (1 + rng.uniform(-noise, noise))) for w in range(len(speeds))
+    ]
+
+
+def test_detector_raises_no_false_positive_on_noise():
+    rng = random.Random(0)
+    detector = StragglerDetector()
+    for step in range(300):
+        report = detector.observe(step, _step(rng, [1.0] * 4, noise=0.2))
+        assert report.late == () and report.persistent == (), (step, report)
+
+
+def test_detector_finds_a_2x_slowdown_within_a_few_steps_and_forgets_it_after():
+    rng = random.Random(1)
+    detector = StragglerDetector()
+    for step in range(20):
+        detector.observe(step, _step(rng, [1.0] * 4, noise=0.1))
+    first_late = first_persistent = None
+    for step in range(20, 40):
+        report = detector.observe(step, _step(rng, [1.0, 1.0, 0.5, 1.0], noise=0.1))
+        assert set(report.late) <= {2} and set(report.persistent) <= {2}
+        if report.late and first_late is None:
+            first_late = step
+        if report.newly_persistent:
+            first_persistent = step
+            assert report.newly_persistent == (2,)
+            assert report.evidence()["slowness"]["2"] > 1.5
+    assert first_late == 20  # late in the very first slow step
+    assert first_persistent is not None and first_persistent <= 20 + detector.persistent_steps
+    for step in range(40, 60):
+        report = detector.observe(step, _step(rng, [1.0] * 4, noise=0.1))
+    assert report.persistent == () and report.late == ()
+
+
+def test_detector_judges_finish_time_so_a_rebalanced_slow_worker_is_not_late():
+    rng = random.Random(2)
+    detector = StragglerDetector()
+    for step in range(30):
+        report = detector.observe(step, _step(rng, [1.0, 1.0, 1.0, 1 / 3], noise=0.05, shards=[5, 5, 5, 1]))
+    assert report.late == () and report.persistent == (3,)
+
+
+def test_detector_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        StragglerDetector(min_ratio=1.0)
+    with pytest.raises(ValueError):
+        StragglerDetector(window=3, persistent_steps=4)
+
+
+@pytest.mark.parametrize(
+    "total, speeds, low, high, expected",
+    [
+        (16, {0: 1, 1: 1, 2: 1, 3: 1}, 1, 16, {0: 4, 1: 4, 2: 4, 3: 4}),
+        (16, {0: 1, 1: 1, 2: 1, 3: 1 / 3}, 1, 16, {0: 5, 1: 5, 2: 5, 3: 1}),
+        (16, {0: 1, 1: 0.01}, 1, 16, {0: 15, 1: 1}),  # bounded below
+        (16, {0: 1, 1: 0.01}, 1, 10, {0: 10, 1: 6}),  # and above
+        (7, {0: 1, 1: 1, 2: 1}, 0, 7, {0: 3, 1: 2, 2: 2}),  # ties to the lower id
+    ],
+)
+def test_proportional_counts(total, speeds, low, high, expected):
+    assert proportional_counts(total, speeds, low, high) == expected
+
+
+def test_proportional_counts_rejects_impossible_bounds():
+    with pytest.raises(ValueError, match="cannot split"):
+        proportional_counts(3, {0: 1.0, 1: 1.0}, 2, 3)
+
+
+def test_rebalancer_converges_to_equal_finish_times_and_then_holds():
+    rng = random.Random(3)
+    rebalancer = Rebalancer(16)
+    rebalancer.reset([0, 1, 2, 3])
+    speeds = [1.0, 1.0, 1.0, 1 / 3]
+    decisions = []
+    for _ in range(60):
+        measured = {w: 0.01 / speeds[w] * (1 + rng.uniform(-0.15, 0.15)) for w in range(4)}
+        decision = rebalancer.observe(measured)
+        if decision is not None:
+            decisions.append(decision)
+            assert decision.predicted_step_s < decision.previous_step_s
+    assert rebalancer.counts == {0: 5, 1: 5, 2: 5, 3: 1}
+    assert len(decisions) == 1  # converged in one move, no oscillation after
+
+
+def test_rebalancer_keeps_an_even_split_under_noise():
+    rng = random.Random(4)
+    rebalancer = Rebalancer(16)
+    rebalancer.reset([0, 1, 2, 3])
+    for _ in range(200):
+        assert rebalancer.observe({w: 0.01 * (1 + rng.uniform(-0.25, 0.25)) for w in range(4)}) is None
+    assert rebalancer.counts == {0: 4, 1: 4, 2: 4, 3: 4}
+
+
+def _states(plan: StepPlan, **overrides: ClaimState) -> dict[int, ClaimState]:
+    states = dict.fromkeys(range(plan.num_shards), FREE)
+    states.update({int(k[1:]): v for k, v in overrides.items()})
+    return states
+
+
+PLAN = StepPlan(((0, 1, 2, 3), (4, 5, 6, 7)), expected_shard_s=0.01)
+
+
+def test_without_laggards_a_worker_runs_all_its_shards_in_one_sealed_pass():
+    decision = pick_work(0, PLAN, _states(PLAN), {})
+    assert decision == RunShards((0, 1, 2, 3), seal=True)
+
+
+def test_without_mitigation_nothing_is_stolen():
+    plan = StepPlan(PLAN.shards_by_rank, suspects=frozenset({1}), steal=False, speculate=False)
+    done = ClaimState(ClaimKind.DONE, 0)
+    assert pick_work(0, plan, _states(plan, s0=done, s1=done, s2=done, s3=done), {}) == Finished()
+
+
+def test_with_a_suspect_own_shards_go_in_two_passes_and_its_free_shards_are_stolen():
+    plan = StepPlan(PLAN.shards_by_rank, suspects=frozenset({1}), expected_shard_s=0.01)
+    assert pick_work(0, plan, _states(plan), {}) == RunShards((0, 1), seal=False)
+    mine_done = {f"s{s}": ClaimState(ClaimKind.DONE, 0) for s in range(4)}
+    states = _states(plan, **mine_done, s4=ClaimState(ClaimKind.RUN, 1))
+    assert pick_work(0, plan, states, {}) == RunShards((6, 7), seal=False, stolen_from=1)
+    # The suspect itself never seals, so its shards can still be backed up.
+    assert pick_work(1, plan, _states(plan, **mine_done), {}) == RunShards((4, 5), seal=False)
+
+
+def test_a_late_running_shard_gets_one_backup_and_then_the_idle_worker_waits():
+    done = {f"s{s}": ClaimState(ClaimKind.DONE, 0) for s in range(4)}
+    running = {f"s{s}": ClaimState(ClaimKind.RUN, 1) for s in range(4, 8)}
+    states = _states(PLAN, **done, **running)
+    assert pick_work(0, PLAN, states, dict.fromkeys(range(8), 0.001)) == Wait()
+    late = PLAN.late_after_s(1, ClaimKind.RUN) + 0.001
+    assert pick_work(0, PLAN, states, {5: late, 4: late / 2}) == Backup(5, owner=1)
+    states[5] = ClaimState(ClaimKind.RACE, 1, 0)
+    assert pick_work(0, PLAN, states, {5: late}) == Wait()
+
+
+def test_finished_once_every_shard_is_done_or_sealed():
+    states = _states(
+        PLAN, **{f"s{s}": ClaimState(ClaimKind.DONE, 0) for s in range(4)},
+        **{f"s{s}": ClaimState(ClaimKind.SEALED, 1) for s in range(4, 8)},
+    )
+    assert pick_work(0, PLAN, states, {}) == Finished()
+    states[7] = ClaimState(ClaimKind.RACE, 1, 0)
+    assert pick_work(1, PLAN, states, {}) == Wait()
+
+
+@pytest.mark.parametrize("text", ["free", "run:3", "sealed:0", "race:2:1", "done:4"])
+def test_claim_states_round_trip(text):
+    assert ClaimState.decode(text).encode() == text

@@ -1,0 +1,61 @@
+"""Straggler handling in whole jobs: injected slowness is detected and mitigated, and the
+trajectory still equals a clean single-worker run with every shard committed once."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.jobs import assert_same_params, jsonl, params, run
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Parameters of the clean single-worker run the others must match."""
+    return params(run(tmp_path_factory.mktemp("ref"), "w1", "scaling.workers=1").run_dir)
+
+
+def test_stealing_and_backups_under_random_slowness_keep_every_shard_once(tmp_path, reference):
+    result = run(
+        tmp_path, "chaos", "scaling.workers=4",
+        "chaos.slow=[{rank: 1, factor: 6, from_step: 2, to_step: 14}, {rank: 3, factor: 3, from_step: 16}]",
+        "chaos.stall=[{rank: 2, at_step: 18, seconds: 0.5}]",
+        "stragglers.late_factor=1.5", "stragglers.persistent_steps=2", "stragglers.window=4",
+    )
+    assert_same_params(params(result.run_dir), reference, "chaos")
+    events = result.summary["events"]
+    assert events["stragglers_detected"] > 0
+    assert events["stolen_shards"] + events["speculative_shards"] > 0, events
+    telemetry = jsonl(result.run_dir / "telemetry.jsonl")
+    for step in range(25):  # census: every shard of every step committed by exactly one worker
+        committed = sorted(s for r in telemetry if r["step"] == step for s in r["shards"])
+        assert committed == list(range(16)), (step, committed)
+    assert sum(r["stolen"] for r in telemetry) == events["stolen_shards"]
+    logged = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "straggler"]
+    assert logged and all("slowness" in e and "cutoff" in e for e in logged)
+
+
+def test_a_persistently_slow_worker_gets_fewer_shards(tmp_path, reference):
+    result = run(
+        tmp_path, "rebalance", "scaling.workers=4", "steps=25",
+        "chaos.slow=[{rank: 3, factor: 4}]", "stragglers.steal=false", "stragglers.speculate=false",
+    )
+    assert_same_params(params(result.run_dir), reference, "rebalance")
+    assert result.summary["events"]["rebalances"] >= 1
+    assert result.summary["events"]["stolen_shards"] == 0
+    last = [r for r in jsonl(result.run_dir / "telemetry.jsonl") if r["step"] == 24]
+    counts = {r["worker"]: len(r["shards"]) for r in last}
+    assert counts[3] < min(counts[w] for w in (0, 1, 2)), counts
+    decisions = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "rebalance"]
+    assert decisions and "shard_s" in decisions[0] and "predicted_step_s" in decisions[0]
+
+
+def test_without_mitigation_the_plan_is_kept(tmp_path):
+    result = run(
+        tmp_path, "off", "scaling.workers=2", "steps=8",
+        "chaos.slow=[{rank: 1, factor: 3}]", "stragglers.mitigation=false",
+    )
+    events = result.summary["events"]
+    assert events["stolen_shards"] == events["speculative_shards"] == events["rebalances"] == 0
+    assert all(len(r["shards"]) == 8 for r in jsonl(result.run_dir / "telemetry.jsonl"))
