@@ -8,6 +8,7 @@ step's mean gradient, as in ringleader.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -17,6 +18,7 @@ import torch
 from orchestrator.config import JobConfig
 from policies.assignment import ShardAssignment
 from workers import factories
+from workers.chaos import ChaosSchedule, Slowdown
 from workers.sampler import ShardSampler
 from workers.training import evaluate_model, fetch_batch, per_sample_loss
 
@@ -47,13 +49,20 @@ def train_ddp(
     model = wrap(factories.build(job.model.factory, job.model.kwargs))
     optimizer = stock_optimizer(job.optimizer.name, job.optimizer.kwargs, model.parameters())
     my_shards = ShardAssignment.balanced(job.shards, world).shards_by_rank[rank]
+    # The job's injected slowness, exactly as a ringleader worker injects it (rank = worker).
+    chaos = ChaosSchedule(
+        [Slowdown(c.factor, c.from_step, c.to_step) for c in job.chaos.slow if c.rank == rank], [], threading.Event()
+    )
     step_ends: list[float] = []
     for step in range(job.steps or 0):
         indices = np.concatenate([sampler.shard_indices(step, s) for s in my_shards])
         inputs, targets = fetch_batch(dataset, indices)
         optimizer.zero_grad(set_to_none=True)
+        chaos.slow_down(step, len(my_shards), lambda: False)
+        started = time.perf_counter()
         loss = per_sample_loss(job.loss, model(inputs), targets).sum() * (world / job.batch_size)
         loss.backward()
+        chaos.record(time.perf_counter() - started, len(my_shards))
         optimizer.step()
         step_ends.append(time.time())
     metrics: dict[str, float] = {}

@@ -60,6 +60,16 @@ def _parser() -> argparse.ArgumentParser:
     overlap.add_argument("--rounds", type=int, default=3, help="alternating on/off rounds")
     overlap.add_argument("--steps", type=int, default=20, help="steps per round")
     overlap.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
+
+    straggler = benches.add_parser(
+        "straggler", help="one worker slowed: clean vs unmitigated vs mitigated vs Ray Train"
+    )
+    straggler.add_argument("--workload", choices=["digits", "tinylm"], default="digits")
+    straggler.add_argument("--workers", type=int, default=4)
+    straggler.add_argument("--steps", type=int, default=100)
+    straggler.add_argument("--factor", type=float, default=3.0, help="how many times slower the last worker is")
+    straggler.add_argument("--repeats", type=int, default=2)
+    straggler.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
     return parser
 
 
@@ -131,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import collectives
 
         return collectives.main_overlap(args.workload, args.workers, args.rounds, args.steps, args.json_path)
+    if args.command == "bench" and args.bench == "straggler":
+        from benchmarks import straggler
+
+        return straggler.main(args.workload, args.workers, args.steps, args.factor, args.repeats, args.json_path)
     raise AssertionError(f"unhandled command {args.command}")
 
 

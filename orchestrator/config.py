@@ -170,7 +170,10 @@ class StragglerConfig(_Strict):
 
     ``mitigation``: master switch; when off, every worker runs exactly its planned shards.
     ``steal``: idle workers take unstarted shards of late workers; ``speculate``: they back up
-    late running shards (first commit wins); ``rebalance``: shard counts follow measured speed.
+    late running shards (first commit wins); ``rebalance``: shard counts follow measured speed;
+    ``evict``: remove a worker at a step boundary when it holds a step up for ``silent_s``
+    (stalled or hung while the others wait) or is persistently ``evict_ratio`` times slower than
+    the median of the others, as long as ``scaling.min_workers`` remain.
     Detection: a worker is slow when its seconds per shard exceed both ``min_ratio`` x the
     median and ``threshold`` robust deviations (MAD) of the recent ``window`` steps; slow in
     ``persistent_steps`` of the window makes it persistently slow. ``late_factor``: a shard that
@@ -183,6 +186,7 @@ class StragglerConfig(_Strict):
     steal: bool = True
     speculate: bool = True
     rebalance: bool = True
+    evict: bool = True
     threshold: float = Field(4.0, gt=0)
     min_ratio: float = Field(1.5, gt=1)
     window: int = Field(8, ge=1)
@@ -190,6 +194,8 @@ class StragglerConfig(_Strict):
     late_factor: float = Field(3.0, gt=1)
     rebalance_alpha: float = Field(0.3, gt=0, le=1)
     rebalance_hysteresis: float = Field(0.15, ge=0, lt=1)
+    evict_ratio: float = Field(8.0, gt=1)
+    silent_s: float = Field(30.0, gt=0)
 
     @model_validator(mode="after")
     def _window(self) -> "StragglerConfig":

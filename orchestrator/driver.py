@@ -16,6 +16,7 @@ from orchestrator.config import JobConfig
 from orchestrator.run_dir import RunDirectory
 from orchestrator.state import JobState, JobStateMachine
 from orchestrator.straggler_control import StragglerControl
+from policies.eviction import Evict, silent_workers
 from orchestrator.worker_group import RendezvousStore, WorkerGroup, WorkerGroupError
 from workers.actor import WorkerSpec
 from workers.claims import SLOTS, open_step
@@ -36,6 +37,7 @@ EVENT_COUNTERS = (
     "stolen_shards",
     "rebalances",
     "checkpoints",
+    "evictions",
 )
 
 
@@ -131,7 +133,7 @@ class JobDriver:
             self.mark("group_formed")
             self.run.event("workers_ready", workers=info, startup_s=dict(self.startup_s))
             self.machine.to(JobState.RUNNING)
-            self._train(group, num_steps)
+            self._train(group, store, num_steps)
             metrics = group.call_rank(0, "evaluate", job.timeouts.step_s)
             self.run.event("eval", step=self.steps_done, metrics=metrics)
             self.run.save_model(group.call_rank(0, "model_state", job.timeouts.step_s))
@@ -152,27 +154,85 @@ class JobDriver:
         self.run.close()
         return JobResult(self.run.path, summary)
 
-    def _train(self, group: WorkerGroup, num_steps: int) -> None:
-        assert self.stragglers is not None and self.claims is not None, "group not formed"
+    def _train(self, group: WorkerGroup, store: RendezvousStore, num_steps: int) -> None:
+        """Run every step, keeping ``STEPS_IN_FLIGHT`` queued. An eviction (a silent worker, or
+        a persistently far slower one) drains or aborts what is queued, shrinks the group and
+        goes on from the first step not yet collected."""
         inflight: deque[tuple[int, list[ray.ObjectRef]]] = deque()
         started = time.perf_counter()
+        next_step = 0
         with tqdm(total=num_steps, unit="step", disable=not self.progress, dynamic_ncols=True) as bar:
-            for step in range(num_steps):
-                plan = self.stragglers.plan(step)
-                if plan.mitigating:
-                    open_step(self.claims, step, plan.num_shards)
-                inflight.append((step, group.submit_step(step, plan)))
-                if len(inflight) >= STEPS_IN_FLIGHT:
-                    self._collect(*inflight.popleft(), bar)
-            while inflight:
-                self._collect(*inflight.popleft(), bar)
+            while self.steps_done < num_steps:
+                evicting = self._stragglers().pending_evictions
+                while next_step < num_steps and len(inflight) < STEPS_IN_FLIGHT and not evicting:
+                    plan = self._stragglers().plan(next_step)
+                    if plan.mitigating:
+                        open_step(self._claims(), next_step, plan.num_shards)
+                    inflight.append((next_step, group.submit_step(next_step, plan)))
+                    next_step += 1
+                if not inflight:  # drained for an eviction at this step boundary
+                    self._shrink(group, store, evicting, redo=[])
+                    continue
+                step, refs = inflight.popleft()
+                silent = self._await_step(group, step, refs)
+                if silent:
+                    redo = [step] + [s for s, _ in inflight]
+                    group.abort_all([r for _, refs in inflight for r in refs] + refs, self.job.timeouts.collective_s)
+                    inflight.clear()
+                    self._shrink(group, store, silent, redo=redo)
+                    next_step = step
+                    continue
+                self._collect(step, ray.get(refs, timeout=0), bar)
         self.train_s = time.perf_counter() - started
 
-    def _collect(self, step: int, refs: list[ray.ObjectRef], bar: tqdm) -> None:
-        try:
-            reports: list[StepTelemetry] = ray.get(refs, timeout=self.job.timeouts.step_s)
-        except ray.exceptions.GetTimeoutError:
-            raise JobFailed(f"step {step} did not finish within {self.job.timeouts.step_s:.0f}s") from None
+    def _stragglers(self) -> StragglerControl:
+        assert self.stragglers is not None, "group not formed"
+        return self.stragglers
+
+    def _claims(self) -> dist.Store:
+        assert self.claims is not None, "group not formed"
+        return self.claims
+
+    def _await_step(self, group: WorkerGroup, step: int, refs: list[ray.ObjectRef]) -> list[Evict]:
+        """Wait for ``step``; returns the workers to evict for holding it up (empty once done).
+        Raises JobFailed after ``timeouts.step_s``."""
+        deadline = time.monotonic() + self.job.timeouts.step_s
+        silent_s = self.job.stragglers.silent_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise JobFailed(f"step {step} did not finish within {self.job.timeouts.step_s:.0f}s")
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=min(silent_s, left))
+            if len(ready) == len(refs):
+                return []
+            if not self._stragglers().evicting:
+                continue
+            progress = group.progress(timeout_s=min(5.0, silent_s))
+            silent = silent_workers(step, progress, silent_s)
+            if silent and group.size - len(silent) >= self.job.scaling.min_workers:
+                return silent
+
+    def _shrink(self, group: WorkerGroup, store: RendezvousStore, evictions: list[Evict], redo: list[int]) -> None:
+        """Remove the evicted workers and re-form the group among the others (a new generation);
+        the steps in ``redo`` were aborted and run again."""
+        workers = [e.worker for e in evictions]
+        self.machine.to(JobState.RECOVERING, f"evicting worker(s) {workers}")
+        for eviction in evictions:
+            self.counters["evictions"] += 1
+            self.run.event(
+                "evict", at_step=self.steps_done, worker=eviction.worker, reason=eviction.reason, evidence=eviction.evidence
+            )
+        group.remove(workers)
+        group.form_group(store)
+        self.claims = store.claims()
+        self._stragglers().set_workers([info["worker"] for info in group.info])
+        if redo:
+            self.counters["recoveries"] += 1
+            self.counters["steps_redone"] += len(redo)
+        self.run.event("group_reformed", workers=[info["worker"] for info in group.info], redo=redo)
+        self.machine.to(JobState.RUNNING, f"{group.size} workers")
+
+    def _collect(self, step: int, reports: list[StepTelemetry], bar: tqdm) -> None:
         committed = sorted(s for r in reports for s in r.shards)
         if committed != list(range(self.job.shards)):
             raise JobFailed(f"step {step}: committed shards {committed} are not each shard exactly once")
@@ -183,7 +243,7 @@ class JobDriver:
         self.samples += reports[0].global_samples
         self.final_loss = reports[0].loss
         self.run.telemetry([r.to_json() for r in reports])
-        self.stragglers.observe(step, reports)  # type: ignore[union-attr]
+        self._stragglers().observe(step, reports)
         step_s = max(r.step_s for r in reports)
         self.run.event("step", step=step, loss=self.final_loss, samples=reports[0].global_samples, step_s=step_s)
         bar.update(1)

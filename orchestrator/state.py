@@ -9,6 +9,7 @@ from typing import Callable
 class JobState(str, enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
+    RECOVERING = "recovering"
     FINISHED = "finished"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -16,7 +17,8 @@ class JobState(str, enum.Enum):
 
 _ALLOWED: dict[JobState, frozenset[JobState]] = {
     JobState.STARTING: frozenset({JobState.RUNNING, JobState.FAILED, JobState.STOPPED}),
-    JobState.RUNNING: frozenset({JobState.FINISHED, JobState.FAILED, JobState.STOPPED}),
+    JobState.RUNNING: frozenset({JobState.RECOVERING, JobState.FINISHED, JobState.FAILED, JobState.STOPPED}),
+    JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.FAILED, JobState.STOPPED}),
     JobState.FINISHED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.STOPPED: frozenset(),

@@ -8,6 +8,7 @@ from typing import Callable
 
 from orchestrator.config import JobConfig
 from policies.assignment import ShardAssignment
+from policies.eviction import Evict, slow_workers
 from policies.rebalance import Rebalancer
 from policies.straggler import StragglerDetector, WorkerStep
 from policies.work_stealing import StepPlan
@@ -32,9 +33,24 @@ class StragglerControl:
             job.shards, alpha=config.rebalance_alpha, hysteresis=config.rebalance_hysteresis
         )
         self.rebalancer.reset(self.workers)
+        self.pending_evictions: list[Evict] = []
         self.suspects: set[int] = set()
         self._late_before: set[int] = set()
         self.expected_shard_s = 0.0
+
+    @property
+    def evicting(self) -> bool:
+        return self.config.mitigation and self.config.evict
+
+    def set_workers(self, workers: list[int]) -> None:
+        """The group changed (evictions): start the split and the estimates over."""
+        for gone in set(self.workers) - set(workers):
+            self.detector.forget(gone)
+        self.workers = list(workers)
+        self.rebalancer.reset(self.workers)
+        self.pending_evictions = []
+        self.suspects &= set(workers)
+        self._late_before &= set(workers)
 
     @property
     def rebalancing(self) -> bool:
@@ -86,6 +102,10 @@ class StragglerControl:
             if decision is not None:
                 self.counters["rebalances"] += 1
                 self.event("rebalance", step=step, **decision.evidence())
+        if self.evicting and not self.pending_evictions:
+            slow = slow_workers(measured, set(verdict.persistent), set(verdict.late), self.config.evict_ratio)
+            if len(self.workers) - len(slow) >= self.job.scaling.min_workers:
+                self.pending_evictions = slow
         healthy = [s for w, s in measured.items() if w not in self.suspects] or list(measured.values())
         if healthy:
             self.expected_shard_s = statistics.median(healthy)

@@ -124,6 +124,33 @@ class WorkerGroup:
         # By value: a small plan inlined in the task beats a ray.put the workers must fetch.
         return [actor.train_step.remote(step, plan) for actor in self.actors]
 
+    def progress(self, timeout_s: float) -> dict[int, dict[str, Any] | None]:
+        """Each worker's ``progress()`` by worker id; None for one that did not answer in time."""
+        refs = {info["worker"]: actor.progress.remote() for actor, info in zip(self.actors, self.info)}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        out: dict[int, dict[str, Any] | None] = {}
+        for worker, ref in refs.items():
+            try:
+                out[worker] = ray.get(ref, timeout=0)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
+                out[worker] = None
+        return out
+
+    def abort_all(self, pending: list[ray.ObjectRef], timeout_s: float) -> None:
+        """Raise every worker's abort flag and wait (bounded) until ``pending`` steps end; they
+        end in errors, which are expected and dropped."""
+        aborts = [actor.abort.remote() for actor in self.actors]
+        ray.wait(aborts + pending, num_returns=len(aborts) + len(pending), timeout=timeout_s)
+
+    def remove(self, workers: list[int]) -> None:
+        """Kill the actors of these worker ids and drop them from the group (ranks close up)."""
+        keep = [(a, i) for a, i in zip(self.actors, self.info) if i["worker"] not in workers]
+        for actor, info in zip(self.actors, self.info):
+            if info["worker"] in workers:
+                ray.kill(actor, no_restart=True)
+        self.actors = [a for a, _ in keep]
+        self.info = [i for _, i in keep]
+
     def call_rank(self, rank: int, method: str, timeout_s: float) -> Any:
         return self._get(getattr(self.actors[rank], method).remote(), timeout_s, method)
 

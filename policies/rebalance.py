@@ -3,8 +3,8 @@
 Each worker's seconds per shard is smoothed with an EWMA. The target counts follow speed
 (1 / seconds per shard) so that every worker finishes at about the same time, each within
 ``[min_shards, max_shards]``. A new split is adopted only if it predicts a step (the slowest worker's count x
-seconds per shard) at least ``hysteresis`` shorter than the current split does, and the same
-split has been the target for ``patience`` steps in a row, so noise (per-shard times on a busy
+seconds per shard) at least ``hysteresis`` shorter than the current split does, in
+``patience`` steps in a row, so noise (per-shard times on a busy
 machine swing by tens of percent) does not make the counts thrash.
 """
 
@@ -60,7 +60,7 @@ class Rebalancer:
     """Feed it each step's seconds per shard with ``observe``; returns a Rebalance or None.
 
     ``alpha``: EWMA weight of the newest step; ``hysteresis``: the fraction of predicted step
-    time a new split must save; ``patience``: steps in a row a new split must stay the target;
+    time a new split must save; ``patience``: steps in a row it must save that much;
     ``min_shards``/``max_shards``: bounds per worker (``max_shards`` 0 means no bound);
     ``warmup``: steps observed before the first decision.
     """
@@ -75,7 +75,6 @@ class Rebalancer:
     counts: dict[int, int] = field(default_factory=dict)
     _shard_s: dict[int, float] = field(default_factory=dict, repr=False)
     _seen: int = 0
-    _candidate: dict[int, int] = field(default_factory=dict, repr=False)
     _streak: int = 0
 
     def __post_init__(self) -> None:
@@ -86,7 +85,7 @@ class Rebalancer:
         """Start over on a new worker set with an even split; returns it."""
         self._shard_s = {}
         self._seen = 0
-        self._candidate, self._streak = {}, 0
+        self._streak = 0
         self.counts = proportional_counts(self.total_shards, dict.fromkeys(workers, 1.0), 0, self.total_shards)
         return dict(self.counts)
 
@@ -107,13 +106,12 @@ class Rebalancer:
         target = proportional_counts(self.total_shards, speeds, self.min_shards, upper)
         now, then = self.predicted_step_s(target), self.predicted_step_s(self.counts)
         if target == self.counts or now > (1 - self.hysteresis) * then:
-            self._candidate, self._streak = {}, 0
+            self._streak = 0
             return None
-        self._streak = self._streak + 1 if target == self._candidate else 1
-        self._candidate = target
+        self._streak += 1
         if self._streak < self.patience:
             return None
-        self._candidate, self._streak = {}, 0
+        self._streak = 0
         decision = Rebalance(target, dict(self.counts), dict(self._shard_s), now, then)
         self.counts = target
         return decision

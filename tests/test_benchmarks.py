@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.collectives import MB, allreduce_rows, format_allreduce, overlap_result
+from benchmarks.straggler import VARIANTS as STRAGGLER_VARIANTS
+from benchmarks.straggler import run_benchmark as run_straggler
+from benchmarks.straggler import summarize as summarize_straggler
+from benchmarks.straggler import variant_job as straggler_variant_job
 from benchmarks.throughput import FRAMEWORKS, format_table, medians, run_once
 from benchmarks.workloads import workload_job
 
@@ -63,3 +67,18 @@ def test_overlap_benchmark_reports_both_modes():
     assert set(result) == {"overlap", "no_overlap"}
     for values in result.values():
         assert values["step_s"] > 0 and values["exposed_comm_s"] >= 0
+
+
+@pytest.mark.usefixtures("private_ray_home")
+def test_straggler_benchmark_runs_every_variant_and_slows_the_same_worker():
+    rates = run_straggler(workload="digits", workers=2, steps=5, factor=3.0, repeats=1, log=lambda line: None)
+    assert set(rates) == set(STRAGGLER_VARIANTS) and all(len(r) == 1 and r[0] > 0 for r in rates.values())
+    result = summarize_straggler(rates, workers=2, factor=3.0)
+    assert set(result["samples_per_s"]) == {"clean", "unmitigated", "mitigated", "ray_train"}
+    assert result["ideal"] == pytest.approx(result["samples_per_s"]["clean"] * (1 + 1 / 3) / 2)
+    for variant in STRAGGLER_VARIANTS:  # the slow worker is the last one, in both frameworks
+        framework, job = straggler_variant_job(workload_job("digits", 2, 5), variant, 3.0)
+        slowed = variant in ("unmitigated", "mitigated", "ray_train")
+        assert [c.rank for c in job.chaos.slow] == ([1] if slowed else [])
+        assert job.stragglers.mitigation == (variant in ("clean", "mitigated"))
+        assert framework == ("ray_train" if variant == "ray_train" else "ringleader")

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from policies.eviction import silent_workers, slow_workers
 from policies.rebalance import Rebalancer, proportional_counts
 from policies.straggler import StragglerDetector, WorkerStep
 from policies.work_stealing import (
@@ -171,3 +172,24 @@ def test_finished_once_every_shard_is_done_or_sealed():
 @pytest.mark.parametrize("text", ["free", "run:3", "sealed:0", "race:2:1", "done:4"])
 def test_claim_states_round_trip(text):
     assert ClaimState.decode(text).encode() == text
+
+
+def _progress(step: int, phase: str) -> dict:
+    return {"step": step, "phase": phase, "since_s": 1.0}
+
+
+def test_the_worker_holding_up_a_step_is_silent_but_a_slow_step_for_all_is_not():
+    waiting = {0: _progress(7, "reduce"), 1: _progress(7, "idle"), 3: _progress(8, "compute")}
+    assert [e.worker for e in silent_workers(7, {**waiting, 2: _progress(7, "stall")}, 5.0)] == [2]
+    assert [e.worker for e in silent_workers(7, {**waiting, 2: None}, 5.0)] == [2]  # no answer
+    assert [e.worker for e in silent_workers(7, {**waiting, 2: _progress(6, "reduce")}, 5.0)] == [2]
+    everyone_busy = {w: _progress(7, "compute") for w in range(4)}
+    assert silent_workers(7, everyone_busy, 5.0) == []
+
+
+def test_only_a_persistent_and_far_slower_worker_is_evicted_for_slowness():
+    shard_s = {0: 0.01, 1: 0.011, 2: 0.012, 3: 0.1}
+    assert [e.worker for e in slow_workers(shard_s, {3}, {3}, evict_ratio=8.0)] == [3]
+    assert slow_workers(shard_s, set(), {3}, evict_ratio=8.0) == []  # not (yet) persistent
+    assert slow_workers(shard_s, {3}, set(), evict_ratio=8.0) == []  # rebalancing absorbed it
+    assert slow_workers(shard_s, {3}, {3}, evict_ratio=10.0) == []  # not slow enough

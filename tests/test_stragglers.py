@@ -40,6 +40,9 @@ def test_a_persistently_slow_worker_gets_fewer_shards(tmp_path, reference):
     result = run(
         tmp_path, "rebalance", "scaling.workers=4", "steps=25",
         "chaos.slow=[{rank: 3, factor: 4}]", "stragglers.steal=false", "stragglers.speculate=false",
+        # On this tiny model a pass is mostly overhead, so 4x slower stays late even with one
+        # shard and would (rightly) be evicted; this test is about the split.
+        "stragglers.evict=false",
     )
     assert_same_params(params(result.run_dir), reference, "rebalance")
     assert result.summary["events"]["rebalances"] >= 1
@@ -59,3 +62,34 @@ def test_without_mitigation_the_plan_is_kept(tmp_path):
     events = result.summary["events"]
     assert events["stolen_shards"] == events["speculative_shards"] == events["rebalances"] == 0
     assert all(len(r["shards"]) == 8 for r in jsonl(result.run_dir / "telemetry.jsonl"))
+
+
+def test_a_stalled_worker_is_evicted_and_the_job_finishes_without_it(tmp_path, reference):
+    result = run(
+        tmp_path, "stall", "scaling.workers=4",
+        "chaos.stall=[{rank: 2, at_step: 6, seconds: 120}]", "stragglers.silent_s=2",
+    )
+    assert_same_params(params(result.run_dir), reference, "stall")
+    summary = result.summary
+    assert summary["workers"] == {"start": 4, "end": 3}
+    assert summary["events"]["evictions"] == 1 and summary["events"]["steps_redone"] >= 1
+    assert summary["wall_s"] < 60  # nowhere near the 120 s stall
+    events = jsonl(result.run_dir / "events.jsonl")
+    evicted = [e for e in events if e["event"] == "evict"]
+    assert evicted[0]["worker"] == 2 and evicted[0]["reason"] == "silent"
+    assert evicted[0]["evidence"]["progress"]["phase"] == "stall"
+    assert {r["worker"] for r in jsonl(result.run_dir / "telemetry.jsonl") if r["step"] == 24} == {0, 1, 3}
+
+
+def test_a_persistently_far_slower_worker_is_evicted_at_a_step_boundary(tmp_path, reference):
+    result = run(
+        tmp_path, "slow", "scaling.workers=3",
+        "chaos.slow=[{rank: 1, factor: 30, from_step: 3}]",
+        "stragglers.evict_ratio=5", "stragglers.persistent_steps=2", "stragglers.window=3",
+    )
+    assert_same_params(params(result.run_dir), reference, "slow")
+    assert result.summary["workers"] == {"start": 3, "end": 2}
+    events = result.summary["events"]
+    assert events["evictions"] == 1 and events["steps_redone"] == 0  # drained, nothing aborted
+    evicted = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "evict"]
+    assert evicted[0]["worker"] == 1 and evicted[0]["reason"] == "slow" and evicted[0]["evidence"]["ratio"] > 5

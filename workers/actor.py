@@ -96,13 +96,15 @@ class TrainWorker:
         self.group: CommGroup | None = None
         self.abort_flag = threading.Event()
         self.claims_store: dist.Store | None = None
+        self._phase: tuple[int, str, float] = (-1, "done", time.monotonic())
         self.chaos = ChaosSchedule(
             [Slowdown(f, a, b) for w, f, a, b in spec.chaos_slow if w == worker_id],
             [Stall(at, sec) for w, at, sec in spec.chaos_stall if w == worker_id],
             self.abort_flag,
         )
         self.runner = StepRunner(
-            self.model, self.flat, self.sampler, self.dataset, spec.loss, spec.seed, spec.fuse_shards, self.chaos, self.device
+            self.model, self.flat, self.sampler, self.dataset, spec.loss, spec.seed, spec.fuse_shards, self.chaos, self.device,
+            on_phase=lambda phase: self._enter(self._phase[0], phase),
         )
 
     @ray.method(concurrency_group="control")
@@ -154,6 +156,16 @@ class TrainWorker:
         self.group.broadcast(self.flat.values, root=0)
 
     @ray.method(concurrency_group="control")
+    def progress(self) -> dict[str, Any]:
+        """Where this worker is: ``step``, ``phase`` (stall, compute, idle, reduce, done) and
+        ``since_s`` in it. Answered while a step runs; the driver asks when a step is overdue."""
+        step, phase, since = self._phase
+        return {"step": step, "phase": phase, "since_s": time.monotonic() - since}
+
+    def _enter(self, step: int, phase: str) -> None:
+        self._phase = (step, phase, time.monotonic())
+
+    @ray.method(concurrency_group="control")
     def abort(self) -> None:
         """Make every pending and future collective of this generation fail at once (the driver
         calls this when it sees a peer die; answered even while a step is blocked)."""
@@ -165,6 +177,8 @@ class TrainWorker:
             self.reducer.close()
             self.reducer = None
         if self.group is not None:
+            if self.abort_flag.is_set() and self.group.broken is None:
+                self.group.broken = "aborted by the driver"  # its thread may be stuck: abandon it
             self.group.close()
             self.group = None
 
@@ -181,7 +195,9 @@ class TrainWorker:
         if self.reducer is None or self.claims_store is None:
             raise RuntimeError("train_step called before join_group")
         started = time.perf_counter()
+        self._enter(step, "stall")
         stalled_s = self.chaos.stall(step)
+        self._enter(step, "compute")
         self.flat.zero()
         if plan.mitigating:
             claims = ShardClaims(self.claims_store, step, plan.num_shards, self.rank)
@@ -192,6 +208,7 @@ class TrainWorker:
             work = self.runner.run_fixed(step, list(plan.shards_by_rank[self.rank]), plan.num_shards, self.reducer)
         self.chaos.record(work.compute_s, work.shards_run)
         computed = time.perf_counter()
+        self._enter(step, "reduce")
         comm_s = self.reducer.finish()
         counts = self.flat.extra[: plan.num_shards].cpu()
         if not torch.all(counts == 1):
@@ -199,6 +216,7 @@ class TrainWorker:
             raise ShardCensusError(f"step {step}: shards not committed exactly once: {bad}")
         reduced = time.perf_counter()
         self.optimizer.step()
+        self._enter(step, "done")
         done = time.perf_counter()
         busy_s = work.compute_s + work.slowed_s
         return StepTelemetry(

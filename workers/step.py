@@ -74,6 +74,7 @@ class StepRunner:
         fuse_shards: bool,
         chaos: ChaosSchedule,
         device: torch.device,
+        on_phase: Callable[[str], None] = lambda phase: None,
     ) -> None:
         self.model = model
         self.flat = flat
@@ -84,6 +85,7 @@ class StepRunner:
         self.fuse_shards = fuse_shards
         self.chaos = chaos
         self.device = device
+        self.on_phase = on_phase  # told "idle" while waiting for others' shards, then "compute"
 
     def _groups(self, shards: list[int]) -> list[list[int]]:
         """Shards run together in one pass (``fuse_shards``), or one at a time."""
@@ -178,18 +180,24 @@ class StepRunner:
                 ages[shard] = now - seen[shard][1]
             decision = pick_work(claims.me, plan, states, ages)
             if isinstance(decision, Finished):
+                if waited_since is not None:
+                    work.idle_s += now - waited_since
                 break
             if isinstance(decision, Wait):
-                waited_since = waited_since or now
+                if waited_since is None:
+                    waited_since = now
+                    self.on_phase("idle")
                 if now - waited_since > deadline_s:
                     raise CollectiveTimeout(
                         f"step {step}: shards {[s for s, st in states.items() if st.kind is not ClaimKind.DONE]} "
                         f"not committed within {deadline_s:.0f}s"
                     )
                 time.sleep(POLL_S)
-                work.idle_s += POLL_S
                 continue
-            waited_since = None
+            if waited_since is not None:
+                work.idle_s += now - waited_since
+                waited_since = None
+                self.on_phase("compute")
             if isinstance(decision, Backup):
                 if claims.start_backup(decision.shard, decision.owner):
                     self._backup(step, decision.shard, decision.owner, claims, work)
