@@ -167,7 +167,7 @@ class JobDriver:
                 while next_step < num_steps and len(inflight) < STEPS_IN_FLIGHT and not evicting:
                     plan = self._stragglers().plan(next_step)
                     if plan.mitigating:
-                        open_step(self._claims(), next_step, plan.num_shards)
+                        open_step(self._claims(), next_step, plan.shards_by_rank)
                     inflight.append((next_step, group.submit_step(next_step, plan)))
                     next_step += 1
                 if not inflight:  # drained for an eviction at this step boundary

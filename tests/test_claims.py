@@ -17,10 +17,13 @@ def _store(port: int = 0) -> dist.Store:
     return dist.PrefixStore("gen1/", tcp)
 
 
+PLAN3 = ((0, 2), (1,))
+
+
 def test_one_claim_wins_and_a_sealed_shard_cannot_be_backed_up():
     store = _store()
-    open_step(store, 0, 3)
-    a, b = ShardClaims(store, 0, 3, me=0), ShardClaims(store, 0, 3, me=1)
+    open_step(store, 0, PLAN3)
+    a, b = ShardClaims(store, 0, PLAN3, me=0), ShardClaims(store, 0, PLAN3, me=1)
     assert a.claim(0) and not b.claim(0)
     assert b.claim(1, seal=True) and not a.start_backup(1, owner=1)
     assert a.states()[1].kind is ClaimKind.SEALED
@@ -33,28 +36,45 @@ def test_one_claim_wins_and_a_sealed_shard_cannot_be_backed_up():
     assert a.commit(2, owner=0) and not b.commit(2, owner=0)
 
 
+def test_a_block_claim_and_a_single_shard_claim_exclude_each_other():
+    store = _store()
+    open_step(store, 0, PLAN3)
+    owner, thief = ShardClaims(store, 0, PLAN3, me=0), ShardClaims(store, 0, PLAN3, me=1)
+    assert owner.claim_block() and not thief.claim(2)
+    assert {s: st.kind for s, st in thief.states().items()} == {0: ClaimKind.SEALED, 1: ClaimKind.FREE, 2: ClaimKind.SEALED}
+    open_step(store, 1, PLAN3)
+    owner, thief = ShardClaims(store, 1, PLAN3, me=0), ShardClaims(store, 1, PLAN3, me=1)
+    assert thief.claim(2) and not owner.claim_block()  # opened: the owner claims shard by shard
+    assert owner.claim(0, seal=True) and not owner.claim(2)
+
+
 def test_a_reopened_slot_starts_free():
     store = _store()
-    open_step(store, 3, 2)
-    claims = ShardClaims(store, 3, 2, me=0)
-    assert claims.claim(0) and claims.commit(0, owner=0)
-    open_step(store, 3 + 8, 2)  # the same slot, a later step
-    assert all(s.kind is ClaimKind.FREE for s in ShardClaims(store, 11, 2, me=1).states().values())
+    open_step(store, 3, PLAN3)
+    claims = ShardClaims(store, 3, PLAN3, me=0)
+    assert claims.claim_block()
+    open_step(store, 3 + 8, PLAN3)  # the same slot, a later step
+    assert all(s.kind is ClaimKind.FREE for s in ShardClaims(store, 11, PLAN3, me=1).states().values())
 
 
 def test_exactly_once_under_racing_threads():
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store = dist.PrefixStore("gen1/", master)
     shards, workers, steps = 12, 4, 30
+    plan = tuple(tuple(range(r, shards, workers)) for r in range(workers))
     clients = [_store(master.port) for _ in range(workers)]
     for step in range(steps):
-        open_step(store, step, shards)
+        open_step(store, step, plan)
         winners: dict[int, list[int]] = {s: [] for s in range(shards)}
         lock = threading.Lock()
 
         def worker(me: int, step: int = step) -> None:
             rng = random.Random(step * 31 + me)
-            claims = ShardClaims(clients[me], step, shards, me)
+            claims = ShardClaims(clients[me], step, plan, me)
+            if rng.random() < 0.3 and claims.claim_block():
+                with lock:
+                    for shard in plan[me]:
+                        winners[shard].append(me)
             order = list(range(shards))
             rng.shuffle(order)
             for shard in order:
@@ -79,6 +99,6 @@ def test_exactly_once_under_racing_threads():
         for t in threads:
             t.join(timeout=30)
         assert all(len(w) == 1 for w in winners.values()), (step, winners)
-        final = ShardClaims(store, step, shards, me=-1).states()
+        final = ShardClaims(store, step, plan, me=-1).states()
         for shard, (winner,) in winners.items():
             assert final[shard].owner == winner and final[shard].kind in (ClaimKind.DONE, ClaimKind.SEALED)

@@ -6,11 +6,19 @@ compare-and-sets change a key, so for each shard exactly one worker ever reads b
 ``done:<itself>`` or ``sealed:<itself>`` (nothing moves a sealed shard but its owner): that
 worker, and no other, adds the shard's gradient (exactly once).
 
+Each rank also has a *block* key for its planned shards: the owner can seal them all with one
+compare-and-set (free -> sealed), the common case when nobody is late, so a step costs each
+worker two round trips instead of one per shard. Anyone else must first open the block
+(free -> open) before touching one of its shards; whichever of the two moves wins decides, so
+a shard is never both sealed by block and claimed alone.
+
 Keys live in ``SLOTS`` rotating slots (step mod SLOTS), reset to free when a step opens, so
 the store does not grow with the run; SLOTS exceeds the steps the driver keeps in flight.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
@@ -20,26 +28,59 @@ from policies.work_stealing import FREE, ClaimKind, ClaimState
 SLOTS = 8
 
 
-def claim_keys(step: int, num_shards: int) -> list[str]:
-    return [f"claim/{step % SLOTS}/{shard}" for shard in range(num_shards)]
+OPEN = "open"
 
 
-def open_step(store: dist.Store, step: int, num_shards: int) -> None:
-    """Mark every shard of ``step`` free (the driver does this before submitting the step)."""
-    store.multi_set(claim_keys(step, num_shards), [FREE.encode()] * num_shards)
+def claim_keys(step: int, shards_by_rank: Sequence[Sequence[int]]) -> list[str]:
+    """The step's shard keys (by shard id), then its block keys (by rank)."""
+    slot = step % SLOTS
+    shards = sum(len(s) for s in shards_by_rank)
+    return [f"claim/{slot}/{shard}" for shard in range(shards)] + [
+        f"claim/{slot}/block{rank}" for rank in range(len(shards_by_rank))
+    ]
+
+
+def open_step(store: dist.Store, step: int, shards_by_rank: Sequence[Sequence[int]]) -> None:
+    """Mark every shard and block of ``step`` free (the driver does this before submitting it)."""
+    keys = claim_keys(step, shards_by_rank)
+    store.multi_set(keys, [FREE.encode()] * len(keys))
 
 
 class ShardClaims:
     """One worker's handle on the claims of ``step``. Every method is one store round trip."""
 
-    def __init__(self, store: dist.Store, step: int, num_shards: int, me: int) -> None:
+    def __init__(self, store: dist.Store, step: int, shards_by_rank: Sequence[Sequence[int]], me: int) -> None:
         self.store = store
-        self.keys = claim_keys(step, num_shards)
+        self.all_keys = claim_keys(step, shards_by_rank)
+        self.num_shards = sum(len(s) for s in shards_by_rank)
+        self.keys = self.all_keys[: self.num_shards]
+        self.blocks = self.all_keys[self.num_shards :]
+        self.owner_of = {shard: rank for rank, shards in enumerate(shards_by_rank) for shard in shards}
         self.me = me
+        self._opened: set[int] = set()
 
     def states(self) -> dict[int, ClaimState]:
-        values = self.store.multi_get(self.keys)
-        return {shard: ClaimState.decode(value.decode()) for shard, value in enumerate(values)}
+        values = [v.decode() for v in self.store.multi_get(self.all_keys)]
+        sealed = {rank for rank, v in enumerate(values[self.num_shards :]) if v == f"sealed:{rank}"}
+        return {
+            shard: ClaimState(ClaimKind.SEALED, self.owner_of[shard])
+            if self.owner_of[shard] in sealed
+            else ClaimState.decode(value)
+            for shard, value in enumerate(values[: self.num_shards])
+        }
+
+    def claim_block(self) -> bool:
+        """Seal all my planned shards at once: fails if someone has opened my block."""
+        mine = ClaimState(ClaimKind.SEALED, self.me).encode()
+        return self.store.compare_set(self.blocks[self.me], FREE.encode(), mine).decode() == mine
+
+    def _open_block(self, rank: int) -> bool:
+        """Open ``rank``'s block for single-shard moves; False if its owner sealed it whole."""
+        if rank not in self._opened:
+            if self.store.compare_set(self.blocks[rank], FREE.encode(), OPEN).decode() != OPEN:
+                return False
+            self._opened.add(rank)
+        return True
 
     def _move(self, shard: int, old: ClaimState, new: ClaimState) -> ClaimState:
         """Compare-and-set; returns the state after the attempt (``new`` if it won)."""
@@ -49,7 +90,7 @@ class ShardClaims:
     def claim(self, shard: int, *, seal: bool = False) -> bool:
         """free -> run by me (sealed by me with ``seal``: certain to count, never backed up)."""
         mine = ClaimState(ClaimKind.SEALED if seal else ClaimKind.RUN, self.me)
-        return self._move(shard, FREE, mine) == mine
+        return self._open_block(self.owner_of[shard]) and self._move(shard, FREE, mine) == mine
 
     def start_backup(self, shard: int, owner: int) -> bool:
         """run by ``owner`` -> race between ``owner`` and me."""

@@ -203,7 +203,11 @@ class StepRunner:
                     self._backup(step, decision.shard, decision.owner, claims, work)
                 continue
             assert isinstance(decision, RunShards)
-            claimed = [s for s in decision.shards if claims.claim(s, seal=decision.seal)]
+            whole = decision.seal and decision.shards == plan.shards_by_rank[claims.me]
+            if whole and claims.claim_block():
+                claimed = list(decision.shards)
+            else:
+                claimed = [s for s in decision.shards if claims.claim(s, seal=decision.seal)]
             if not claimed:
                 continue
             if decision.stolen_from >= 0:
