@@ -26,6 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("job", nargs="?", help="job file (YAML); omit for the built-in digits example")
     run.add_argument("--workers", type=int, help="number of workers (overrides scaling.workers)")
     run.add_argument("--address", help="Ray cluster to join; default: start a local Ray")
+    run.add_argument(
+        "--local-nodes", type=int, default=0, metavar="N",
+        help="start N simulated Ray nodes on this machine (try node loss, hierarchical all-reduce)",
+    )
     run.add_argument("--run-dir", help="where events, telemetry, model and summary go")
     run.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
@@ -96,10 +100,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from orchestrator.launch import default_run_dir, run_job
 
+    if args.local_nodes < 0 or (args.local_nodes and (args.address or os.environ.get("RAY_ADDRESS"))):
+        print(
+            "ringleader: --local-nodes N starts its own N-node cluster: N must be >= 1, and it cannot "
+            "join one (--address or RAY_ADDRESS)",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
     try:
         result = run_job(
             job,
             address=args.address,
+            local_nodes=args.local_nodes,
             run_dir=default_run_dir(job),
             progress=not args.no_progress,
             source=job_source(args.job),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -36,3 +37,16 @@ def ray_cluster() -> Iterator[None]:
             else:
                 os.environ[key] = value
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.fixture
+def private_ray_home(tmp_path, monkeypatch):
+    """For tests whose subprocesses start their own Ray: keep their token and sockets out of ~
+    and /tmp/ray (in a short directory: Ray's socket paths must fit in 107 bytes)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rlb-", dir="/tmp"))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
+    yield
+    shutil.rmtree(ray_tmp, ignore_errors=True)

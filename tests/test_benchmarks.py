@@ -4,9 +4,6 @@ to the same loss, which is what makes the comparison fair."""
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -17,19 +14,6 @@ from benchmarks.straggler import summarize as summarize_straggler
 from benchmarks.straggler import variant_job as straggler_variant_job
 from benchmarks.throughput import FRAMEWORKS, format_table, medians, run_once
 from benchmarks.workloads import workload_job
-
-
-@pytest.fixture
-def private_ray_home(tmp_path, monkeypatch):
-    # Every runner starts its own local Ray; keep their token and sockets out of ~ and /tmp/ray
-    # (in a short directory: Ray's socket paths must fit in 107 bytes).
-    home = tmp_path / "home"
-    home.mkdir()
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rlb-", dir="/tmp"))
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
-    yield
-    shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.mark.usefixtures("private_ray_home")
