@@ -42,7 +42,11 @@ def ray_cluster() -> Iterator[None]:
 @pytest.fixture
 def private_ray_home(tmp_path, monkeypatch):
     """For tests whose subprocesses start their own Ray: keep their token and sockets out of ~
-    and /tmp/ray (in a short directory: Ray's socket paths must fit in 107 bytes)."""
+    and /tmp/ray (in a short directory: Ray's socket paths must fit in 107 bytes), and as from a
+    fresh shell: the session's ``ray.init`` exported ``RAY_AUTH_MODE=token``, which makes a new
+    head node insist on a token that the private HOME does not have yet."""
+    for key in ("RAY_AUTH_MODE", "RAY_ADDRESS"):
+        monkeypatch.delenv(key, raising=False)
     home = tmp_path / "home"
     home.mkdir()
     ray_tmp = Path(tempfile.mkdtemp(prefix="rlb-", dir="/tmp"))
