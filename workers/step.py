@@ -104,12 +104,11 @@ class StepRunner:
         before_backward: Callable[[float], None] | None = None,
     ) -> tuple[float, int]:
         """Forward/backward of ``shards`` together, gradient times ``sign`` added to the buffer.
-        ``before_backward(loss)`` runs between them (to arm the overlap). Returns (loss, samples)."""
+        ``before_backward(loss)`` runs between them (to arm the overlap). Returns (loss, samples);
+        a pass over empty shards does nothing."""
         started = time.perf_counter()
         indices = self._indices(step, shards)
         if not len(indices):
-            if before_backward is not None:
-                before_backward(0.0)
             return 0.0, 0
         inputs, targets = move_to(fetch_batch(self.dataset, indices), self.device)
         torch.manual_seed(shard_seed(self.seed, step, shards[0]))
@@ -132,27 +131,35 @@ class StepRunner:
 
     def run_fixed(self, step: int, shards: list[int], num_shards: int, reducer: GradientReducer) -> StepWork:
         """Exactly ``shards``; the final pass overlaps with the all-reduce."""
-        work = StepWork(committed=list(shards))
-        groups = [g for g in self._groups(shards) if len(self._indices(step, g))]
+        work = StepWork()
         work.slowed_s += self.chaos.slow_down(step, len(shards), lambda: False)
+        self._final_passes(step, shards, num_shards, reducer, work)
+        return work
+
+    def _final_passes(
+        self, step: int, shards: list[int], num_shards: int, reducer: GradientReducer, work: StepWork
+    ) -> None:
+        """Run ``shards``, whose commit is certain, as this worker's last passes of the step: the
+        last backward overlaps with the all-reduce, the bookkeeping riding in its last bucket."""
+        work.committed += shards
+        work.shards_run += len(shards)
+        groups = [g for g in self._groups(shards) if len(self._indices(step, g))]
+        if not groups:
+            self._write_bookkeeping(work, num_shards)
         for number, group in enumerate(groups):
             final = number == len(groups) - 1
 
-            def arm(value: float, final: bool = final) -> None:
+            def arm(loss: float, final: bool = final, group: list[int] = group) -> None:
                 if final:  # the bookkeeping rides in the last bucket, which may go out now
-                    work.loss += value
+                    work.loss += loss
                     work.samples += len(self._indices(step, group))
                     self._write_bookkeeping(work, num_shards)
                     reducer.arm()
 
-            value, samples = self._pass(step, group, work, before_backward=arm)
+            loss, samples = self._pass(step, group, work, before_backward=arm)
             if not final:
-                work.loss += value
+                work.loss += loss
                 work.samples += samples
-        work.shards_run = len(shards)
-        if not groups:
-            self._write_bookkeeping(work, num_shards)
-        return work
 
     def run_claimed(
         self,
@@ -212,41 +219,28 @@ class StepRunner:
                 continue
             if decision.stolen_from >= 0:
                 work.stolen += len(claimed)
-            sealed = decision.seal
-            self._own_pass(step, claimed, sealed, num_shards=plan.num_shards, claims=claims, reducer=reducer, work=work)
-            if sealed:
+            if decision.seal:
+                work.slowed_s += self.chaos.slow_down(step, len(claimed), lambda: False)
+                self._final_passes(step, claimed, plan.num_shards, reducer, work)
                 return work  # the all-reduce of this pass is under way: no more gradient may be added
+            self._own_pass(step, claimed, claims, work)
         self._write_bookkeeping(work, plan.num_shards)
         return work
 
-    def _own_pass(
-        self, step: int, claimed: list[int], sealed: bool, *, num_shards: int, claims: ShardClaims, reducer: GradientReducer, work: StepWork
-    ) -> None:
+    def _own_pass(self, step: int, claimed: list[int], claims: ShardClaims, work: StepWork) -> None:
+        """Run shards claimed (not sealed) by me; only those whose commit wins keep their gradient."""
+
         def raced() -> bool:
-            return not sealed and any(claims.states()[s].kind is ClaimKind.RACE for s in claimed)
+            return any(claims.states()[s].kind is ClaimKind.RACE for s in claimed)
 
         work.slowed_s += self.chaos.slow_down(step, len(claimed), raced)
-        if not sealed:  # a backup that started while we were slow takes the shard over
-            states = claims.states()
-            claimed = [s for s in claimed if states[s].kind is not ClaimKind.RACE]
+        states = claims.states()  # a backup that started while we were slow takes the shard over
+        claimed = [s for s in claimed if states[s].kind is not ClaimKind.RACE]
         work.shards_run += len(claimed)
-        groups = self._groups(claimed)
         value, samples = 0.0, 0
-        for number, group in enumerate(groups):
-            final = sealed and number == len(groups) - 1
-
-            def arm(loss: float, final: bool = final, group: list[int] = group) -> None:
-                if final:  # certain commit: count it now, as the bookkeeping may go out at once
-                    work.committed += claimed
-                    work.loss += value + loss
-                    work.samples += samples + len(self._indices(step, group))
-                    self._write_bookkeeping(work, num_shards)
-                    reducer.arm()
-
-            loss, count = self._pass(step, group, work, before_backward=arm)
+        for group in self._groups(claimed):
+            loss, count = self._pass(step, group, work)
             value, samples = value + loss, samples + count
-        if sealed:
-            return
         won = [s for s in claimed if claims.commit(s, claims.me)]
         lost = [s for s in claimed if s not in won]
         if lost:  # a backup committed first: take these shards' gradient back out
