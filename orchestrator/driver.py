@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch.distributed as dist
 from tqdm import tqdm
 
 from orchestrator.config import JobConfig
@@ -104,7 +103,6 @@ class JobDriver:
         self.shards_committed = 0
         self.final_loss: float | None = None
         self.train_s = 0.0
-        self.claims: dist.Store | None = None  # this generation's shard claims, once formed
         self.stragglers: StragglerControl | None = None
 
     def mark(self, milestone: str, seconds: float | None = None) -> None:
@@ -128,7 +126,6 @@ class JobDriver:
             self.mark("workers_started")
             num_steps = int(info[0]["num_steps"])
             group.form_group(store)
-            self.claims = store.claims()
             self.stragglers = StragglerControl(job, [i["worker"] for i in info], self.counters, self.run.event)
             self.mark("group_formed")
             self.run.event("workers_ready", workers=info, startup_s=dict(self.startup_s))
@@ -163,15 +160,15 @@ class JobDriver:
         next_step = 0
         with tqdm(total=num_steps, unit="step", disable=not self.progress, dynamic_ncols=True) as bar:
             while self.steps_done < num_steps:
-                evicting = self._stragglers().pending_evictions
-                while next_step < num_steps and len(inflight) < STEPS_IN_FLIGHT and not evicting:
+                pending = self._stragglers().pending_evictions
+                while next_step < num_steps and len(inflight) < STEPS_IN_FLIGHT and not pending:
                     plan = self._stragglers().plan(next_step)
                     if plan.mitigating:
-                        open_step(self._claims(), next_step, plan.shards_by_rank)
+                        open_step(store.claims, next_step, plan)
                     inflight.append((next_step, group.submit_step(next_step, plan)))
                     next_step += 1
                 if not inflight:  # drained for an eviction at this step boundary
-                    self._shrink(group, store, evicting, redo=[])
+                    self._shrink(group, store, pending, redo=[])
                     continue
                 step, refs = inflight.popleft()
                 silent = self._await_step(group, step, refs)
@@ -188,10 +185,6 @@ class JobDriver:
     def _stragglers(self) -> StragglerControl:
         assert self.stragglers is not None, "group not formed"
         return self.stragglers
-
-    def _claims(self) -> dist.Store:
-        assert self.claims is not None, "group not formed"
-        return self.claims
 
     def _await_step(self, group: WorkerGroup, step: int, refs: list[ray.ObjectRef]) -> list[Evict]:
         """Wait for ``step``; returns the workers to evict for holding it up (empty once done).
@@ -224,7 +217,6 @@ class JobDriver:
             )
         group.remove(workers)
         group.form_group(store)
-        self.claims = store.claims()
         self._stragglers().set_workers([info["worker"] for info in group.info])
         if redo:
             self.counters["recoveries"] += 1

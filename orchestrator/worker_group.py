@@ -27,6 +27,9 @@ class RendezvousStore:
     Each process group formed through it uses a fresh key prefix (its generation).
     """
 
+    #: The current generation's view of the store, where shard claims live (set by next_prefix).
+    claims: dist.Store
+
     def __init__(self, timeout_s: float) -> None:
         self.host = ray.util.get_node_ip_address()
         self._store = dist.TCPStore(
@@ -37,11 +40,9 @@ class RendezvousStore:
 
     def next_prefix(self) -> str:
         self.generation += 1
-        return f"gen{self.generation}/"
-
-    def claims(self) -> dist.Store:
-        """The current generation's view of the store (where shard claims live)."""
-        return dist.PrefixStore(f"gen{self.generation}/", self._store)
+        prefix = f"gen{self.generation}/"
+        self.claims = dist.PrefixStore(prefix, self._store)
+        return prefix
 
 
 def actor_options(scaling: ScalingConfig) -> dict[str, Any]:

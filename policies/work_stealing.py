@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from enum import Enum
 
 
@@ -78,11 +79,14 @@ class StepPlan:
     def num_shards(self) -> int:
         return sum(len(s) for s in self.shards_by_rank)
 
+    @cached_property
+    def owners(self) -> dict[int, int]:
+        """Each shard's planned rank."""
+        return {shard: rank for rank, shards in enumerate(self.shards_by_rank) for shard in shards}
+
     def owner_of(self, shard: int) -> int:
-        for rank, shards in enumerate(self.shards_by_rank):
-            if shard in shards:
-                return rank
-        raise KeyError(f"shard {shard} is not in the plan")
+        """Raises KeyError for a shard not in the plan."""
+        return self.owners[shard]
 
     def pass_size(self, rank: int) -> int:
         """With laggards about, own shards run in two passes: the second stays stealable."""

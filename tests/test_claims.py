@@ -7,7 +7,7 @@ import threading
 
 import torch.distributed as dist
 
-from policies.work_stealing import ClaimKind
+from policies.work_stealing import ClaimKind, StepPlan
 from workers.claims import ShardClaims, open_step
 
 
@@ -17,7 +17,7 @@ def _store(port: int = 0) -> dist.Store:
     return dist.PrefixStore("gen1/", tcp)
 
 
-PLAN3 = ((0, 2), (1,))
+PLAN3 = StepPlan(((0, 2), (1,)))
 
 
 def test_one_claim_wins_and_a_sealed_shard_cannot_be_backed_up():
@@ -61,7 +61,7 @@ def test_exactly_once_under_racing_threads():
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store = dist.PrefixStore("gen1/", master)
     shards, workers, steps = 12, 4, 30
-    plan = tuple(tuple(range(r, shards, workers)) for r in range(workers))
+    plan = StepPlan(tuple(tuple(range(r, shards, workers)) for r in range(workers)))
     clients = [_store(master.port) for _ in range(workers)]
     for step in range(steps):
         open_step(store, step, plan)
@@ -73,7 +73,7 @@ def test_exactly_once_under_racing_threads():
             claims = ShardClaims(clients[me], step, plan, me)
             if rng.random() < 0.3 and claims.claim_block():
                 with lock:
-                    for shard in plan[me]:
+                    for shard in plan.shards_by_rank[me]:
                         winners[shard].append(me)
             order = list(range(shards))
             rng.shuffle(order)

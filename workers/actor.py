@@ -200,7 +200,7 @@ class TrainWorker:
         self._enter(step, "compute")
         self.flat.zero()
         if plan.mitigating:
-            claims = ShardClaims(self.claims_store, step, plan.shards_by_rank, self.rank)
+            claims = ShardClaims(self.claims_store, step, plan, self.rank)
             work = self.runner.run_claimed(
                 step, plan, claims, self.reducer, self.spec.collective_timeout_s, self.abort_flag
             )

@@ -18,11 +18,9 @@ the store does not grow with the run; SLOTS exceeds the steps the driver keeps i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch.distributed as dist
 
-from policies.work_stealing import FREE, ClaimKind, ClaimState
+from policies.work_stealing import FREE, ClaimKind, ClaimState, StepPlan
 
 
 SLOTS = 8
@@ -31,31 +29,30 @@ SLOTS = 8
 OPEN = "open"
 
 
-def claim_keys(step: int, shards_by_rank: Sequence[Sequence[int]]) -> list[str]:
+def claim_keys(step: int, plan: StepPlan) -> list[str]:
     """The step's shard keys (by shard id), then its block keys (by rank)."""
     slot = step % SLOTS
-    shards = sum(len(s) for s in shards_by_rank)
-    return [f"claim/{slot}/{shard}" for shard in range(shards)] + [
-        f"claim/{slot}/block{rank}" for rank in range(len(shards_by_rank))
+    return [f"claim/{slot}/{shard}" for shard in range(plan.num_shards)] + [
+        f"claim/{slot}/block{rank}" for rank in range(len(plan.shards_by_rank))
     ]
 
 
-def open_step(store: dist.Store, step: int, shards_by_rank: Sequence[Sequence[int]]) -> None:
+def open_step(store: dist.Store, step: int, plan: StepPlan) -> None:
     """Mark every shard and block of ``step`` free (the driver does this before submitting it)."""
-    keys = claim_keys(step, shards_by_rank)
+    keys = claim_keys(step, plan)
     store.multi_set(keys, [FREE.encode()] * len(keys))
 
 
 class ShardClaims:
     """One worker's handle on the claims of ``step``. Every method is one store round trip."""
 
-    def __init__(self, store: dist.Store, step: int, shards_by_rank: Sequence[Sequence[int]], me: int) -> None:
+    def __init__(self, store: dist.Store, step: int, plan: StepPlan, me: int) -> None:
         self.store = store
-        self.all_keys = claim_keys(step, shards_by_rank)
-        self.num_shards = sum(len(s) for s in shards_by_rank)
+        self.all_keys = claim_keys(step, plan)
+        self.num_shards = plan.num_shards
         self.keys = self.all_keys[: self.num_shards]
         self.blocks = self.all_keys[self.num_shards :]
-        self.owner_of = {shard: rank for rank, shards in enumerate(shards_by_rank) for shard in shards}
+        self.owner_of = plan.owners
         self.me = me
         self._opened: set[int] = set()
 
