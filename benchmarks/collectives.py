@@ -116,9 +116,11 @@ def _overlap_rank(
         variant = job.model_copy(update={"collective": job.collective.model_copy(update={"overlap": overlap})})
         workers[overlap] = TrainWorker(worker_spec(variant))
     step = 0
+    generation = 0
     for round_ in range(rounds):
         for overlap, worker in workers.items():
-            worker.join_group("127.0.0.1", port, f"r{round_}-{overlap}/", rank, ["node"] * world, 60.0)
+            generation += 1
+            worker.join_group("127.0.0.1", port, f"gen{generation}/", generation, rank, ["node"] * world, 60.0)
             reports = [worker.train_step(step + i, plan) for i in range(steps)]
             step += steps
             worker.leave_group()

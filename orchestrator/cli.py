@@ -37,6 +37,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    resume = commands.add_parser(
+        "resume", help="go on with a run from its last good checkpoint (on any worker count)"
+    )
+    resume.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds job.json)")
+    resume.add_argument("--workers", type=int, help="number of workers (overrides scaling.workers)")
+    resume.add_argument("--address", help="Ray cluster to join; default: start a local Ray")
+    resume.add_argument("--local-nodes", type=int, default=0, metavar="N", help="as for run")
+    resume.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a job field, e.g. --set steps=600 to train longer",
+    )
+    resume.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     bench = commands.add_parser("bench", help="benchmarks (side by side, one run)")
     benches = bench.add_subparsers(dest="bench", required=True)
     throughput = benches.add_parser(
@@ -74,6 +87,16 @@ def _parser() -> argparse.ArgumentParser:
     straggler.add_argument("--factor", type=float, default=3.0, help="how many times slower the last worker is")
     straggler.add_argument("--repeats", type=int, default=2)
     straggler.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
+    recovery = benches.add_parser(
+        "recovery", help="seconds and steps lost when a worker is SIGKILLed: ours vs Ray Train; checkpoint cost"
+    )
+    recovery.add_argument("--workload", choices=["digits", "tinylm"], default="digits")
+    recovery.add_argument("--workers", type=int, default=2)
+    recovery.add_argument("--steps", type=int, default=60)
+    recovery.add_argument("--kill-step", type=int, default=35, help="the step in which the last worker is killed")
+    recovery.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (both)")
+    recovery.add_argument("--repeats", type=int, default=2, help="runs of each checkpoint-overhead variant")
+    recovery.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
     return parser
 
 
@@ -83,12 +106,18 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from orchestrator.config import ConfigError, job_source, load_job
+    from orchestrator.run_dir import JOB_FILE, RunDirectory
 
     # Like `python -m`: job files may name factories in modules next to where the user runs.
     sys.path.insert(0, os.getcwd())
     overrides = list(args.overrides)
     if args.workers is not None:
         overrides.append(f"scaling.workers={args.workers}")
+    if args.command == "resume":
+        if not RunDirectory.is_run(Path(args.run_dir)):
+            print(f"ringleader: {args.run_dir} is not a run directory (no {JOB_FILE})", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        args.job = str(Path(args.run_dir) / JOB_FILE)
     if args.run_dir is not None:
         overrides.append(f"run_dir={json.dumps(args.run_dir)}")
     try:
@@ -115,6 +144,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             run_dir=default_run_dir(job),
             progress=not args.no_progress,
             source=job_source(args.job),
+            warn=lambda message: print(f"ringleader: warning: {message}", file=sys.stderr),
         )
     except (ConfigError, FileExistsError) as err:
         print(f"ringleader: {err}", file=sys.stderr)
@@ -138,7 +168,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    if args.command == "run":
+    if args.command in ("run", "resume"):
         return _cmd_run(args)
     if args.command == "bench" and args.bench == "throughput":
         from benchmarks import throughput
@@ -157,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import straggler
 
         return straggler.main(args.workload, args.workers, args.steps, args.factor, args.repeats, args.json_path)
+    if args.command == "bench" and args.bench == "recovery":
+        from benchmarks import recovery
+
+        return recovery.main(
+            args.workload, args.workers, args.steps, args.kill_step, args.checkpoint_every, args.repeats, args.json_path
+        )
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -56,6 +56,9 @@ class ScalingConfig(_Strict):
     resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 0.5})
     accelerator_type: str | None = None
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    wait_for_workers_s: float = Field(
+        60.0, ge=0, description="below min_workers after a failure: how long to wait for resources before failing"
+    )
 
     @field_validator("resources_per_worker")
     @classmethod
@@ -117,15 +120,34 @@ class WorkerConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
-    every_steps: int = Field(0, ge=0)
+    """Coordinated checkpoints (design §4), taken at a step boundary.
+
+    ``every_steps``: 0 for none, N for every N steps, or ``auto`` for the Young/Daly interval
+    sqrt(2 x cost x MTBF) from the measured checkpoint cost and the observed failure rate (with
+    ``mtbf_prior_s`` as a prior of one failure; clamped to ``max_every_steps``). ``path``: where
+    they go, a local or shared directory or a URI pyarrow understands (``s3://``, ``gs://``...);
+    default ``<run dir>/checkpoints``. Every worker writes its slice of the state there, so on a
+    multi-node cluster it must be shared storage. ``keep``: how many complete checkpoints stay.
+    A job that finishes also leaves a final checkpoint when checkpoints are on, so it can be
+    resumed for more steps.
+    """
+
+    every_steps: int | Literal["auto"] = Field(0, description="0: off; N: every N steps; auto: Young/Daly")
     keep: int = Field(3, ge=1)
+    path: str | None = None
+    mtbf_prior_s: float = Field(3600.0, gt=0)
+    max_every_steps: int = Field(1000, ge=1)
 
     @field_validator("every_steps")
     @classmethod
-    def _not_yet(cls, value: int) -> int:
-        if value:
-            raise ValueError("periodic checkpoints are not available yet; set every_steps: 0")
+    def _non_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"must be 0 (off), a positive number of steps or 'auto', got {value}")
         return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps != 0
 
 
 class SlowChaos(_Strict):
@@ -152,17 +174,61 @@ class StallChaos(_Strict):
     seconds: float = Field(gt=0)
 
 
+class KillChaos(_Strict):
+    """Kill a worker at step ``at_step``: worker ``rank`` (its rank at job start), or for
+    ``remove_node`` the simulated node ``node`` (1..N-1 of ``--local-nodes N``; 0 is the head,
+    which holds the driver) or the node that runs ``rank``.
+
+    ``how``: ``sigkill`` (the worker SIGKILLs itself, like a crash or the OOM killer),
+    ``ray_kill`` (the driver calls ``ray.kill`` while the step runs) or ``remove_node`` (the
+    driver takes the whole simulated node away, with every worker on it; needs local nodes).
+    ``during`` (``sigkill`` only): in the step's all-reduce (``step``), while writing the
+    checkpoint taken after ``at_step`` (``checkpoint``), or in the first re-forming of the
+    group at or after ``at_step`` (``rejoin``: a failure during recovery).
+    """
+
+    at_step: int = Field(ge=0)
+    rank: int | None = Field(None, ge=0)
+    node: int | None = Field(None, ge=1)
+    how: Literal["sigkill", "ray_kill", "remove_node"] = "sigkill"
+    during: Literal["step", "checkpoint", "rejoin"] = "step"
+
+    @model_validator(mode="after")
+    def _target(self) -> "KillChaos":
+        if (self.rank is None) == (self.node is None):
+            raise ValueError("set exactly one of 'rank' and 'node'")
+        if self.node is not None and self.how != "remove_node":
+            raise ValueError(f"'node' needs how: remove_node (got how: {self.how})")
+        if self.during != "step" and self.how != "sigkill":
+            raise ValueError(f"during: {self.during} needs how: sigkill (got how: {self.how})")
+        return self
+
+
+class AddNodeChaos(_Strict):
+    """Add a simulated node (as big as the others) at the boundary before step ``at_step``;
+    needs ``--local-nodes``."""
+
+    at_step: int = Field(ge=0)
+
+
 class ChaosConfig(_Strict):
     """Fault and slowness injection, for tests and demos.
 
     ``shuffle_shards``: deal each step's shards to workers at random (seeded, uneven counts,
     some workers may get none) instead of by the rebalancer; the result must not change.
     ``slow``/``stall``: make a worker really compute slower, or stop, in given steps.
+    ``kill``/``add_node``: worker and node failures, and nodes joining (see KillChaos).
     """
 
     shuffle_shards: bool = False
     slow: list[SlowChaos] = Field(default_factory=list)
     stall: list[StallChaos] = Field(default_factory=list)
+    kill: list[KillChaos] = Field(default_factory=list)
+    add_node: list[AddNodeChaos] = Field(default_factory=list)
+
+    @property
+    def needs_local_nodes(self) -> bool:
+        return bool(self.add_node) or any(k.how == "remove_node" for k in self.kill)
 
 
 class StragglerConfig(_Strict):
@@ -211,6 +277,7 @@ class TimeoutConfig(_Strict):
     rendezvous_s: float = Field(60.0, gt=0, description="process group formed")
     step_s: float = Field(300.0, gt=0, description="one training step on every worker")
     collective_s: float = Field(60.0, gt=0, description="one collective operation")
+    checkpoint_s: float = Field(600.0, gt=0, description="one checkpoint written, from snapshot to manifest")
 
 
 _DIGITS = "ringleader_examples.digits"
@@ -250,9 +317,9 @@ class JobConfig(_Strict):
                 f"shards ({self.shards}) must not exceed batch_size ({self.batch_size}): "
                 "every shard needs at least one sample"
             )
-        for kind in ("slow", "stall"):
+        for kind in ("slow", "stall", "kill"):
             for index, entry in enumerate(getattr(self.chaos, kind)):
-                if entry.rank >= self.scaling.max_workers:
+                if entry.rank is not None and entry.rank >= self.scaling.max_workers:
                     raise ValueError(
                         f"chaos.{kind}.{index}.rank: {entry.rank} is not a worker "
                         f"(the job has at most {self.scaling.max_workers})"

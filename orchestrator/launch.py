@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from orchestrator.config import JobConfig, resolve_job
+from orchestrator.config import ConfigError, JobConfig, resolve_job
 from orchestrator.run_dir import RunDirectory
 
 if TYPE_CHECKING:
@@ -27,27 +27,28 @@ PRELOAD_TIMEOUT_S = 300.0
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, local_nodes: int = 0) -> Iterator[None]:
+def ray_session(address: str | None, local_nodes: int = 0) -> Iterator[Any]:
     """Use the Ray already initialised in this process, else connect or start one.
 
     No ``address`` and no ``RAY_ADDRESS`` (set by ``ray job submit``) starts a fresh local Ray,
     which is shut down on exit; a given address joins that cluster. ``local_nodes`` > 0 starts
     that many simulated Ray nodes on this machine instead (``ray.cluster_utils.Cluster``, each
     with an equal share of its CPUs), for trying node loss and the hierarchical all-reduce.
-    Raises ValueError if ``local_nodes`` is combined with an address.
+    Yields the local ``ray.cluster_utils.Cluster`` (for chaos that adds and removes nodes) or
+    None. Raises ValueError if ``local_nodes`` is combined with an address.
     """
     import ray
 
     if local_nodes and (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
         raise ValueError("local_nodes starts its own cluster; it cannot join one (address, RAY_ADDRESS, or this process's Ray)")
     if ray.is_initialized():
-        yield
+        yield None
         return
     if local_nodes:
-        with _local_cluster(local_nodes) as cluster_address:
-            ray.init(address=cluster_address, logging_level="WARNING")
+        with _local_cluster(local_nodes) as cluster:
+            ray.init(address=cluster.address, logging_level="WARNING")
             try:
-                yield
+                yield cluster
             finally:
                 ray.shutdown()
         return
@@ -58,23 +59,33 @@ def ray_session(address: str | None, local_nodes: int = 0) -> Iterator[None]:
     else:
         ray.init(address="local", include_dashboard=False, logging_level="WARNING")
     try:
-        yield
+        yield None
     finally:
         ray.shutdown()
 
 
+def local_node_cpus(nodes: int) -> int:
+    """CPUs of each simulated node: this machine's, shared out."""
+    return max(1, (os.cpu_count() or 1) // nodes)
+
+
 @contextlib.contextmanager
-def _local_cluster(nodes: int) -> Iterator[str]:
+def _local_cluster(nodes: int) -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
-    cpus = max(1, (os.cpu_count() or 1) // nodes)
+    cpus = local_node_cpus(nodes)
+    # Node loss is what local nodes are for: have Ray declare a removed node dead in ~1.5 s
+    # rather than its production default (tens of seconds), so its bundles move on quickly.
+    system_config = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
     cluster = Cluster(
-        initialize_head=True, connect=False, head_node_args={"num_cpus": cpus, "include_dashboard": False}
+        initialize_head=True,
+        connect=False,
+        head_node_args={"num_cpus": cpus, "include_dashboard": False, "_system_config": system_config},
     )
     try:
         for _ in range(nodes - 1):
             cluster.add_node(num_cpus=cpus)
-        yield cluster.address
+        yield cluster
     finally:
         cluster.shutdown()
 
@@ -103,24 +114,47 @@ def run_job(
     run_dir: Path | None = None,
     progress: bool = False,
     source: str = "job",
+    warn: Callable[[str], None] = lambda message: None,
 ) -> JobResult:
     """Run ``job`` to the end on Ray (see ``ray_session`` for which Ray, and ``local_nodes``).
 
     ``job`` may come from ``load_job(..., resolve=False)``: the import-heavy checks run here,
-    alongside Ray's start, and still before any worker starts. Returns the run directory and
-    summary whatever the outcome; ``summary["status"]`` is ``finished``, ``failed`` or
-    ``stopped``. Raises FileExistsError if ``run_dir`` is not empty and ConfigError (before
-    any actor starts) if a factory or the optimizer does not resolve; ``source`` names the job
-    in that message.
+    alongside Ray's start, and still before any worker starts. A ``run_dir`` an earlier run
+    left (with its ``job.json``) is resumed from its newest good checkpoint (from step 0 if it
+    has none); checkpoints that fail verification are reported through ``warn`` and skipped.
+    Returns the run directory and summary whatever the outcome; ``summary["status"]`` is
+    ``finished``, ``failed`` or ``stopped``. Raises FileExistsError if ``run_dir`` is not
+    empty and not a run, and ConfigError (before any actor starts) if a factory or the
+    optimizer does not resolve, chaos needs local nodes, or the checkpoint is another job's;
+    ``source`` names the job in that message.
     """
     launched = time.perf_counter()
     path = run_dir or default_run_dir(job)
-    RunDirectory.ensure_free(path)
+    if job.chaos.needs_local_nodes and not local_nodes:
+        raise ConfigError(f"invalid job ({source}): chaos.kill with how: remove_node and chaos.add_node need --local-nodes N")
+    resuming = RunDirectory.is_run(path)
+    if not resuming:
+        RunDirectory.ensure_free(path)
+    resume = None
+    if resuming:
+        from orchestrator.checkpointing import find_resume_point
+
+        resume = find_resume_point(job, path, warn)
     with ThreadPoolExecutor(1, thread_name_prefix="ringleader-preload") as pool:
         preload = pool.submit(_preload, job, source)
-        with ray_session(address, local_nodes):
+        with ray_session(address, local_nodes) as cluster:
             ray_ready = time.perf_counter() - launched
             driver = preload.result(timeout=PRELOAD_TIMEOUT_S)
-            job_driver = driver.JobDriver(job, RunDirectory(path), progress=progress, launched=launched)
+            run = RunDirectory(path, resume=resuming)
+            run.save_job(job.model_dump(mode="json", exclude_unset=True))
+            job_driver = driver.JobDriver(
+                job,
+                run,
+                progress=progress,
+                launched=launched,
+                cluster=cluster,
+                node_cpus=local_node_cpus(local_nodes) if local_nodes else 0,
+                resume=resume,
+            )
             job_driver.mark("ray_ready", ray_ready)
             return job_driver.execute()

@@ -35,12 +35,21 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         os.close(dir_fd)
 
 
-class RunDirectory:
-    """Owns one run's folder. Append-only JSONL logs are flushed per record."""
+JOB_FILE = "job.json"
 
-    def __init__(self, path: Path) -> None:
+
+class RunDirectory:
+    """Owns one run's folder. Append-only JSONL logs are flushed per record.
+
+    A new run needs a missing or empty folder; ``resume`` opens one a run left (its
+    ``job.json`` present) and appends to its logs."""
+
+    def __init__(self, path: Path, resume: bool = False) -> None:
         self.path = path
-        self.ensure_free(path)
+        if not resume:
+            self.ensure_free(path)
+        elif not self.is_run(path):
+            raise FileNotFoundError(f"{path} is not a run directory (no {JOB_FILE})")
         path.mkdir(parents=True, exist_ok=True)
         self._events = open(path / "events.jsonl", "a", encoding="utf-8")
         self._telemetry = open(path / "telemetry.jsonl", "a", encoding="utf-8")
@@ -50,6 +59,17 @@ class RunDirectory:
         """Raise FileExistsError unless ``path`` is missing or an empty directory."""
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise FileExistsError(f"run directory {path} is not empty; choose a new --run-dir")
+
+    @staticmethod
+    def is_run(path: Path) -> bool:
+        return (path / JOB_FILE).is_file()
+
+    def save_job(self, job: dict[str, Any]) -> Path:
+        """The job as run (validated, defaults filled in), so ``ringleader resume`` can rerun it."""
+        target = self.path / JOB_FILE
+        text = json.dumps(job, indent=2, sort_keys=True).encode()
+        write_atomic(target, lambda handle: handle.write(text))
+        return target
 
     def event(self, kind: str, **fields: Any) -> None:
         record = {"time": time.time(), "event": kind, **fields}

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import ray
 import torch.distributed as dist
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import ScalingConfig, TimeoutConfig
 from policies.work_stealing import StepPlan
 from workers.actor import TrainWorker, WorkerSpec
 
-RemoteTrainWorker = ray.remote(concurrency_groups={"compute": 1, "control": 1})(TrainWorker)
+RemoteTrainWorker = ray.remote(concurrency_groups={"compute": 1, "control": 1, "io": 1})(TrainWorker)
 
 
 class WorkerGroupError(RuntimeError):
@@ -38,6 +45,12 @@ class RendezvousStore:
         self.port = self._store.port
         self.generation = 0
 
+    def read(self, key: str) -> str | None:
+        """The value at ``key`` (outside any generation), or None if it is not set; no wait."""
+        if not self._store.check([key]):
+            return None
+        return self._store.get(key).decode()
+
     def next_prefix(self) -> str:
         self.generation += 1
         prefix = f"gen{self.generation}/"
@@ -59,20 +72,72 @@ def actor_options(scaling: ScalingConfig) -> dict[str, Any]:
     return options
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where a worker runs: one bundle of one of the job's placement groups."""
+
+    placement: PlacementGroup
+    index: int
+
+
+@dataclass
+class Member:
+    actor: Any
+    info: dict[str, Any]  # the actor's describe()
+    slot: Slot
+
+
+@dataclass
+class Joiner:
+    """An actor started into a free slot, still loading; it joins at a step boundary."""
+
+    actor: Any
+    worker: int
+    slot: Slot
+    ready: ray.ObjectRef  # its describe()
+
+
 class WorkerGroup:
-    """Starts, drives and tears down the worker actors of one job."""
+    """Starts, drives, grows and tears down the worker actors of one job.
+
+    Workers live in slots (placement-group bundles). A slot freed by a death gets a replacement
+    actor; slots beyond the starting count are reserved one placement group each, up to
+    ``scaling.max_workers``, and fill when the cluster has room (a node joins). New actors load
+    in the background (``joiners``) and join the process group at a step boundary.
+    ``members`` are in rank order; worker ids never repeat.
+    """
+
+    #: After a replacement failed to start in a slot, wait this long before trying it again.
+    RETRY_S = 5.0
 
     def __init__(self, spec: WorkerSpec, scaling: ScalingConfig, timeouts: TimeoutConfig) -> None:
         self.spec = spec
         self.scaling = scaling
         self.timeouts = timeouts
-        self.actors: list[Any] = []
-        self.placement: PlacementGroup | None = None
-        self.info: list[dict[str, Any]] = []
+        self.members: list[Member] = []
+        self.joiners: list[Joiner] = []
+        self.placements: list[PlacementGroup] = []
+        self.slots: list[Slot] = []
+        self._retry_at: dict[Slot, float] = {}
+        self._next_worker = 0
+        self._bundle = {k: v for k, v in scaling.resources_per_worker.items() if v > 0}
 
     @property
     def size(self) -> int:
-        return len(self.actors)
+        return len(self.members)
+
+    @property
+    def actors(self) -> list[Any]:
+        return [m.actor for m in self.members]
+
+    @property
+    def info(self) -> list[dict[str, Any]]:
+        return [m.info for m in self.members]
+
+    @property
+    def workers(self) -> list[int]:
+        """Worker ids in rank order."""
+        return [m.info["worker"] for m in self.members]
 
     def start(self, count: int) -> list[dict[str, Any]]:
         """Reserve ``count`` bundles, start one actor in each, wait until all have loaded.
@@ -81,43 +146,52 @@ class WorkerGroup:
         overlaps their start. Returns each actor's ``describe()``. Raises WorkerGroupError on
         a timeout (naming the resources if they could not be reserved) or a worker error.
         """
-        bundle = {k: v for k, v in self.scaling.resources_per_worker.items() if v > 0}
-        self.placement = placement_group([bundle] * count, strategy=self.scaling.placement_strategy)
-        options = actor_options(self.scaling)
-        self.actors = [
-            RemoteTrainWorker.options(
-                **options,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement, placement_group_bundle_index=i
-                ),
-            ).remote(self.spec, i)
-            for i in range(count)
-        ]
+        placement = placement_group([self._bundle] * count, strategy=self.scaling.placement_strategy)
+        self.placements.append(placement)
+        slots = [Slot(placement, i) for i in range(count)]
+        self.slots.extend(slots)
+        actors = [self._new_actor(slot) for slot in slots]
         try:
-            self.info = ray.get([a.describe.remote() for a in self.actors], timeout=self.timeouts.start_s)
+            infos = ray.get([a.describe.remote() for a, _ in actors], timeout=self.timeouts.start_s)
         except ray.exceptions.GetTimeoutError:
-            ready, _ = ray.wait([self.placement.ready()], timeout=0)
+            ready, _ = ray.wait([placement.ready()], timeout=0)
             if not ready:
                 raise WorkerGroupError(
-                    f"could not reserve {count} x {bundle} within {self.timeouts.start_s:.0f}s "
+                    f"could not reserve {count} x {self._bundle} within {self.timeouts.start_s:.0f}s "
                     f"(cluster has {ray.cluster_resources()}); lower scaling.workers or "
                     "scaling.resources_per_worker"
                 ) from None
             raise WorkerGroupError(f"workers did not finish 'start' within {self.timeouts.start_s:.0f}s") from None
+        self.members = [Member(actor, info, slot) for (actor, _), info, slot in zip(actors, infos, slots)]
         return self.info
 
-    def form_group(self, store: RendezvousStore) -> None:
-        """All actors join one torch.distributed group through the driver's store."""
+    def _new_actor(self, slot: Slot) -> tuple[Any, int]:
+        worker = self._next_worker
+        self._next_worker += 1
+        actor = RemoteTrainWorker.options(
+            **actor_options(self.scaling),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement, placement_group_bundle_index=slot.index),
+        ).remote(self.spec, worker)
+        return actor, worker
+
+    def form_group(self, store: RendezvousStore) -> float:
+        """All members join one torch.distributed group through the driver's store (a new
+        generation) and take rank 0's training state. Returns the state transfer's seconds (the
+        slowest rank's). Raises WorkerGroupError on a timeout and RayActorError if a member
+        died meanwhile."""
         prefix = store.next_prefix()
         nodes = [info["node_id"] for info in self.info]  # topology for the hierarchical all-reduce
-        self._get(
+        joined = self._gather(
             [
-                actor.join_group.remote(store.host, store.port, prefix, rank, nodes, self.timeouts.rendezvous_s)
+                actor.join_group.remote(
+                    store.host, store.port, prefix, store.generation, rank, nodes, self.timeouts.rendezvous_s
+                )
                 for rank, actor in enumerate(self.actors)
             ],
             self.timeouts.rendezvous_s,
             "rendezvous",
         )
+        return max(j["transfer_s"] for j in joined)
 
     def submit_step(self, step: int, plan: StepPlan) -> list[ray.ObjectRef]:
         if len(plan.shards_by_rank) != self.size:
@@ -126,8 +200,9 @@ class WorkerGroup:
         return [actor.train_step.remote(step, plan) for actor in self.actors]
 
     def progress(self, timeout_s: float) -> dict[int, dict[str, Any] | None]:
-        """Each worker's ``progress()`` by worker id; None for one that did not answer in time."""
-        refs = {info["worker"]: actor.progress.remote() for actor, info in zip(self.actors, self.info)}
+        """Each member's ``progress()`` by worker id; None for one that did not answer in time
+        or is dead."""
+        refs = {m.info["worker"]: m.actor.progress.remote() for m in self.members}
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         out: dict[int, dict[str, Any] | None] = {}
         for worker, ref in refs.items():
@@ -137,23 +212,108 @@ class WorkerGroup:
                 out[worker] = None
         return out
 
-    def abort_all(self, pending: list[ray.ObjectRef], timeout_s: float) -> None:
-        """Raise every worker's abort flag and wait (bounded) until ``pending`` steps end; they
-        end in errors, which are expected and dropped."""
-        aborts = [actor.abort.remote() for actor in self.actors]
+    def probe(self, timeout_s: float) -> tuple[dict[int, dict[str, Any]], list[int]]:
+        """Which members are alive: their ``progress()`` by worker id, and the ids of those that
+        are dead or did not answer within ``timeout_s`` (the control group answers even while a
+        step is blocked, so silence means a dead process or node Ray has not noticed yet)."""
+        alive: dict[int, dict[str, Any]] = {}
+        dead: list[int] = []
+        for worker, report in self.progress(timeout_s).items():
+            if report is None:
+                dead.append(worker)
+            else:
+                alive[worker] = report
+        return alive, dead
+
+    def abort_all(self, generation: int, pending: list[ray.ObjectRef], timeout_s: float) -> None:
+        """Raise every member's abort flag for ``generation`` and earlier and wait (bounded)
+        until ``pending`` calls end; they end in errors, which are expected and dropped."""
+        aborts = [actor.abort.remote(generation) for actor in self.actors]
         ray.wait(aborts + pending, num_returns=len(aborts) + len(pending), timeout=timeout_s)
 
     def remove(self, workers: list[int]) -> None:
-        """Kill the actors of these worker ids and drop them from the group (ranks close up)."""
-        keep = [(a, i) for a, i in zip(self.actors, self.info) if i["worker"] not in workers]
-        for actor, info in zip(self.actors, self.info):
-            if info["worker"] in workers:
-                ray.kill(actor, no_restart=True)
-        self.actors = [a for a, _ in keep]
-        self.info = [i for _, i in keep]
+        """Kill the actors of these worker ids and drop them from the group (ranks close up);
+        their slots are free for replacements."""
+        for member in self.members:
+            if member.info["worker"] in workers:
+                ray.kill(member.actor, no_restart=True)
+        self.members = [m for m in self.members if m.info["worker"] not in workers]
 
-    def call_rank(self, rank: int, method: str, timeout_s: float) -> Any:
-        return self._get(getattr(self.actors[rank], method).remote(), timeout_s, method)
+    def kill(self, worker: int) -> None:
+        """``ray.kill`` one member, leaving it in the group (chaos: the driver must notice)."""
+        for member in self.members:
+            if member.info["worker"] == worker:
+                ray.kill(member.actor, no_restart=True)
+
+    def lead_with(self, worker: int) -> None:
+        """Make ``worker`` rank 0 of the next generation (the state every rank takes)."""
+        self.members.sort(key=lambda m: m.info["worker"] != worker)
+
+    def fill_slots(self, dead_nodes: set[str]) -> int:
+        """Start an actor in every free slot (up to ``scaling.max_workers`` slots, reserving new
+        ones as single-bundle placement groups), except slots whose bundle sits on a node in
+        ``dead_nodes`` (Ray moves those bundles once it declares the node dead) or that failed
+        less than RETRY_S ago. Returns how many actors were started."""
+        while len(self.slots) < self.scaling.max_workers:
+            placement = placement_group([self._bundle])
+            self.placements.append(placement)
+            self.slots.append(Slot(placement, 0))
+        taken = {m.slot for m in self.members} | {j.slot for j in self.joiners}
+        now = time.monotonic()
+        started = 0
+        for slot in self.slots:
+            if slot in taken or self._retry_at.get(slot, 0.0) > now or _bundle_node(slot) in dead_nodes:
+                continue
+            actor, worker = self._new_actor(slot)
+            self.joiners.append(Joiner(actor, worker, slot, actor.describe.remote()))
+            started += 1
+        return started
+
+    def ready_joiners(self, timeout_s: float = 0.0) -> list[Member]:
+        """Joiners that finished loading (waiting up to ``timeout_s`` for at least one), removed
+        from ``joiners``; joiners that died are dropped and their slot retried later."""
+        if not self.joiners:
+            return []
+        refs = [j.ready for j in self.joiners]
+        ray.wait(refs, num_returns=1, timeout=timeout_s)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        out: list[Member] = []
+        for joiner in [j for j in self.joiners if j.ready in ready]:
+            self.joiners.remove(joiner)
+            try:
+                out.append(Member(joiner.actor, ray.get(joiner.ready, timeout=0), joiner.slot))
+            except ray.exceptions.RayError:
+                ray.kill(joiner.actor, no_restart=True)
+                self._retry_at[joiner.slot] = time.monotonic() + self.RETRY_S
+        return out
+
+    def admit(self, members: list[Member]) -> None:
+        """Add ready joiners at the end of the rank order (they join at the next form_group)."""
+        self.members.extend(members)
+
+    def restore(self, root: str, name: str, manifest: dict[str, Any]) -> None:
+        """Load checkpoint ``name``: rank 0 the training state (the others take it from rank 0
+        when the group forms), every rank its saved top-k residuals."""
+        self._gather(
+            [a.restore.remote(root, name, manifest, rank, rank == 0) for rank, a in enumerate(self.actors)],
+            self.timeouts.checkpoint_s,
+            "restore",
+        )
+
+    def call_rank(self, rank: int, method: str, timeout_s: float, *args: Any) -> Any:
+        return self._get(getattr(self.actors[rank], method).remote(*args), timeout_s, method)
+
+    def _gather(self, refs: list[ray.ObjectRef], timeout_s: float, what: str) -> list[Any]:
+        """Results of ``refs`` in order, raising the first error as soon as any call fails (not
+        after the others, which may be blocked waiting for the failed one)."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorkerGroupError(f"workers did not finish '{what}' within {timeout_s:.0f}s")
+            ray.get(ready[0], timeout=0)  # raises the call's error
+        return ray.get(refs, timeout=0)
 
     def _get(self, refs: Any, timeout_s: float, what: str) -> Any:
         try:
@@ -162,10 +322,15 @@ class WorkerGroup:
             raise WorkerGroupError(f"workers did not finish '{what}' within {timeout_s:.0f}s") from None
 
     def shutdown(self) -> None:
-        """Kill every actor and release the placement group. Safe to call twice."""
-        for actor in self.actors:
+        """Kill every actor and release the placement groups. Safe to call twice."""
+        for actor in self.actors + [j.actor for j in self.joiners]:
             ray.kill(actor, no_restart=True)
-        self.actors = []
-        if self.placement is not None:
-            remove_placement_group(self.placement)
-            self.placement = None
+        self.members, self.joiners = [], []
+        for placement in self.placements:
+            remove_placement_group(placement)
+        self.placements, self.slots = [], []
+
+
+def _bundle_node(slot: Slot) -> str | None:
+    """The node a slot's bundle is placed on, or None while it is not placed."""
+    return placement_group_table(slot.placement).get("bundles_to_node_id", {}).get(slot.index)

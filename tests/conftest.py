@@ -54,3 +54,12 @@ def private_ray_home(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
     yield
     shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, ray_cluster):
+    """Parameters of the clean single-worker run of ``tests.helpers.jobs.run``'s job, which
+    every run of it must match whatever happened to its workers."""
+    from tests.helpers.jobs import params, run
+
+    return params(run(tmp_path_factory.mktemp("ref"), "w1", "scaling.workers=1").run_dir)

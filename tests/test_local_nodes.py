@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from orchestrator.cli import EXIT_BAD_INPUT, main
+from tests.helpers.jobs import assert_same_params, params
 
 
 @pytest.mark.usefixtures("private_ray_home")
@@ -32,3 +33,31 @@ def test_workers_spread_over_simulated_nodes_and_hierarchical_runs(tmp_path):
 def test_local_nodes_cannot_join_a_cluster(tmp_path, capsys):
     assert main(["run", "--local-nodes", "2", "--address", "auto", "--run-dir", str(tmp_path / "r")]) == EXIT_BAD_INPUT
     assert "--local-nodes" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("private_ray_home")
+def test_a_removed_node_is_survived_and_a_new_node_grows_the_group_back(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "orchestrator.cli", "run", "--local-nodes", "2", "--no-progress",
+        "--run-dir", str(run_dir), "--set", "steps=25", "--set", "eval=null", "--set", "scaling.workers=4",
+        "--set", "scaling.placement_strategy=SPREAD",
+        "--set", "chaos.kill=[{at_step: 4, node: 1, how: remove_node}]",
+        "--set", "chaos.add_node=[{at_step: 6}]",
+        # Time for the replacements to load on the new node before the job ends.
+        "--set", "chaos.stall=[{rank: 0, at_step: 10, seconds: 12}]",
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["events"]["failures"] == 2 and summary["events"]["joins"] == 2
+    assert summary["workers"] == {"start": 4, "end": 4}
+    assert summary["shards_committed"] == summary["shards_expected"] == 25 * 16
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    removed = next(e for e in events if e.get("action") == "remove_node")
+    assert any(e.get("action") == "add_node" and e["at_step"] == 6 for e in events)
+    ready = next(e for e in events if e["event"] == "workers_ready")["workers"]
+    assert sorted(removed["workers"]) == sorted(w["worker"] for w in ready if w["node_id"] == removed["node"])
+    grown = [e for e in events if e["event"] == "grow"]
+    assert sorted(w for e in grown for w in e["joined"]) == [4, 5]
+    assert_same_params(params(run_dir), reference, "node lost and added")

@@ -12,12 +12,6 @@ from tests.helpers.jobs import assert_same_params, jsonl, params, run
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Parameters of the clean single-worker run the others must match."""
-    return params(run(tmp_path_factory.mktemp("ref"), "w1", "scaling.workers=1").run_dir)
-
-
 def _random_slowness(seed: int, workers: int, steps: int) -> str:
     """A seeded schedule of slow spells (random worker, factor, window) and short stalls."""
     rng = random.Random(seed)

@@ -1,7 +1,8 @@
 """The training worker: one Ray actor per rank, holding a model replica and its optimizer.
 
-Methods run in two concurrency groups: ``compute`` (one at a time, in submission order: the
-step pipeline) and ``control`` (answers while a step runs, so the driver can always ask).
+Methods run in three concurrency groups: ``compute`` (one at a time, in submission order: the
+step pipeline), ``control`` (answers while a step runs, so the driver can always ask) and
+``io`` (waits for background checkpoint writes without holding up either).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,11 +22,19 @@ import torch.distributed as dist
 
 from policies.work_stealing import StepPlan
 from workers import factories
-from workers.chaos import ChaosSchedule, Slowdown, Stall
+from workers.chaos import ChaosSchedule, Kill, Slowdown, Stall, kill_self
+from workers.checkpoint_storage import CheckpointStorage
+from workers.checkpointing import PartSnapshot, load_residuals, load_state, take_snapshot, write_snapshot
 from workers.claims import ShardClaims
-from workers.comm_group import CollectiveAborted, CollectiveTimeout, CommGroup, new_process_group
+from workers.comm_group import (
+    CollectiveAborted,
+    CollectiveTimeout,
+    CommGroup,
+    call_abortable,
+    new_process_group,
+)
 from workers.communicator import make_communicator, pick_backend
-from workers.compression import compress
+from workers.compression import TopKAllReduce, compress
 from workers.flat_optimizer import FlatOptimizer
 from workers.overlap import GradientReducer
 from workers.sampler import ShardSampler
@@ -65,6 +75,14 @@ class WorkerSpec:
     # Injected slowness, by worker id: (worker, factor, from_step, to_step) and (worker, at_step, seconds).
     chaos_slow: tuple[tuple[int, float, int, int | None], ...] = ()
     chaos_stall: tuple[tuple[int, int, float], ...] = ()
+    # Self-inflicted SIGKILLs, by worker id: (worker, at_step, during) with during in KILL_POINTS.
+    chaos_kill: tuple[tuple[int, int, str], ...] = ()
+
+
+#: Key in the driver's store where a worker chaos-killing itself leaves its time of death
+#: (``time.time()``), so the driver can split a recovery into detection and the rest.
+def death_key(worker_id: int) -> str:
+    return f"chaos/killed/{worker_id}"
 
 
 class TrainWorker:
@@ -93,14 +111,25 @@ class TrainWorker:
         self.rank = -1
         self.world_size = 0
         self.reducer: GradientReducer | None = None
+        self.reducer_comm: object | None = None  # the reducer's communicator (top-k keeps residuals)
         self.group: CommGroup | None = None
         self.abort_flag = threading.Event()
+        self.aborted_through = 0  # the latest generation the driver aborted
+        # Checkpoint files are written here while training goes on.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ringleader-checkpoint")
+        self._writes: dict[str, Future[list[dict[str, Any]]]] = {}
+        self._writes_lock = threading.Lock()
+        self._restored_residuals: dict[tuple[int, int], torch.Tensor] = {}
         self.claims_store: dist.Store | None = None
+        self.store: dist.Store | None = None
+        #: The next step this replica will apply: the optimizer steps it holds, in job steps.
+        self.next_step = 0
         self._phase: tuple[int, str, float] = (-1, "done", time.monotonic())
         self.chaos = ChaosSchedule(
             [Slowdown(f, a, b) for w, f, a, b in spec.chaos_slow if w == worker_id],
             [Stall(at, sec) for w, at, sec in spec.chaos_stall if w == worker_id],
             self.abort_flag,
+            kill=[Kill(at, during) for w, at, during in spec.chaos_kill if w == worker_id],
         )
         self.runner = StepRunner(
             self.model, self.flat, self.sampler, self.dataset, spec.loss, spec.seed, spec.fuse_shards, self.chaos, self.device,
@@ -128,24 +157,43 @@ class TrainWorker:
         store_host: str,
         store_port: int,
         prefix: str,
+        generation: int,
         rank: int,
         nodes: list[str],
         timeout_s: float,
-    ) -> None:
+    ) -> dict[str, float]:
         """Form this generation's process group (rank ``rank`` of ``len(nodes)``; ``nodes[r]`` is
         rank r's Ray node id) through the driver's TCPStore under key ``prefix``, then take
-        rank 0's parameters so every replica starts identical whatever the factory did."""
+        rank 0's training state: parameters, optimizer state and step. An abort for this
+        ``generation`` (or a later one) that arrived first makes the join fail at once. Every replica thus starts
+        the generation identical, whatever its factory did, whether it just joined (a
+        replacement or a new worker: the state comes from a live peer, not from disk) or missed
+        the last step of an aborted generation. Returns ``transfer_s``, the state broadcast's
+        seconds."""
+        if self.group is not None and self.chaos.kill_due("rejoin", self.next_step):
+            kill_self(self._record_death)
         self.leave_group()
-        self.abort_flag.clear()
+        if self.aborted_through < generation:
+            self.abort_flag.clear()
         store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.store = store
         self.claims_store = dist.PrefixStore(prefix, store)
-        pg = new_process_group(
-            pick_backend(self.device), dist.PrefixStore(prefix, store), rank, len(nodes), self.spec.collective_timeout_s
+        pg = call_abortable(
+            lambda: new_process_group(
+                pick_backend(self.device), dist.PrefixStore(prefix, store), rank, len(nodes), self.spec.collective_timeout_s
+            ),
+            self.abort_flag,
+            timeout_s,
+            "rendezvous",
         )
+        residuals = getattr(self.reducer_comm, "residuals", None) or self._restored_residuals
         self.group = CommGroup(pg, rank, len(nodes), self.spec.collective_timeout_s, self.abort_flag)
         self.rank, self.world_size = rank, len(nodes)
         exact = make_communicator(self.spec.algorithm, self.group, nodes)
         compressed = compress(self.spec.compression, exact, self.group, self.spec.topk_ratio)
+        if residuals and isinstance(compressed, TopKAllReduce):
+            compressed.residuals = residuals  # this worker's unsent gradient outlives the generation
+        self.reducer_comm = compressed
         self.reducer = GradientReducer(
             self.flat,
             compressed,
@@ -153,22 +201,39 @@ class TrainWorker:
             self.spec.overlap,
             extra_comm=exact if compressed is not exact else None,
         )
-        self.group.broadcast(self.flat.values, root=0)
+        started = time.perf_counter()
+        step = torch.tensor([self.next_step], dtype=torch.int64, device=self.device)
+        self.group.broadcast(step, root=0)
+        if int(step.item()) != self.next_step:
+            # Until the whole state has arrived this replica holds none: if the transfer breaks
+            # off, the driver must not take it for a survivor with a good state.
+            self.next_step = -1
+        for tensor in (self.flat.values, *self.optimizer.state_tensors().values()):
+            self.group.broadcast(tensor, root=0)
+        self.optimizer.state_restored()
+        self.next_step = int(step.item())
+        return {"transfer_s": time.perf_counter() - started}
+
+    def _record_death(self) -> None:
+        if self.store is not None:
+            self.store.set(death_key(self.worker_id), repr(time.time()))
 
     @ray.method(concurrency_group="control")
     def progress(self) -> dict[str, Any]:
         """Where this worker is: ``step``, ``phase`` (stall, compute, idle, reduce, done) and
         ``since_s`` in it. Answered while a step runs; the driver asks when a step is overdue."""
         step, phase, since = self._phase
-        return {"step": step, "phase": phase, "since_s": time.monotonic() - since}
+        return {"step": step, "phase": phase, "since_s": time.monotonic() - since, "next_step": self.next_step}
 
     def _enter(self, step: int, phase: str) -> None:
         self._phase = (step, phase, time.monotonic())
 
     @ray.method(concurrency_group="control")
-    def abort(self) -> None:
-        """Make every pending and future collective of this generation fail at once (the driver
-        calls this when it sees a peer die; answered even while a step is blocked)."""
+    def abort(self, generation: int) -> None:
+        """Make every pending and future collective of ``generation`` and earlier ones fail at
+        once, a rendezvous for them included (the driver calls this when it sees a peer die;
+        answered even while a step or a join is blocked)."""
+        self.aborted_through = max(self.aborted_through, generation)
         self.abort_flag.set()
 
     @ray.method(concurrency_group="compute")
@@ -209,6 +274,8 @@ class TrainWorker:
         self.chaos.record(work.compute_s, work.shards_run)
         computed = time.perf_counter()
         self._enter(step, "reduce")
+        if self.chaos.kill_due("step", step):
+            kill_self(self._record_death)  # mid all-reduce: overlapped buckets are on the wire
         comm_s = self.reducer.finish()
         counts = self.flat.extra[: plan.num_shards].cpu()
         if not torch.all(counts == 1):
@@ -216,6 +283,7 @@ class TrainWorker:
             raise ShardCensusError(f"step {step}: shards not committed exactly once: {bad}")
         reduced = time.perf_counter()
         self.optimizer.step()
+        self.next_step = step + 1
         self._enter(step, "done")
         done = time.perf_counter()
         busy_s = work.compute_s + work.slowed_s
@@ -244,6 +312,86 @@ class TrainWorker:
         )
 
     @ray.method(concurrency_group="compute")
+    def snapshot(self, step: int, root: str, name: str, index: int, count: int) -> float:
+        """Copy part ``index`` of ``count`` of the state after ``step`` steps to memory and start
+        writing it to checkpoint ``name`` under ``root`` in the background (see
+        ``checkpoint_written``). Queued between two steps, so it sees exactly the state after
+        ``step`` steps; raises RuntimeError if this replica is not there (an aborted step).
+        Returns the seconds training was held up (the copy)."""
+        written = self._write_future(name)
+        try:
+            if self.next_step != step:
+                raise RuntimeError(f"checkpoint {name} wants the state after step {step}, this replica is at {self.next_step}")
+            started = time.perf_counter()
+            whole = {"optim/step": self.optimizer.state_tensors()["step"], "rng/torch": torch.get_rng_state()}
+            whole.update({f"buffer/{k}": v for k, v in self.model.named_buffers()})
+            flat = {"params": self.flat.values}
+            flat.update({f"optim/{k}": v for k, v in self.optimizer.state_tensors().items() if k != "step"})
+            residuals = getattr(self.reducer_comm, "residuals", None) or {}
+            part = take_snapshot(
+                step, index, count, flat, whole, {f"{offset}:{length}": r for (offset, length), r in residuals.items()}
+            )
+            part.copy_s = time.perf_counter() - started
+        except BaseException as err:
+            written.set_exception(err)
+            raise
+        writing = self._writer.submit(self._write, CheckpointStorage(root), name, part, self.rank)
+        writing.add_done_callback(lambda done: _chain(done, written))
+        return part.copy_s
+
+    def _write_future(self, name: str) -> Future[list[dict[str, Any]]]:
+        """The outcome of checkpoint ``name``'s write, shared by ``snapshot`` (which may run
+        after ``checkpoint_written`` started waiting: they are in different groups)."""
+        with self._writes_lock:
+            return self._writes.setdefault(name, Future())
+
+    def _write(self, storage: CheckpointStorage, name: str, part: PartSnapshot, rank: int) -> list[dict[str, Any]]:
+        if self.chaos.kill_due("checkpoint", part.step - 1):
+            kill_self(self._record_death)  # mid-write: some parts may be on disk, no manifest
+        return write_snapshot(storage, name, rank, part)
+
+    @ray.method(concurrency_group="io")
+    def checkpoint_written(self, name: str, timeout_s: float) -> list[dict[str, Any]]:
+        """Wait (up to ``timeout_s``) for checkpoint ``name``'s background write; returns the
+        files written (path, sha256, bytes) or raises the write's error or TimeoutError."""
+        try:
+            return self._write_future(name).result(timeout=timeout_s)
+        finally:
+            with self._writes_lock:
+                self._writes.pop(name, None)
+
+    @ray.method(concurrency_group="compute")
+    def restore(self, root: str, name: str, manifest: dict[str, Any], rank: int, state: bool) -> None:
+        """Take checkpoint ``name`` (already verified against ``manifest``): the training state
+        if ``state`` (one worker loads it; the others take it from it when the group forms),
+        and rank ``rank``'s top-k residuals, if saved. Raises CheckpointCorrupt if a file
+        changed since it was verified, ValueError if the checkpoint is for another model."""
+        storage = CheckpointStorage(root)
+        saved = load_residuals(storage, name, manifest, rank)
+        self._restored_residuals = {
+            (int(k.split(":")[0]), int(k.split(":")[1])): v.to(self.device) for k, v in saved.items()
+        }
+        if not state:
+            return
+        flat, whole = load_state(storage, name, manifest)
+        targets = {"params": self.flat.values}
+        targets.update({f"optim/{k}": v for k, v in self.optimizer.state_tensors().items() if k != "step"})
+        targets["optim/step"] = self.optimizer.state_tensors()["step"]
+        targets.update({f"buffer/{k}": v for k, v in self.model.named_buffers()})
+        loaded = {**flat, **{k: v for k, v in whole.items() if not k.startswith("rng/")}}
+        if loaded.keys() != targets.keys() or any(loaded[k].shape != t.shape for k, t in targets.items()):
+            raise ValueError(
+                f"checkpoint {name} holds {sorted((k, tuple(v.shape)) for k, v in loaded.items())}, "
+                f"this model needs {sorted((k, tuple(v.shape)) for k, v in targets.items())}"
+            )
+        with torch.no_grad():
+            for key, target in targets.items():
+                target.copy_(loaded[key])
+        self.optimizer.state_restored()
+        torch.set_rng_state(whole["rng/torch"])
+        self.next_step = int(manifest["step"])
+
+    @ray.method(concurrency_group="compute")
     def evaluate(self) -> dict[str, float]:
         """Mean loss (and accuracy, for cross-entropy) on the eval dataset; {} without one."""
         if self.spec.eval_factory is None:
@@ -256,6 +404,14 @@ class TrainWorker:
         """The replica's parameters and buffers, on the CPU."""
         # Copies: the parameters are views into one flat buffer, which must not travel whole.
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+
+def _chain(done: Future[Any], into: Future[Any]) -> None:
+    error = done.exception()
+    if error is not None:
+        into.set_exception(error)
+    else:
+        into.set_result(done.result())
 
 
 __all__ = ["CollectiveAborted", "CollectiveTimeout", "ShardCensusError", "TrainWorker", "WorkerSpec"]

@@ -1,20 +1,30 @@
-"""Injected slowness for one worker (job file ``chaos.slow`` / ``chaos.stall``), for tests and demos.
+"""Injected slowness and death for one worker (job file ``chaos.slow`` / ``stall`` / ``kill``),
+for tests and demos.
 
 A slowed worker really takes longer: before each pass it sleeps (factor - 1) x what that many
 shards have been taking it (an EWMA of its own measured compute per shard), so it computes at
 1/factor of its speed. The sleep stops early when ``interrupted()`` says so (a backup took the
 shards over), as a real slow worker would notice between two pieces of work. A stall is one
-long sleep at the start of a step; it ends early only if the driver aborts the step.
+long sleep at the start of a step; it ends early only if the driver aborts the step. A kill
+is the worker SIGKILLing itself at a chosen point (``KILL_POINTS``), as a crash or an OOM kill
+would end it: no cleanup, no goodbye to its peers.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 CHECK_EVERY_S = 0.01
+
+#: Where a worker can kill itself: in the all-reduce of step ``at_step`` (``step``), while
+#: writing the checkpoint taken after ``at_step`` (``checkpoint``), or in the first re-forming
+#: of the group at or after ``at_step`` (``rejoin``: a failure during recovery).
+KILL_POINTS = ("step", "checkpoint", "rejoin")
 
 
 @dataclass(frozen=True)
@@ -30,14 +40,32 @@ class Stall:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Kill:
+    at_step: int
+    during: str  # one of KILL_POINTS
+
+
+def kill_self(before: Callable[[], None] = lambda: None) -> None:
+    """SIGKILL this process (after ``before``, e.g. recording the time of death)."""
+    before()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class ChaosSchedule:
     """The slowness this worker injects into itself (none by default)."""
 
     def __init__(
-        self, slow: list[Slowdown], stall: list[Stall], abort_flag: threading.Event, alpha: float = 0.3
+        self,
+        slow: list[Slowdown],
+        stall: list[Stall],
+        abort_flag: threading.Event,
+        alpha: float = 0.3,
+        kill: list[Kill] | None = None,
     ) -> None:
         self.slow = slow
         self.stall_at = stall
+        self.kills = list(kill or [])
         self.abort_flag = abort_flag
         self.alpha = alpha
         self._shard_s: float | None = None
@@ -75,3 +103,12 @@ class ChaosSchedule:
         started = time.perf_counter()
         self.abort_flag.wait(seconds)
         return time.perf_counter() - started
+
+    def kill_due(self, during: str, step: int) -> bool:
+        """Whether this worker dies now, at ``during`` of ``step`` (``rejoin``: any re-forming
+        at or after its step). A kill happens once."""
+        for kill in self.kills:
+            if kill.during == during and (kill.at_step == step or (during == "rejoin" and step >= kill.at_step)):
+                self.kills.remove(kill)
+                return True
+        return False

@@ -20,13 +20,15 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 # How often a waiting caller looks at the abort flag: the bound on how late an abort is seen.
 ABORT_POLL_S = 0.02
+
+T = TypeVar("T")
 
 
 class CollectiveTimeout(RuntimeError):
@@ -69,6 +71,28 @@ class PendingOp:
             except RuntimeError as err:  # gloo/NCCL errors: a peer closed its connection, ...
                 group.broken = f"failed during {self._what}: {err}"
                 raise CollectiveTimeout(f"{self._what} failed on rank {group.rank}: {err}") from err
+
+
+def call_abortable(operation: Callable[[], T], abort_flag: threading.Event, timeout_s: float, what: str) -> T:
+    """Run ``operation`` (blocking, e.g. forming a process group, which waits in the store for
+    every rank) on its own thread and wait for it, polling ``abort_flag``: a rank that died
+    during a re-forming would otherwise hold the others until the rendezvous timeout. On abort
+    or timeout the thread is abandoned (it ends at its own timeout) and CollectiveAborted or
+    CollectiveTimeout is raised; the operation's own error is re-raised."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ringleader-abortable")
+    future = pool.submit(operation)
+    pool.shutdown(wait=False)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if abort_flag.is_set():
+            raise CollectiveAborted(f"{what} aborted by the driver")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CollectiveTimeout(f"{what} did not finish within {timeout_s:.0f}s")
+        try:
+            return future.result(timeout=min(ABORT_POLL_S, remaining))
+        except FutureTimeout:
+            continue
 
 
 def new_process_group(

@@ -100,11 +100,37 @@ class FlatOptimizer:
         self.settings = parse_optimizer(name, kwargs)
         self.params = params
         self.grads = grads
-        #: Optimizer state, flat like ``params`` (``step`` is a scalar tensor).
-        self.state: dict[str, torch.Tensor] = {}
         self._fallback: torch.optim.Optimizer | None = None
         if params.device.type not in FUSED_DEVICES:
             self._fallback = self._stock_optimizer()
+        #: Optimizer state, flat like ``params`` (``step`` is a scalar tensor), allocated up front
+        #: (zeros are what the first step starts from) so that it can be sent to a joining worker
+        #: or checkpointed before any step: every replica then holds the same keys.
+        self.state: dict[str, torch.Tensor] = {"step": torch.zeros((), dtype=torch.float32, device=params.device)}
+        self._steps_taken = 0  # mirrors state["step"] without a device sync per step
+        s = self.settings
+        if self._fallback is not None:
+            self.state = {}  # the stock optimizer keeps its own
+        elif isinstance(s, SGDSettings):
+            if s.momentum != 0:
+                self.state["momentum_buffer"] = torch.zeros_like(params)
+        else:
+            self.state["exp_avg"] = torch.zeros_like(params)
+            self.state["exp_avg_sq"] = torch.zeros_like(params)
+            if s.amsgrad:
+                self.state["max_exp_avg_sq"] = torch.zeros_like(params)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The optimizer's state, by name, in a fixed order (the same on every replica of one
+        job); restoring is copying into these tensors in place, then ``state_restored()``.
+        Raises NotImplementedError on a device stepped by the ``torch.optim`` fallback."""
+        if self._fallback is not None:
+            raise NotImplementedError(f"optimizer state transfer needs a fused device {FUSED_DEVICES}")
+        return self.state
+
+    def state_restored(self) -> None:
+        """Call after writing into ``state_tensors()``: picks up the restored step count."""
+        self._steps_taken = int(self.state["step"].item())
 
     def _stock_optimizer(self) -> torch.optim.Optimizer:
         flat = torch.nn.Parameter(self.params, requires_grad=True)
@@ -122,12 +148,10 @@ class FlatOptimizer:
             self._adam(self.settings)
 
     def _sgd(self, s: SGDSettings) -> None:
-        first = "momentum_buffer" not in self.state
-        momentum: list[torch.Tensor] = []
-        if s.momentum != 0:
-            if first:
-                self.state["momentum_buffer"] = torch.empty_like(self.params)
-            momentum = [self.state["momentum_buffer"]]
+        first = self._steps_taken == 0
+        self._steps_taken += 1
+        self.state["step"] += 1
+        momentum = [self.state["momentum_buffer"]] if s.momentum != 0 else []
         torch._fused_sgd_(
             [self.params], [self.grads], momentum,
             weight_decay=s.weight_decay, momentum=s.momentum, lr=s.lr, dampening=s.dampening,
@@ -135,12 +159,7 @@ class FlatOptimizer:
         )
 
     def _adam(self, s: AdamSettings) -> None:
-        if "step" not in self.state:
-            self.state["step"] = torch.zeros((), dtype=torch.float32, device=self.params.device)
-            self.state["exp_avg"] = torch.zeros_like(self.params)
-            self.state["exp_avg_sq"] = torch.zeros_like(self.params)
-            if s.amsgrad:
-                self.state["max_exp_avg_sq"] = torch.zeros_like(self.params)
+        self._steps_taken += 1
         self.state["step"] += 1
         kernel = torch._fused_adamw_ if self.name == "adamw" else torch._fused_adam_
         kernel(

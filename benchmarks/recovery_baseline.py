@@ -1,0 +1,84 @@
+"""The Ray Train baseline of the recovery benchmark: how long Ray Train's ``FailureConfig`` takes
+to get training going again after a worker is SIGKILLed, and how many steps it loses.
+
+The run itself is ``benchmarks/raytrain_recovery_entry.py`` (its docstring defines every
+number), launched in a fresh process exactly as ``benchmarks.throughput.run_once`` launches the
+Ray Train throughput run: it starts its own local Ray, never one this process points at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.throughput import BenchmarkError
+from orchestrator.config import JobConfig
+
+# How long a timed-out entry gets to shut its Ray down after SIGTERM before it is killed.
+_TERMINATE_GRACE_S = 30.0
+
+
+def ray_train_recovery_command(
+    job_file: Path, result: Path, kill_step: int, kill_rank: int, checkpoint_every: int
+) -> list[str]:
+    """The command line of one recovery run (``python -m benchmarks.raytrain_recovery_entry ...``)."""
+    return [
+        sys.executable, "-m", "benchmarks.raytrain_recovery_entry",
+        "--job", str(job_file), "--result", str(result),
+        "--kill-step", str(kill_step), "--kill-rank", str(kill_rank), "--checkpoint-every", str(checkpoint_every),
+    ]
+
+
+def run_ray_train_recovery(
+    job: JobConfig, workdir: Path, kill_step: int, kill_rank: int, checkpoint_every: int, timeout_s: float = 600
+) -> dict[str, Any]:
+    """Run ``job`` under Ray Train, kill rank ``kill_rank`` in (0-based) step ``kill_step`` of the
+    first attempt, checkpoint every ``checkpoint_every`` steps, and return the entry's result:
+    ``recovery_s``, ``restart_s``, ``steps_lost``, ``resumed_from``, ``first_step_after``,
+    ``wall_s``, ``attempts``, ``final_loss`` and more (see ``benchmarks.raytrain_recovery_entry``).
+
+    Writes ``job.json`` and ``result.json`` in ``workdir`` (created if missing). Raises
+    ``BenchmarkError`` (a ``RuntimeError``) carrying the end of the run's output when it exits
+    non-zero, writes no result, or runs longer than ``timeout_s``.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_file = workdir / "job.json"
+    job_file.write_text(job.model_dump_json())
+    result = workdir / "result.json"
+    result.unlink(missing_ok=True)  # never read a stale result from an earlier run
+    command = ray_train_recovery_command(job_file, result, kill_step, kill_rank, checkpoint_every)
+    run_command(command, timeout_s, "ray_train recovery run")
+    if not result.exists():
+        raise BenchmarkError(f"ray_train recovery run wrote no result at {result}")
+    return json.loads(result.read_text())
+
+
+def run_command(command: list[str], timeout_s: float, what: str) -> float:
+    """Run ``command`` in a fresh process that starts its own Ray (never one the caller points
+    at); returns its wall seconds. Raises BenchmarkError with the end of its output if it exits
+    non-zero or runs past ``timeout_s`` (then it gets SIGTERM, which our entries turn into
+    ``ray.shutdown()``, so no Ray is orphaned; SIGKILL after a grace period)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    started = time.time()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            stdout, stderr = proc.communicate(timeout=_TERMINATE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        raise BenchmarkError(f"{what} timed out after {timeout_s:.0f}s:\n{(stdout + stderr)[-3000:]}") from None
+    if proc.returncode != 0:
+        raise BenchmarkError(f"{what} exited {proc.returncode}:\n{(stdout + stderr)[-3000:]}")
+    return time.time() - started
+
+
+__all__ = ["ray_train_recovery_command", "run_command", "run_ray_train_recovery"]

@@ -1,0 +1,243 @@
+"""Coordinated checkpoints, the driver's side: when, who writes what, the manifest, resuming.
+
+At a step boundary the driver queues a ``snapshot`` on every worker between two steps (so each
+sees exactly the state after that step), each copies its slice of the state to memory and
+writes it in the background while training goes on; when every part is written the driver
+writes the manifest (sha256 of every file) last, atomically, and prunes to the last ``keep``.
+A checkpoint whose writers fail (a death mid-write) never gets a manifest and is cleaned up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import ray
+
+from orchestrator.config import ConfigError, JobConfig
+from orchestrator.run_dir import RunDirectory
+from policies.checkpoint_interval import CheckpointInterval
+from workers.checkpoint_storage import (
+    CheckpointStorage,
+    FileEntry,
+    checkpoint_name,
+    latest_valid,
+    prune,
+    write_manifest,
+)
+
+# Fields of a job that decide its trajectory: a checkpoint resumes only a job that agrees on
+# them. Worker counts, timeouts, straggler handling, chaos and ``steps`` (to extend a run) may
+# change.
+TRAJECTORY_FIELDS = ("model", "dataset", "loss", "optimizer", "batch_size", "shards", "seed", "epochs", "collective", "worker")
+
+
+def trajectory_config(job: JobConfig) -> dict[str, Any]:
+    config = job.model_dump(mode="json", include=set(TRAJECTORY_FIELDS))
+    config["collective"] = {k: config["collective"][k] for k in ("compression", "topk_ratio")}
+    return config
+
+
+def config_hash(job: JobConfig) -> str:
+    return hashlib.sha256(json.dumps(trajectory_config(job), sort_keys=True).encode()).hexdigest()
+
+
+def checkpoint_root(job: JobConfig, run_dir: Path) -> str:
+    return job.checkpoint.path or str(run_dir / "checkpoints")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A verified checkpoint to go on from: after ``step`` steps; ``skipped`` lists the
+    messages about newer checkpoints that failed verification."""
+
+    root: str
+    name: str
+    step: int
+    manifest: dict[str, Any]
+    skipped: list[str]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.manifest["meta"]
+
+
+def find_resume_point(job: JobConfig, run_dir: Path, warn: Callable[[str], None]) -> ResumePoint | None:
+    """The newest good checkpoint of ``job`` (in ``run_dir`` unless ``checkpoint.path`` says
+    otherwise), or None if there is none. Bad ones are reported through ``warn`` and skipped.
+    Raises ConfigError if the checkpoint was written by a job with another trajectory."""
+    root = checkpoint_root(job, run_dir)
+    storage = CheckpointStorage(root)
+    skipped: list[str] = []
+
+    def note(message: str) -> None:
+        skipped.append(message)
+        warn(message)
+
+    found = latest_valid(storage, note)
+    if found is None:
+        return None
+    name, manifest = found
+    saved = manifest["meta"].get("config", {})
+    if manifest["meta"].get("config_hash") != config_hash(job):
+        mine = trajectory_config(job)
+        differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        raise ConfigError(
+            f"checkpoint {storage.location(name)} was written by a job that differs in {differ}; "
+            "a run resumes only with the same model, data, optimizer, batch, shards and seed"
+        )
+    return ResumePoint(root, name, int(manifest["step"]), manifest, skipped)
+
+
+@dataclass
+class PendingCheckpoint:
+    name: str
+    step: int
+    started: float
+    copies: list[ray.ObjectRef]
+    writes: list[ray.ObjectRef]
+    meta: dict[str, Any]
+    why: str
+
+
+@dataclass
+class CheckpointRecord:
+    name: str
+    step: int
+    why: str
+    copy_s: float  # the longest in-memory snapshot: what training was held up
+    write_s: float  # from the snapshot to the manifest
+    bytes: int
+
+
+class CheckpointCoordinator:
+    """Takes a job's checkpoints (see the module doc). ``counters`` gets ``checkpoints``."""
+
+    def __init__(self, job: JobConfig, run: RunDirectory, counters: dict[str, int]) -> None:
+        self.job = job
+        self.run = run
+        self.counters = counters
+        self.written: list[CheckpointRecord] = []
+        config = job.checkpoint
+        self.enabled = config.enabled
+        self.root = checkpoint_root(self.job, self.run.path)
+        self.storage = CheckpointStorage(self.root)
+        self.policy = CheckpointInterval(
+            None if config.every_steps == "auto" else max(1, int(config.every_steps)),
+            mtbf_prior_s=config.mtbf_prior_s,
+            max_steps=config.max_every_steps,
+        )
+        self.last_step = 0
+        self.pending: PendingCheckpoint | None = None
+
+    def resumed(self, point: ResumePoint) -> None:
+        self.last_step = point.step
+        saved = point.meta.get("policy")
+        if saved:
+            self.policy.restore(saved)
+
+    def due(self, step: int) -> bool:
+        """Whether to checkpoint the state after ``step`` steps (asked before submitting it)."""
+        return (
+            self.enabled
+            and self.pending is None
+            and step > self.last_step
+            and self.policy.due(step - self.last_step)
+        )
+
+    def start(self, group: Any, step: int, meta: dict[str, Any], why: str = "periodic", ranks: int | None = None) -> None:
+        """Queue the snapshot of the state after ``step`` steps on the first ``ranks`` members
+        (all by default), each writing a slice; ``meta`` goes into the manifest."""
+        actors = group.actors[: ranks or group.size]
+        name = checkpoint_name(step)
+        timeout_s = self.job.timeouts.checkpoint_s
+        self.pending = PendingCheckpoint(
+            name=name,
+            step=step,
+            started=time.perf_counter(),
+            copies=[a.snapshot.remote(step, self.root, name, i, len(actors)) for i, a in enumerate(actors)],
+            writes=[a.checkpoint_written.remote(name, timeout_s) for a in actors],
+            meta={
+                **meta,
+                "config_hash": config_hash(self.job),
+                "config": trajectory_config(self.job),
+                "policy": self.policy.state(),
+                "workers": len(actors),
+            },
+            why=why,
+        )
+        self.last_step = step
+
+    def poll(self, elapsed_s: float, wait_s: float = 0.0) -> None:
+        """Finish the pending checkpoint if every part is written (waiting up to ``wait_s``):
+        manifest, prune, count. A part that failed abandons it."""
+        self.policy.observe_elapsed(elapsed_s)
+        pending = self.pending
+        if pending is None:
+            return
+        refs = pending.copies + pending.writes
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        if len(ready) < len(refs):
+            copied, _ = ray.wait(pending.copies, num_returns=len(pending.copies), timeout=0)
+            try:
+                ray.get(copied, timeout=0)
+            except ray.exceptions.RayError as err:
+                self.abandon(f"a snapshot failed: {type(err).__name__}: {err}")
+                return
+            if time.perf_counter() - pending.started > self.job.timeouts.checkpoint_s:
+                self.abandon(f"not written within timeouts.checkpoint_s ({self.job.timeouts.checkpoint_s:.0f}s)")
+            return
+        try:
+            copy_s = max(ray.get(pending.copies, timeout=0))
+            files = [FileEntry(**f) for part in ray.get(pending.writes, timeout=0) for f in part]
+        except ray.exceptions.RayError as err:
+            self.abandon(f"a part failed: {type(err).__name__}: {err}")
+            return
+        write_manifest(self.storage, pending.step, files, pending.meta)
+        self.pending = None
+        record = CheckpointRecord(
+            pending.name, pending.step, pending.why, copy_s, time.perf_counter() - pending.started, sum(f.bytes for f in files)
+        )
+        self.written.append(record)
+        self.counters["checkpoints"] += 1
+        self.policy.observe_checkpoint(copy_s)
+        deleted = prune(self.storage, self.job.checkpoint.keep)
+        self.run.event("checkpoint", **vars(record), location=self.storage.location(pending.name), pruned=deleted)
+
+    def save_now(
+        self, group: Any, step: int, meta: dict[str, Any], why: str, ranks: int | None = None, force: bool = False
+    ) -> None:
+        """A checkpoint of the state after ``step`` steps, waited for (the final one, or one
+        before failing). Skipped when checkpoints are off, unless ``force``."""
+        if not (self.enabled or force) or group.size == 0:
+            return
+        self.abandon("superseded")
+        self.start(group, step, meta, why, ranks)
+        self.poll(self.policy.state().get("elapsed_s") or 0.0, wait_s=self.job.timeouts.checkpoint_s)
+
+    def abandon(self, reason: str) -> None:
+        """Drop the pending checkpoint (its files, without a manifest, are pruned later)."""
+        if self.pending is not None:
+            self.run.event("checkpoint_abandoned", name=self.pending.name, reason=reason)
+            self.pending = None
+
+    def observe_step(self, step_s: float) -> None:
+        if step_s > 0:
+            self.policy.observe_step(step_s)
+
+    def observe_failure(self) -> None:
+        self.policy.observe_failure()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "written": len(self.written),
+            "root": self.root if self.enabled or self.written else None,
+            "interval_steps": self.policy.decide().every_steps if self.enabled else None,
+            "copy_s": [r.copy_s for r in self.written],
+            "write_s": [r.write_s for r in self.written],
+            "last": self.written[-1].name if self.written else None,
+        }

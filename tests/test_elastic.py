@@ -1,0 +1,107 @@
+"""Elastic fault tolerance in whole jobs: workers killed mid-step (SIGKILL, ``ray.kill``), twice,
+during a recovery and during a checkpoint write; the job recovers in place, replacements take
+the state from a live peer, and the trajectory equals a clean single-worker run with every
+shard committed once."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.jobs import assert_same_params, jsonl, params, run
+from workers.checkpoint_storage import MANIFEST, CheckpointStorage, latest_valid
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+# The default collective timeout (60 s) is what a survivor two hops from the dead rank would
+# wait in gloo without the driver's abort.
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+def _kills(*entries: str) -> str:
+    return f"chaos.kill=[{', '.join(entries)}]"
+
+
+def _recoveries(run_dir):
+    return [e for e in jsonl(run_dir / "events.jsonl") if e["event"] == "recovered"]
+
+
+def test_a_worker_sigkilled_mid_step_is_replaced_and_the_trajectory_is_unchanged(tmp_path, reference):
+    result = run(
+        tmp_path, "sigkill", "scaling.workers=4",
+        _kills("{at_step: 5, rank: 1, how: sigkill}"),
+        # A pause after the kill, so the replacement has loaded and joins before the end.
+        "chaos.stall=[{rank: 0, at_step: 12, seconds: 8}]",
+    )
+    summary = result.summary
+    assert summary["events"]["failures"] == 1 and summary["events"]["recoveries"] == 1
+    assert summary["events"]["steps_redone"] >= 1 and summary["events"]["joins"] == 1
+    assert summary["workers"] == {"start": 4, "end": 4}
+    (recovery,) = _recoveries(result.run_dir)
+    assert recovery["workers"] == [1] and recovery["at_step"] == 5
+    # Every survivor (rank 3 is two hops from rank 1) was freed by the abort, not the timeout.
+    assert recovery["first_step_s"] < COLLECTIVE_TIMEOUT_S / 6
+    for part in ("detect_s", "reform_s", "transfer_s", "redo_s"):
+        assert recovery[part] >= 0
+    grow = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "grow"]
+    assert grow[0]["joined"] == [4] and grow[0]["workers"][:1] != [4]  # the newcomer is not the source
+    assert_same_params(params(result.run_dir), reference, "sigkill")
+
+
+def test_ray_kill_then_sigkill_two_failures_in_one_run(tmp_path, reference):
+    result = run(
+        tmp_path, "twice", "scaling.workers=4",
+        _kills("{at_step: 4, rank: 2, how: ray_kill}", "{at_step: 15, rank: 3, how: sigkill}"),
+    )
+    events = result.summary["events"]
+    assert events["failures"] == 2 and events["recoveries"] == 2
+    assert [r["workers"] for r in _recoveries(result.run_dir)] == [[2], [3]]
+    assert_same_params(params(result.run_dir), reference, "twice")
+
+
+def test_a_death_during_recovery_starts_the_reforming_over(tmp_path, reference):
+    result = run(
+        tmp_path, "during-recovery", "scaling.workers=4",
+        _kills("{at_step: 6, rank: 1, how: sigkill}", "{at_step: 6, rank: 2, how: sigkill, during: rejoin}"),
+    )
+    events = jsonl(result.run_dir / "events.jsonl")
+    assert result.summary["events"]["failures"] == 2
+    assert any(e["event"] == "reform_failed" for e in events)
+    (recovery,) = _recoveries(result.run_dir)
+    assert sorted(recovery["workers"]) == [1, 2]
+    assert recovery["first_step_s"] < COLLECTIVE_TIMEOUT_S / 3  # the stuck rendezvous was aborted
+    assert_same_params(params(result.run_dir), reference, "during-recovery")
+
+
+def test_a_death_during_a_checkpoint_write_leaves_no_manifest_and_loses_nothing(tmp_path, reference):
+    result = run(
+        tmp_path, "ckpt-death", "scaling.workers=3", "checkpoint.every_steps=4", "checkpoint.keep=10",
+        _kills("{at_step: 7, rank: 1, how: sigkill, during: checkpoint}"),
+    )
+    run_dir = result.run_dir
+    assert result.summary["events"]["failures"] == 1
+    abandoned = [e["name"] for e in jsonl(run_dir / "events.jsonl") if e["event"] == "checkpoint_abandoned"]
+    assert "step-00000008" in abandoned
+    storage = CheckpointStorage(str(run_dir / "checkpoints"))
+    assert not storage.exists(f"step-00000008/{MANIFEST}")
+    written = [e["step"] for e in jsonl(run_dir / "events.jsonl") if e["event"] == "checkpoint"]
+    assert 4 in written and 25 in written and 8 not in written
+    warnings: list[str] = []
+    assert latest_valid(storage, warnings.append)[0] == "step-00000025"
+    assert_same_params(params(run_dir), reference, "ckpt-death")
+
+
+def test_too_few_workers_left_fails_after_saving_a_checkpoint(tmp_path):
+    from orchestrator.config import load_job
+    from orchestrator.launch import run_job
+
+    job = load_job(None, [
+        "steps=25", "eval=null", "scaling.workers=2", "scaling.min_workers=2", "scaling.wait_for_workers_s=0",
+        _kills("{at_step: 5, rank: 1, how: sigkill}"),
+    ])
+    result = run_job(job, run_dir=tmp_path / "min")
+    summary = result.summary
+    assert summary["status"] == "failed"
+    assert "min_workers" in summary["error"] and "wait_for_workers_s" in summary["error"]
+    saved = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "checkpoint"]
+    assert [e["why"] for e in saved] == ["before failing"] and saved[0]["step"] == summary["steps"]
+    assert latest_valid(CheckpointStorage(str(result.run_dir / "checkpoints")), print)[0] == saved[0]["name"]

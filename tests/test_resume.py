@@ -1,0 +1,50 @@
+"""Resuming a run from its checkpoints: on another worker count the rest of the trajectory is
+the same, a corrupt newest checkpoint falls back to the previous one with a message naming the
+bad file, and a checkpoint of another job is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.config import ConfigError, load_job
+from orchestrator.launch import run_job
+from tests.helpers.jobs import assert_same_params, jsonl, params, run
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def _resumes(run_dir):
+    return [e for e in jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
+
+
+def test_resume_on_another_worker_count_continues_the_same_trajectory(tmp_path, reference):
+    first = run(tmp_path, "run", "steps=12", "scaling.workers=2", "checkpoint.every_steps=5")
+    assert [e["step"] for e in jsonl(first.run_dir / "events.jsonl") if e["event"] == "checkpoint"] == [5, 10, 12]
+    resumed = run(tmp_path, "run", "steps=25", "scaling.workers=3", "checkpoint.every_steps=5")
+    (resume,) = _resumes(resumed.run_dir)
+    assert resume["checkpoint"] == "step-00000012" and resume["skipped"] == []
+    assert resumed.summary["steps"] == 25 and resumed.summary["workers"]["start"] == 3
+    assert_same_params(params(resumed.run_dir), reference, "resumed on 3 workers")
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference, capsys):
+    first = run(tmp_path, "run", "steps=12", "scaling.workers=2", "checkpoint.every_steps=4")
+    bad = first.run_dir / "checkpoints" / "step-00000012" / "part-00001-of-00002.pt"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size: only the sha256 can tell
+    bad.write_bytes(bytes(data))
+    code = main(["resume", str(first.run_dir), "--workers", "3", "--set", "steps=25", "--no-progress"])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert str(bad) in err and "sha256" in err and "step-00000008" in err
+    (resume,) = _resumes(first.run_dir)
+    assert resume["checkpoint"] == "step-00000008" and str(bad) in resume["skipped"][0]
+    assert_same_params(params(first.run_dir), reference, "resumed from the previous checkpoint")
+
+
+def test_a_checkpoint_of_another_job_is_refused(tmp_path):
+    first = run(tmp_path, "run", "steps=4", "scaling.workers=1", "checkpoint.every_steps=2")
+    other = load_job(None, ["steps=8", "eval=null", "seed=1", "scaling.workers=1"])
+    with pytest.raises(ConfigError, match="seed"):
+        run_job(other, run_dir=first.run_dir)

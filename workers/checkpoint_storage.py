@@ -1,0 +1,468 @@
+"""Checkpoint files and manifests, on a local directory or a cloud URI.
+
+Layout: ``<root>/step-00000040/`` holds one checkpoint (40 = completed steps) and its
+``manifest.json``, which lists every file with its size and sha256. The manifest is written
+last, so a directory without one is a write that has not finished (or never will): a checkpoint
+exists only once its manifest does, and it is good only if every file matches the manifest.
+
+No torch or Ray here; pyarrow is imported only when the root is a URI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import urllib.parse
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable
+
+if TYPE_CHECKING:
+    import pyarrow.fs
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_CHUNK = 1 << 20
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_NAME = re.compile(r"step-(\d+)")
+
+
+class CheckpointCorrupt(Exception):
+    """A checkpoint failed verification.
+
+    ``name`` is the checkpoint, ``location`` the full path or URI of the bad file (its manifest
+    if that is what is wrong), ``problem`` what is wrong: missing, wrong size, sha256 mismatch,
+    unreadable or invalid manifest.
+    """
+
+    def __init__(self, name: str, location: str, problem: str) -> None:
+        # All three go to Exception so the error pickles (Ray ships exceptions between processes).
+        super().__init__(name, location, problem)
+        self.name, self.location, self.problem = name, location, problem
+
+    def __str__(self) -> str:
+        return f"checkpoint {self.name}: {self.location}: {self.problem}"
+
+
+def checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint taken after ``step`` (>= 0) completed steps."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    # Zero-padded so names sort like steps in listings and consoles.
+    return f"step-{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a name made by :func:`checkpoint_name`; None for any other name."""
+    match = _NAME.fullmatch(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    # Only the canonical spelling: "step-40" is not the directory checkpoint 40 is written to.
+    return step if checkpoint_name(step) == name else None
+
+
+class CheckpointStorage:
+    """Root of a job's checkpoints.
+
+    ``root`` is a local directory (a plain path, or a ``file://`` URI, handled as local) or a
+    URI with a scheme ``pyarrow.fs.FileSystem.from_uri`` understands (``s3://``, ``gs://``,
+    ``hdfs://``, ...). Paths given to the methods are ``/``-separated and relative to the root.
+
+    Writes are all-or-nothing: a reader sees a file's old content or its new content, never
+    part of it. Locally that is a temp file renamed over the target; on object stores an object
+    is published whole when its upload is closed.
+    """
+
+    def __init__(self, root: str) -> None:
+        if not isinstance(root, str) or not root:
+            raise ValueError(f"root must be a non-empty path or URI, got {root!r}")
+        self.root = root
+        self._local: str | None = None
+        self._fs: pyarrow.fs.FileSystem | None = None
+        self._base = ""
+        if not _URI.match(root):
+            self._local = os.path.abspath(root)
+        elif root.lower().startswith("file://"):
+            parsed = urllib.parse.urlparse(root)
+            if parsed.netloc not in ("", "localhost"):
+                raise ValueError(f"root {root!r}: a file:// URI must name a local path, not host {parsed.netloc!r}")
+            self._local = os.path.abspath(urllib.parse.unquote(parsed.path))
+        else:
+            import pyarrow.fs
+
+            self._fs, base = pyarrow.fs.FileSystem.from_uri(root)
+            self._base = base.rstrip("/")
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the root is a local directory (plain path or ``file://``)."""
+        return self._local is not None
+
+    def location(self, relpath: str) -> str:
+        """The full local path or URI of ``relpath``, for messages."""
+        parts = _parts(relpath)
+        if self._local is not None:
+            return os.path.join(self._local, *parts)
+        return self.root.rstrip("/") + "/" + "/".join(parts)
+
+    def write_bytes(self, relpath: str, data: bytes) -> str:
+        """Write ``data`` to ``relpath`` atomically, creating parent directories; returns its sha256 hex."""
+        sha, _ = self.write_file_from(relpath, lambda handle: handle.write(data))
+        return sha
+
+    def write_file_from(self, relpath: str, write: Callable[[BinaryIO], None]) -> tuple[str, int]:
+        """Write ``relpath`` atomically with the bytes ``write(handle)`` writes (e.g.
+        ``torch.save(obj, handle)``); returns ``(sha256 hex, size in bytes)`` of those bytes.
+
+        The handle only writes forward (no seek). If ``write`` raises, the target keeps its old
+        content (or stays absent), no temp file is left, and the exception propagates.
+
+        Remote roots spool the bytes to a local temp file first and upload it only once
+        ``write`` has returned: an upload stream publishes whatever it has when closed and
+        pyarrow cannot abort one, so streaming directly would publish partial files on error.
+        For the same reason an error in the upload itself may leave a partial object; the
+        manifest's sizes and sha256s are what catch that.
+        """
+        if self._local is None:
+            return self._upload_from(relpath, write)
+        target = self._path(relpath)
+        directory = os.path.dirname(target)
+        _makedirs_durable(directory)
+        fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as raw:
+                hashed = _HashingWriter(raw)
+                write(hashed)
+                raw.flush()
+                os.fsync(raw.fileno())
+            os.replace(temp, target)
+        except BaseException:
+            # BaseException too: a KeyboardInterrupt mid-save must not leave a temp file behind.
+            _remove_quietly(temp)
+            raise
+        # The rename is durable only once the directory entry is.
+        _fsync_dir(directory)
+        return hashed.hexdigest(), hashed.size
+
+    def read_bytes(self, relpath: str) -> bytes:
+        """The whole content of ``relpath``; FileNotFoundError if it does not exist."""
+        if self._local is not None:
+            with open(self._path(relpath), "rb") as f:
+                return f.read()
+        assert self._fs is not None
+        with self._fs.open_input_stream(self._path(relpath)) as f:
+            return f.read()
+
+    def sha256_of(self, relpath: str) -> tuple[str, int]:
+        """``(sha256 hex, size in bytes)`` of ``relpath``, read in chunks (checkpoints can be large)."""
+        digest, size = hashlib.sha256(), 0
+        opened: Any
+        if self._local is not None:
+            opened = open(self._path(relpath), "rb")
+        else:
+            assert self._fs is not None
+            opened = self._fs.open_input_stream(self._path(relpath))
+        with opened as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+        return digest.hexdigest(), size
+
+    def size(self, relpath: str) -> int | None:
+        """Size of the file ``relpath`` in bytes; None if there is no such file."""
+        if self._local is not None:
+            path = self._path(relpath)
+            return os.path.getsize(path) if os.path.isfile(path) else None
+        import pyarrow.fs
+
+        assert self._fs is not None
+        info = self._fs.get_file_info(self._path(relpath))
+        return info.size if info.type == pyarrow.fs.FileType.File else None
+
+    def exists(self, relpath: str) -> bool:
+        """Whether ``relpath`` exists (file or directory)."""
+        if self._local is not None:
+            return os.path.exists(self._path(relpath))
+        import pyarrow.fs
+
+        assert self._fs is not None
+        return self._fs.get_file_info(self._path(relpath)).type != pyarrow.fs.FileType.NotFound
+
+    def list_dirs(self) -> list[str]:
+        """Sorted names of the root's immediate subdirectories; empty if the root does not exist."""
+        if self._local is not None:
+            try:
+                with os.scandir(self._local) as entries:
+                    return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+            except FileNotFoundError:
+                return []
+        import pyarrow.fs
+
+        assert self._fs is not None
+        selector = pyarrow.fs.FileSelector(self._base, recursive=False, allow_not_found=True)
+        infos = self._fs.get_file_info(selector)
+        return sorted(i.base_name for i in infos if i.type == pyarrow.fs.FileType.Directory)
+
+    def delete_tree(self, relpath: str) -> None:
+        """Delete the directory ``relpath`` and everything under it; a missing one is fine."""
+        if self._local is not None:
+            try:
+                shutil.rmtree(self._path(relpath))
+            except FileNotFoundError:
+                pass
+            return
+        assert self._fs is not None
+        try:
+            self._fs.delete_dir(self._path(relpath))
+        except FileNotFoundError:
+            pass
+
+    def _path(self, relpath: str) -> str:
+        parts = _parts(relpath)
+        if self._local is not None:
+            return os.path.join(self._local, *parts)
+        return "/".join([self._base, *parts]) if self._base else "/".join(parts)
+
+    def _upload_from(self, relpath: str, write: Callable[[BinaryIO], None]) -> tuple[str, int]:
+        assert self._fs is not None
+        target = self._path(relpath)
+        with tempfile.TemporaryFile() as spool:
+            hashed = _HashingWriter(spool)
+            write(hashed)
+            spool.flush()
+            spool.seek(0)
+            parent = target.rsplit("/", 1)[0] if "/" in target else ""
+            if parent:
+                # Object stores need no directories, but hierarchical ones (HDFS, local) do.
+                self._fs.create_dir(parent, recursive=True)
+            with self._fs.open_output_stream(target) as out:
+                while chunk := spool.read(_CHUNK):
+                    out.write(chunk)
+        return hashed.hexdigest(), hashed.size
+
+
+class _HashingWriter:
+    """Passes writes through to ``raw`` and hashes them on the way, so nothing is read back."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw = raw
+        self._sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        # Buffered files (all we wrap) write everything or raise, so the hash covers exactly the file.
+        self._raw.write(view)
+        self._sha.update(view)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def tell(self) -> int:
+        return self.size
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        # Seeking back would make the running hash wrong; writers must stream.
+        return False
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint: ``path`` relative to the checkpoint directory, its sha256 hex and size in bytes."""
+
+    path: str
+    sha256: str
+    bytes: int
+
+
+def write_manifest(storage: CheckpointStorage, step: int, files: list[FileEntry], meta: dict[str, Any]) -> str:
+    """Write ``<checkpoint_name(step)>/manifest.json`` atomically; returns its relpath.
+
+    Call it after every file in ``files`` has been written: the manifest is what makes the
+    checkpoint exist. Content: ``{"format": 1, "step": step, "files": [...], "meta": meta}``;
+    ``meta`` must be JSON-able.
+    """
+    name = checkpoint_name(step)
+    seen: set[str] = set()
+    for entry in files:
+        _parts(entry.path)  # rejects absolute paths and ".." before anything is written
+        if entry.path == MANIFEST or entry.path in seen:
+            raise ValueError(f"files: {entry.path!r} is listed twice or is the manifest itself")
+        if not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
+            raise ValueError(f"files: {entry.path!r} sha256 must be 64 lowercase hex digits, got {entry.sha256!r}")
+        if isinstance(entry.bytes, bool) or not isinstance(entry.bytes, int) or entry.bytes < 0:
+            raise ValueError(f"files: {entry.path!r} bytes must be an int >= 0, got {entry.bytes!r}")
+        seen.add(entry.path)
+    manifest = {"format": FORMAT, "step": step, "files": [asdict(f) for f in files], "meta": meta}
+    try:
+        text = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"meta must be JSON-able: {e}") from e
+    relpath = f"{name}/{MANIFEST}"
+    storage.write_bytes(relpath, text.encode())
+    return relpath
+
+
+def verify_checkpoint(storage: CheckpointStorage, name: str) -> dict[str, Any]:
+    """Check checkpoint ``name`` against its manifest; returns the manifest.
+
+    Raises CheckpointCorrupt naming the file (full path or URI) and what is wrong: the manifest
+    missing, unreadable or invalid, or a listed file missing, of the wrong size or sha256.
+    """
+    manifest_path = f"{name}/{MANIFEST}"
+    where = storage.location(manifest_path)
+    try:
+        manifest = json.loads(storage.read_bytes(manifest_path))
+    except FileNotFoundError:
+        raise CheckpointCorrupt(name, where, "missing (incomplete write: no manifest)") from None
+    except (OSError, ValueError) as e:  # ValueError covers JSON and UTF-8 decoding errors
+        raise CheckpointCorrupt(name, where, f"unreadable or invalid manifest: {e}") from e
+    problem = _manifest_problem(manifest, step_of(name))
+    if problem:
+        raise CheckpointCorrupt(name, where, f"invalid manifest: {problem}")
+    # Sizes first, all of them: a cheap stat finds truncated or missing files before any hashing.
+    for entry in manifest["files"]:
+        relpath = f"{name}/{entry['path']}"
+        size = storage.size(relpath)
+        if size is None:
+            raise CheckpointCorrupt(name, storage.location(relpath), "missing")
+        if size != entry["bytes"]:
+            raise CheckpointCorrupt(
+                name, storage.location(relpath), f"size {size} bytes, manifest says {entry['bytes']}"
+            )
+    for entry in manifest["files"]:
+        relpath = f"{name}/{entry['path']}"
+        sha, _ = storage.sha256_of(relpath)
+        if sha != entry["sha256"]:
+            raise CheckpointCorrupt(
+                name, storage.location(relpath), f"sha256 mismatch: {sha}, manifest says {entry['sha256']}"
+            )
+    return manifest
+
+
+def latest_valid(storage: CheckpointStorage, warn: Callable[[str], None]) -> tuple[str, dict[str, Any]] | None:
+    """The newest checkpoint that verifies, as ``(name, manifest)``; None if there is none.
+
+    Checkpoints are tried newest step first. Each one passed over is reported through
+    ``warn(message)``: the message names the bad file and what is wrong (or says the checkpoint
+    is incomplete, with no manifest) and which checkpoint is tried next.
+    """
+    names = [n for _, n in _checkpoint_dirs(storage)]
+    for i, name in enumerate(names):
+        following = (
+            f"falling back to the previous checkpoint {names[i + 1]}"
+            if i + 1 < len(names)
+            else "no earlier checkpoint to fall back to"
+        )
+        if not storage.exists(f"{name}/{MANIFEST}"):
+            warn(f"checkpoint {name} is incomplete (no manifest) at {storage.location(name)}; {following}")
+            continue
+        try:
+            return name, verify_checkpoint(storage, name)
+        except CheckpointCorrupt as e:
+            warn(f"checkpoint {name} is corrupt: {e.location}: {e.problem}; {following}")
+    return None
+
+
+def prune(storage: CheckpointStorage, keep: int) -> list[str]:
+    """Delete old checkpoints; returns the deleted names, oldest first.
+
+    Keeps the newest ``keep`` (>= 1) checkpoints that have a manifest and deletes the older
+    ones, and any manifest-less directory older than the newest complete checkpoint (an
+    abandoned write). A manifest-less directory newer than that may be being written right
+    now and is never touched. Only manifest presence is checked, not contents: keep at least 2
+    so that a corrupt newest checkpoint still leaves one to fall back to.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+    dirs = _checkpoint_dirs(storage)
+    complete = [(step, n) for step, n in dirs if storage.exists(f"{n}/{MANIFEST}")]
+    if not complete:
+        return []
+    newest_complete = complete[0][0]
+    doomed = complete[keep:] + [(step, n) for step, n in dirs if step < newest_complete and (step, n) not in complete]
+    deleted = [n for _, n in sorted(doomed)]
+    for name in deleted:
+        storage.delete_tree(name)
+    return deleted
+
+
+def _checkpoint_dirs(storage: CheckpointStorage) -> list[tuple[int, str]]:
+    """``(step, name)`` of the checkpoint directories under the root, newest step first."""
+    named = [(step_of(n), n) for n in storage.list_dirs()]
+    return sorted(((step, n) for step, n in named if step is not None), reverse=True)
+
+
+def _manifest_problem(manifest: Any, expected_step: int | None) -> str | None:
+    if not isinstance(manifest, dict):
+        return f"expected a JSON object, got {type(manifest).__name__}"
+    if manifest.get("format") != FORMAT:
+        return f"format is {manifest.get('format')!r}, expected {FORMAT}"
+    if expected_step is not None and manifest.get("step") != expected_step:
+        return f"step is {manifest.get('step')!r}, but the directory is for step {expected_step}"
+    files = manifest.get("files")
+    if not isinstance(files, list):
+        return "files is not a list"
+    for i, entry in enumerate(files):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("path"), str)
+            and isinstance(entry.get("sha256"), str)
+            and isinstance(entry.get("bytes"), int)
+        ):
+            return f"files[{i}] needs path (str), sha256 (str) and bytes (int), got {entry!r}"
+        try:
+            _parts(entry["path"])
+        except ValueError as e:
+            return f"files[{i}]: {e}"
+    return None
+
+
+def _parts(relpath: str) -> list[str]:
+    # Refuse anything that could escape the root: checkpoint paths come from manifests on disk.
+    parts = relpath.split("/") if isinstance(relpath, str) else []
+    if not parts or relpath.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in relpath:
+        raise ValueError(f"path must be relative, '/'-separated, without '.' or '..' parts, got {relpath!r}")
+    return parts
+
+
+def _makedirs_durable(directory: str) -> None:
+    # A new directory's entry lives in its parent: fsync each parent we add to, or a crash could
+    # lose a directory whose files (and manifest) were all fsynced.
+    missing = []
+    while not os.path.isdir(directory):
+        missing.append(directory)
+        directory = os.path.dirname(directory)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path)
+        except FileExistsError:  # a concurrent writer made it first
+            pass
+        _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,152 @@
+"""A worker's share of a coordinated checkpoint: snapshot in memory, then write in the background.
+
+The training state is replicated on every worker, so each of the ``count`` workers of a
+checkpoint writes a contiguous ``index``-th slice of every flat tensor (parameters and optimizer
+state), in parallel; part 0 also carries what is small and whole (optimizer step, model
+buffers, RNG). A worker also writes its own top-k residuals (per-worker state), if any. Files
+are ``torch.save`` dicts of tensors, ints and strings only, so they load with
+``weights_only=True``: no arbitrary pickle is ever run when a checkpoint is read.
+
+Why not torch.distributed.checkpoint: its ``.metadata`` file is read back with plain
+``pickle`` (contrary to loading with ``weights_only``); its save and load plan through
+collectives on a process group, which would tie a background write to the health of the
+training group (a worker dying mid-write would fail the collective) and share our gloo group
+with a second thread; and state replicated as plain tensors is written by one rank only, not
+split across workers. The flat layout here makes every part a plain slice, loadable on any
+worker count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from workers.checkpoint_storage import CheckpointCorrupt, CheckpointStorage, FileEntry
+
+FORMAT = 1
+
+
+def part_file(index: int, count: int) -> str:
+    return f"part-{index:05d}-of-{count:05d}.pt"
+
+
+def residual_file(rank: int) -> str:
+    return f"residuals-rank-{rank:05d}.pt"
+
+
+def part_range(numel: int, index: int, count: int) -> tuple[int, int]:
+    """Slice ``[lo, hi)`` of a flat tensor of ``numel`` entries that part ``index`` of
+    ``count`` holds; parts differ in size by at most one entry."""
+    size, extra = divmod(numel, count)
+    lo = index * size + min(index, extra)
+    return lo, lo + size + (1 if index < extra else 0)
+
+
+@dataclass
+class PartSnapshot:
+    """CPU copies of what one worker writes: its slice of each flat tensor, the whole small
+    tensors (part 0 only) and its residuals. ``copy_s``: how long training was held up."""
+
+    step: int
+    index: int
+    count: int
+    numel: int
+    slices: dict[str, torch.Tensor]
+    whole: dict[str, torch.Tensor]
+    residuals: dict[str, torch.Tensor]
+    copy_s: float = 0.0
+
+
+def take_snapshot(
+    step: int,
+    index: int,
+    count: int,
+    flat: dict[str, torch.Tensor],
+    whole: dict[str, torch.Tensor],
+    residuals: dict[str, torch.Tensor],
+) -> PartSnapshot:
+    """Copy part ``index`` of ``count`` of the flat tensors (all of length ``numel``), and
+    ``whole`` if this is part 0, to the CPU. Training may change the originals right after."""
+    numels = {t.numel() for t in flat.values()}
+    if len(numels) != 1:
+        raise ValueError(f"flat tensors differ in length: {sorted(numels)}")
+    numel = numels.pop()
+    lo, hi = part_range(numel, index, count)
+    return PartSnapshot(
+        step=step,
+        index=index,
+        count=count,
+        numel=numel,
+        slices={k: t[lo:hi].detach().to("cpu", copy=True) for k, t in flat.items()},
+        whole={k: t.detach().to("cpu", copy=True) for k, t in whole.items()} if index == 0 else {},
+        residuals={k: t.detach().to("cpu", copy=True) for k, t in residuals.items()},
+    )
+
+
+def write_snapshot(storage: CheckpointStorage, name: str, rank: int, snapshot: PartSnapshot) -> list[dict[str, Any]]:
+    """Write ``snapshot`` under checkpoint ``name``; returns the FileEntry (as dicts) of each
+    file written, for the manifest."""
+    payload = {
+        "format": FORMAT,
+        "step": snapshot.step,
+        "index": snapshot.index,
+        "count": snapshot.count,
+        "numel": snapshot.numel,
+        "slices": snapshot.slices,
+        "whole": snapshot.whole,
+    }
+    files = [_save(storage, name, part_file(snapshot.index, snapshot.count), payload)]
+    if snapshot.residuals:
+        files.append(_save(storage, name, residual_file(rank), {"format": FORMAT, "residuals": snapshot.residuals}))
+    return [asdict(f) for f in files]
+
+
+def _save(storage: CheckpointStorage, name: str, filename: str, payload: dict[str, Any]) -> FileEntry:
+    sha256, size = storage.write_file_from(f"{name}/{filename}", lambda handle: torch.save(payload, handle))
+    return FileEntry(path=filename, sha256=sha256, bytes=size)
+
+
+def _load(storage: CheckpointStorage, name: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """Read one file of a checkpoint, checking it against its manifest entry as it is read."""
+    relpath = f"{name}/{entry['path']}"
+    data = storage.read_bytes(relpath)
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise CheckpointCorrupt(name, storage.location(relpath), "changed since it was verified (size or sha256)")
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+def load_state(
+    storage: CheckpointStorage, name: str, manifest: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The flat tensors (re-assembled from every part) and the whole ones of checkpoint
+    ``name``. Raises CheckpointCorrupt if a file does not match its manifest entry or the
+    parts do not fit together."""
+    parts = [e for e in manifest["files"] if e["path"].startswith("part-")]
+    flat: dict[str, torch.Tensor] = {}
+    whole: dict[str, torch.Tensor] = {}
+    covered = 0
+    for entry in parts:
+        payload = _load(storage, name, entry)
+        if payload.get("format") != FORMAT or payload["count"] != len(parts):
+            raise CheckpointCorrupt(name, storage.location(f"{name}/{entry['path']}"), "not a part of this checkpoint")
+        lo, hi = part_range(payload["numel"], payload["index"], payload["count"])
+        for key, piece in payload["slices"].items():
+            target = flat.setdefault(key, torch.empty(payload["numel"], dtype=piece.dtype))
+            target[lo:hi].copy_(piece)
+        whole.update(payload["whole"])
+        covered += hi - lo
+    if not parts or covered != next(iter(flat.values())).numel():
+        raise CheckpointCorrupt(name, storage.location(name), f"its {len(parts)} part(s) do not cover the state")
+    return flat, whole
+
+
+def load_residuals(storage: CheckpointStorage, name: str, manifest: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s saved top-k residuals, or {} if it had none (or did not exist)."""
+    for entry in manifest["files"]:
+        if entry["path"] == residual_file(rank):
+            return _load(storage, name, entry)["residuals"]
+    return {}
