@@ -52,7 +52,9 @@ class ScalingConfig(_Strict):
 
     workers: int = Field(4, ge=1)
     min_workers: int = Field(1, ge=1)
-    max_workers: int = Field(4, ge=1, description="defaults to `workers` when not given")
+    # None (not given) becomes ``workers`` on validation, and stays unset, so a saved job
+    # (``exclude_unset``) resumed with another worker count follows it again.
+    max_workers: int | None = Field(None, ge=1, description="defaults to `workers` when not given")
     resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 0.5})
     accelerator_type: str | None = None
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -68,15 +70,11 @@ class ScalingConfig(_Strict):
                 raise ValueError(f"resource {name!r} must be >= 0, got {amount}")
         return value
 
-    @model_validator(mode="before")
-    @classmethod
-    def _max_follows_workers(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("max_workers") is None and "workers" in data:
-            return {**data, "max_workers": data["workers"]}
-        return data
-
     @model_validator(mode="after")
     def _ordered(self) -> "ScalingConfig":
+        if self.max_workers is None:
+            object.__setattr__(self, "max_workers", self.workers)  # frozen: set once, here
+            self.model_fields_set.discard("max_workers")
         if not self.min_workers <= self.workers <= self.max_workers:
             raise ValueError(
                 f"need min_workers <= workers <= max_workers, got "
