@@ -51,7 +51,8 @@ class ChaosControl:
         self._adds = list(chaos.add_node)
 
     def at_boundary(self, step: int) -> None:
-        """Add the nodes due before ``step``."""
+        """Add the nodes due before ``step``. Blocking (a simulated node starts in seconds):
+        ``ray.cluster_utils.Cluster`` sets signal handlers, so only the main thread may."""
         if self.cluster is None:
             return
         for add in [a for a in self._adds if a.at_step <= step]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, IO
@@ -51,6 +52,7 @@ class RunDirectory:
         elif not self.is_run(path):
             raise FileNotFoundError(f"{path} is not a run directory (no {JOB_FILE})")
         path.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
         self._events = open(path / "events.jsonl", "a", encoding="utf-8")
         self._telemetry = open(path / "telemetry.jsonl", "a", encoding="utf-8")
 
@@ -73,8 +75,9 @@ class RunDirectory:
 
     def event(self, kind: str, **fields: Any) -> None:
         record = {"time": time.time(), "event": kind, **fields}
-        self._events.write(json.dumps(record) + "\n")
-        self._events.flush()
+        with self._lock:  # background threads (chaos adding a node) record events too
+            self._events.write(json.dumps(record) + "\n")
+            self._events.flush()
 
     def telemetry(self, records: list[dict[str, Any]]) -> None:
         self._telemetry.writelines(json.dumps(r) + "\n" for r in records)
