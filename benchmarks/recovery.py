@@ -82,7 +82,7 @@ def checkpoint_overhead(job: JobConfig, workdir: Path, every: int, repeats: int,
 
 def run_benchmark(
     workload: str, workers: int, steps: int, kill_step: int, checkpoint_every: int, repeats: int,
-    log: Callable[[str], None] = print,
+    overhead_steps: int, log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     job = workload_job(workload, workers, steps)
     kill_rank = workers - 1
@@ -94,14 +94,17 @@ def run_benchmark(
         ray_train = run_ray_train_recovery(job, root / "ray_train", kill_step, kill_rank, checkpoint_every, RUN_TIMEOUT_S)
         log(f"  ray_train  recovery {ray_train['recovery_s']:7.2f}s  lost {ray_train['steps_lost']}  "
             f"wall {ray_train['wall_s']:.1f}s")
-        overhead = checkpoint_overhead(job, root / "overhead", checkpoint_every, repeats, log)
+        log(f"checkpoint overhead: {overhead_steps} steps, every {checkpoint_every} vs none, {repeats} repeats")
+        long_job = workload_job(workload, workers, overhead_steps)
+        overhead = checkpoint_overhead(long_job, root / "overhead", checkpoint_every, repeats, log)
     return {
         "ours": ours,
         "ray_train": {k: ray_train[k] for k in ("recovery_s", "steps_lost", "wall_s", "resumed_from", "restart_s")},
         "checkpoint_overhead": overhead["overhead"],
         "checkpoint_samples_per_s": overhead["samples_per_s"],
         "setup": {"workload": workload, "workers": workers, "steps": steps, "kill_step": kill_step,
-                  "kill_rank": kill_rank, "checkpoint_every": checkpoint_every, "repeats": repeats},
+                  "kill_rank": kill_rank, "checkpoint_every": checkpoint_every, "repeats": repeats,
+                  "overhead_steps": overhead_steps},
     }
 
 
@@ -120,12 +123,12 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 def main(workload: str, workers: int, steps: int, kill_step: int, checkpoint_every: int, repeats: int,
-         json_path: str | None) -> int:
+         overhead_steps: int, json_path: str | None) -> int:
     if not 0 < kill_step < steps:
         print(f"ringleader: --kill-step must be in (0, {steps}), got {kill_step}", file=sys.stderr)
         return 2
     try:
-        result = run_benchmark(workload, workers, steps, kill_step, checkpoint_every, repeats)
+        result = run_benchmark(workload, workers, steps, kill_step, checkpoint_every, repeats, overhead_steps)
     except BenchmarkError as err:
         print(f"ringleader: benchmark failed: {err}", file=sys.stderr)
         return 1

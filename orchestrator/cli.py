@@ -95,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     recovery.add_argument("--steps", type=int, default=60)
     recovery.add_argument("--kill-step", type=int, default=35, help="the step in which the last worker is killed")
     recovery.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (both)")
-    recovery.add_argument("--repeats", type=int, default=2, help="runs of each checkpoint-overhead variant")
+    recovery.add_argument("--repeats", type=int, default=3, help="runs of each checkpoint-overhead variant")
+    recovery.add_argument("--overhead-steps", type=int, default=200, help="steps of each checkpoint-overhead run")
     recovery.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
     return parser
 
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import recovery
 
         return recovery.main(
-            args.workload, args.workers, args.steps, args.kill_step, args.checkpoint_every, args.repeats, args.json_path
+            args.workload, args.workers, args.steps, args.kill_step, args.checkpoint_every, args.repeats,
+            args.overhead_steps, args.json_path,
         )
     raise AssertionError(f"unhandled command {args.command}")
 

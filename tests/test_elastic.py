@@ -105,3 +105,22 @@ def test_too_few_workers_left_fails_after_saving_a_checkpoint(tmp_path):
     saved = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "checkpoint"]
     assert [e["why"] for e in saved] == ["before failing"] and saved[0]["step"] == summary["steps"]
     assert latest_valid(CheckpointStorage(str(result.run_dir / "checkpoints")), print)[0] == saved[0]["name"]
+
+
+def test_the_group_grows_to_max_workers_when_there_is_room(tmp_path, reference):
+    result = run(
+        tmp_path, "grow", "scaling.workers=2", "scaling.max_workers=3",
+        # The newcomer needs a few seconds to load: both workers pause so it can join mid-run.
+        "chaos.stall=[{rank: 0, at_step: 3, seconds: 8}, {rank: 1, at_step: 3, seconds: 8}]",
+    )
+    assert result.summary["workers"] == {"start": 2, "end": 3} and result.summary["events"]["joins"] == 1
+    (grow,) = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "grow"]
+    assert grow["joined"] == [2] and grow["workers"] == [0, 1, 2] and grow["transfer_s"] >= 0
+    assert_same_params(params(result.run_dir), reference, "grown")
+
+
+def test_auto_checkpoint_interval_follows_the_policy(tmp_path):
+    result = run(tmp_path, "auto", "scaling.workers=2", "checkpoint.every_steps=auto", "checkpoint.max_every_steps=6")
+    steps = [e["step"] for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "checkpoint"]
+    # Measured cost (milliseconds) and no failures give Young/Daly hundreds of steps: the cap.
+    assert steps == [6, 12, 18, 24, 25] and result.summary["checkpoints"]["interval_steps"] == 6

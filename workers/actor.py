@@ -116,7 +116,7 @@ class TrainWorker:
         self.abort_flag = threading.Event()
         self.aborted_through = 0  # the latest generation the driver aborted
         # Checkpoint files are written here while training goes on.
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ringleader-checkpoint")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ringleader-checkpoint", initializer=_lowest_priority)
         self._writes: dict[str, Future[list[dict[str, Any]]]] = {}
         self._writes_lock = threading.Lock()
         self._restored_residuals: dict[tuple[int, int], torch.Tensor] = {}
@@ -404,6 +404,16 @@ class TrainWorker:
         """The replica's parameters and buffers, on the CPU."""
         # Copies: the parameters are views into one flat buffer, which must not travel whole.
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+
+def _lowest_priority() -> None:
+    """Run this thread at the lowest CPU priority: a checkpoint write (serialising, hashing)
+    should take the CPU training leaves idle, not slow the steps down (Linux sets niceness per
+    thread; elsewhere this is a no-op)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def _chain(done: Future[Any], into: Future[Any]) -> None:
