@@ -69,15 +69,22 @@ def ours_recovery(job: JobConfig, workdir: Path, kill_step: int, kill_rank: int,
 def checkpoint_overhead(job: JobConfig, workdir: Path, every: int, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
     """Samples/s of ``job`` without checkpoints and with one every ``every`` steps, alternating."""
     rates: dict[str, list[float]] = {"none": [], f"every_{every}": []}
+    held: list[float] = []  # share of training time the snapshots held the steps up
     for repeat in range(repeats):
         for variant, steps in (("none", 0), (f"every_{every}", every)):
             checkpoint = {**job.checkpoint.model_dump(mode="json"), "every_steps": steps}
             summary, _, _ = _run_ours(_with(job, checkpoint=checkpoint), workdir / f"{variant}-{repeat}")
             rates[variant].append(summary["samples_per_s"])
+            if steps:
+                held.append(sum(summary["checkpoints"]["copy_s"]) / summary["train_s"])
             log(f"  [{repeat + 1}/{repeats}] checkpoints {variant:<10} {summary['samples_per_s']:8.0f} samples/s "
                 f"({summary['checkpoints']['written']} written)")
     none, with_ = (statistics.median(r) for r in rates.values())
-    return {"samples_per_s": {k: statistics.median(v) for k, v in rates.items()}, "overhead": 1 - with_ / none}
+    return {
+        "samples_per_s": {k: statistics.median(v) for k, v in rates.items()},
+        "overhead": 1 - with_ / none,
+        "snapshot_share": statistics.median(held),
+    }
 
 
 def run_benchmark(
@@ -102,6 +109,7 @@ def run_benchmark(
         "ray_train": {k: ray_train[k] for k in ("recovery_s", "steps_lost", "wall_s", "resumed_from", "restart_s")},
         "checkpoint_overhead": overhead["overhead"],
         "checkpoint_samples_per_s": overhead["samples_per_s"],
+        "checkpoint_snapshot_share": overhead["snapshot_share"],
         "setup": {"workload": workload, "workers": workers, "steps": steps, "kill_step": kill_step,
                   "kill_rank": kill_rank, "checkpoint_every": checkpoint_every, "repeats": repeats,
                   "overhead_steps": overhead_steps},
@@ -117,7 +125,8 @@ def format_result(result: dict[str, Any]) -> str:
         f"recovery ray_train/ours {theirs['recovery_s'] / ours['recovery_s']:.1f}x; our split "
         + ", ".join(f"{k} {v:.3f}" for k, v in ours["split_s"].items()),
         f"checkpoint every {result['setup']['checkpoint_every']} steps: overhead {result['checkpoint_overhead']:+.1%} "
-        f"({result['checkpoint_samples_per_s']})",
+        f"({result['checkpoint_samples_per_s']}); snapshots held training up "
+        f"{result['checkpoint_snapshot_share']:.2%} of its time",
     ]
     return "\n".join(lines)
 

@@ -460,13 +460,23 @@ class JobDriver:
                 self._stragglers().set_workers(group.workers)
                 return
             except (ray.exceptions.RayError, WorkerGroupError) as err:
-                self.run.event("reform_failed", error=_reason(err))
-                group.abort_all(store.generation, [], self.job.timeouts.collective_s)
-                alive, silent = group.probe(PROBE_S)
-                self.counters["failures"] += len(silent)
+                alive, silent = self._after_failed_join(group, store, err)
                 recovery.workers += silent
-                group.remove(silent)
         raise JobFailed(f"the group could not be re-formed after {MAX_REFORMS} attempts")
+
+    def _after_failed_join(
+        self, group: WorkerGroup, store: RendezvousStore, err: BaseException
+    ) -> tuple[dict[int, dict[str, Any]], list[int]]:
+        """A rendezvous failed (a member died while the group formed): abort it everywhere,
+        remove whoever does not answer; returns the others' progress and the removed ids."""
+        self.run.event("reform_failed", error=_reason(err))
+        group.abort_all(store.generation, [], self.job.timeouts.collective_s)
+        alive, silent = group.probe(PROBE_S)
+        self.counters["failures"] += len(silent)
+        if silent:
+            self.run.event("failure", at_step=self.steps_done, workers=silent, reasons={}, detect_s=None)
+        group.remove(silent)
+        return alive, silent
 
     def _save_before_failing(self, group: WorkerGroup, holders: dict[int, int]) -> None:
         if holders:
@@ -503,12 +513,8 @@ class JobDriver:
         try:
             transfer_s = group.form_group(store)
         except (ray.exceptions.RayError, WorkerGroupError) as err:
-            recovery = Recovery(self.steps_done, [], {}, started)
-            self.run.event("reform_failed", error=_reason(err))
-            group.abort_all(store.generation, [], self.job.timeouts.collective_s)
-            alive, silent = group.probe(PROBE_S)
-            self.counters["failures"] += len(silent)
-            group.remove(silent)
+            alive, silent = self._after_failed_join(group, store, err)
+            recovery = Recovery(self.steps_done, silent, {w: "died while the group grew" for w in silent}, started)
             self._reform(group, store, {w: r for w, r in alive.items() if w not in joined}, recovery)
             transfer_s = recovery.transfer_s
         self._stragglers().set_workers(group.workers)

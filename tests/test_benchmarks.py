@@ -66,3 +66,20 @@ def test_straggler_benchmark_runs_every_variant_and_slows_the_same_worker():
         assert [c.rank for c in job.chaos.slow] == ([1] if slowed else [])
         assert job.stragglers.mitigation == (variant in ("clean", "mitigated"))
         assert framework == ("ray_train" if variant == "ray_train" else "ringleader")
+
+
+@pytest.mark.usefixtures("private_ray_home")
+def test_recovery_benchmark_our_side_loses_no_committed_step(tmp_path):
+    from benchmarks.recovery import format_result, ours_recovery
+
+    job = workload_job("digits", workers=2, steps=10)
+    job = job.model_copy(update={"scaling": job.scaling.model_copy(update={"resources_per_worker": {"CPU": 0.5}})})
+    ours = ours_recovery(job, tmp_path, kill_step=5, kill_rank=1, checkpoint_every=4)
+    assert ours["steps_lost"] == 0 and ours["steps_redone"] >= 1
+    assert 0 < ours["recovery_s"] < ours["wall_s"]
+    assert set(ours["split_s"]) == {"detect_s", "reform_s", "transfer_s", "redo_s"}
+    theirs = {"recovery_s": 12.0, "steps_lost": 5, "wall_s": 40.0}
+    setup = {"checkpoint_every": 4}
+    text = format_result({"ours": ours, "ray_train": theirs, "checkpoint_overhead": 0.01, "setup": setup,
+                          "checkpoint_samples_per_s": {}, "checkpoint_snapshot_share": 0.001})
+    assert "recovery ray_train/ours" in text and "overhead +1.0%" in text
