@@ -163,6 +163,8 @@ class CheckpointCoordinator:
             writes=[a.checkpoint_written.remote(name, timeout_s) for a in actors],
             meta={
                 **meta,
+                # Shards are a function of (seed, step, shard): the next step is the whole cursor.
+                "data_cursor": {"next_step": step, "seed": self.job.seed, "batch_size": self.job.batch_size},
                 "config_hash": config_hash(self.job),
                 "config": trajectory_config(self.job),
                 "policy": self.policy.state(),
