@@ -493,7 +493,7 @@ class JobDriver:
 
     def _ready_to_join(self, group: WorkerGroup) -> bool:
         """Whether workers have loaded and there is room for them (checked at a boundary)."""
-        if group.size + len(group.joiners) + len(self._ready) < self.job.scaling.max_workers:
+        if group.size + len(group.joiners) + len(self._ready) < self.job.scaling.max_workers - group.retired:
             self._fill(group)
         if group.joiners:
             self._ready += group.ready_joiners()
@@ -533,7 +533,7 @@ class JobDriver:
             self.run.event(
                 "evict", at_step=self.steps_done, worker=eviction.worker, reason=eviction.reason, evidence=eviction.evidence
             )
-        group.remove(workers)
+        group.remove(workers, retire=True)
         group.form_group(store)
         self._stragglers().set_workers(group.workers)
         if redo:

@@ -119,6 +119,7 @@ class WorkerGroup:
         self.placements: list[PlacementGroup] = []
         self.slots: list[Slot] = []
         self._retry_at: dict[Slot, float] = {}
+        self.retired = 0  # slots given up with evicted workers
         self._next_worker = 0
         self._bundle = {k: v for k, v in scaling.resources_per_worker.items() if v > 0}
 
@@ -231,12 +232,16 @@ class WorkerGroup:
         aborts = [actor.abort.remote(generation) for actor in self.actors]
         ray.wait(aborts + pending, num_returns=len(aborts) + len(pending), timeout=timeout_s)
 
-    def remove(self, workers: list[int]) -> None:
-        """Kill the actors of these worker ids and drop them from the group (ranks close up);
-        their slots are free for replacements."""
+    def remove(self, workers: list[int], retire: bool = False) -> None:
+        """Kill the actors of these worker ids and drop them from the group (ranks close up).
+        Their slots are free for replacements, unless ``retire``: an evicted worker's slot is
+        given up (a replacement there would likely be as slow), and one slot fewer reserved."""
         for member in self.members:
             if member.info["worker"] in workers:
                 ray.kill(member.actor, no_restart=True)
+                if retire:
+                    self.slots.remove(member.slot)
+                    self.retired += 1
         self.members = [m for m in self.members if m.info["worker"] not in workers]
 
     def kill(self, worker: int) -> None:
@@ -250,11 +255,12 @@ class WorkerGroup:
         self.members.sort(key=lambda m: m.info["worker"] != worker)
 
     def fill_slots(self, dead_nodes: set[str]) -> int:
-        """Start an actor in every free slot (up to ``scaling.max_workers`` slots, reserving new
-        ones as single-bundle placement groups), except slots whose bundle sits on a node in
+        """Start an actor in every free slot (up to ``scaling.max_workers`` slots less retired
+        ones, reserving new ones as single-bundle placement groups), except slots whose bundle
+        sits on a node in
         ``dead_nodes`` (Ray moves those bundles once it declares the node dead) or that failed
         less than RETRY_S ago. Returns how many actors were started."""
-        while len(self.slots) < self.scaling.max_workers:
+        while len(self.slots) < self.scaling.max_workers - self.retired:
             placement = placement_group([self._bundle])
             self.placements.append(placement)
             self.slots.append(Slot(placement, 0))
