@@ -257,9 +257,8 @@ class WorkerGroup:
     def fill_slots(self, dead_nodes: set[str]) -> int:
         """Start an actor in every free slot (up to ``scaling.max_workers`` slots less retired
         ones, reserving new ones as single-bundle placement groups), except slots whose bundle
-        sits on a node in
-        ``dead_nodes`` (Ray moves those bundles once it declares the node dead) or that failed
-        less than RETRY_S ago. Returns how many actors were started."""
+        sits on a node in ``dead_nodes`` (Ray moves those bundles once it declares the node
+        dead) or that failed less than RETRY_S ago. Returns how many actors were started."""
         while len(self.slots) < self.scaling.max_workers - self.retired:
             placement = placement_group([self._bundle])
             self.placements.append(placement)
