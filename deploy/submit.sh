@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Submit a ringleader job to a running Ray cluster (one started with `ray up deploy/cluster.yaml`,
+# or KubeRay): the driver runs on the head node, the workers wherever Ray places them.
+#
+#   RAY_ADDRESS=http://HEAD:8265 deploy/submit.sh examples/digits.yaml \
+#       --set checkpoint.every_steps=50 --set checkpoint.path=s3://BUCKET/ringleader/digits
+#
+# Everything after the script name is passed to `ringleader run`. Inside the job, RAY_ADDRESS is
+# set by Ray, so `ringleader run` joins the cluster instead of starting a local Ray.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${RAY_ADDRESS:=http://127.0.0.1:8265}"
+exec ray job submit --address "$RAY_ADDRESS" --runtime-env deploy/runtime_env.yaml \
+    -- python -m orchestrator.cli run --no-progress "$@"

@@ -1,0 +1,49 @@
+"""The deploy files stay in step with the code: they parse, and the commands they run are ones
+ringleader accepts (a cluster is not needed to catch a renamed flag or field)."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from pathlib import Path
+
+import yaml
+from ray.runtime_env import RuntimeEnv
+
+from orchestrator.cli import _parser
+from orchestrator.config import load_job
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def _job_from(argv: list[str]):
+    """The job a ``ringleader run`` command line (after ``run``) would run."""
+    args = _parser().parse_args(["run", *argv])
+    overrides = list(args.overrides) + ([f"scaling.workers={args.workers}"] if args.workers else [])
+    return load_job(DEPLOY.parent / args.job if args.job else None, overrides, resolve=False)
+
+
+def test_cluster_yaml_names_its_node_types():
+    cluster = yaml.safe_load((DEPLOY / "cluster.yaml").read_text())
+    assert cluster["head_node_type"] in cluster["available_node_types"]
+    assert cluster["docker"]["image"].startswith("rayproject/ray:2.60.0")
+
+
+def test_runtime_env_is_one_ray_accepts():
+    env = yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text())
+    RuntimeEnv(**env)  # raises on unknown or malformed fields
+    assert env["working_dir"] == "."
+
+
+def test_submit_script_is_valid_bash_and_runs_the_cli():
+    subprocess.run(["bash", "-n", str(DEPLOY / "submit.sh")], check=True)
+    assert "python -m orchestrator.cli run" in (DEPLOY / "submit.sh").read_text()
+
+
+def test_rayjob_entrypoint_is_a_valid_ringleader_run():
+    rayjob = yaml.safe_load((DEPLOY / "k8s" / "rayjob.yaml").read_text())
+    argv = shlex.split(rayjob["spec"]["entrypoint"])
+    assert argv[:4] == ["python", "-m", "orchestrator.cli", "run"]
+    job = _job_from(argv[4:])
+    assert job.checkpoint.enabled and job.checkpoint.path.startswith("s3://")
+    RuntimeEnv(**yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"]))
