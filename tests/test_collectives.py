@@ -125,8 +125,12 @@ def _compressed_worker(rank: int, world: int, port: int, results: dict, compress
         results[(rank, step, "input")] = tensor.clone()
         communicator.start_sum(tensor).wait()
         results[(rank, step, "output")] = tensor
+        if compression == "topk":
+            communicator.commit()
     if compression == "topk":
-        results[(rank, "residual")] = next(iter(communicator.residuals.values()))
+        results[(rank, "residual")] = next(iter(communicator.residuals.values())).clone()
+        communicator.start_sum(torch.randn(10_001)).wait()  # a step never committed (aborted)
+        results[(rank, "kept")] = torch.equal(next(iter(communicator.residuals.values())), results[(rank, "residual")])
     group.close()
 
 
@@ -154,5 +158,6 @@ def test_topk_error_feedback_loses_nothing():
     delivered = results[(0, 0, "output")] + results[(0, 1, "output")]
     kept = sum(results[(r, "residual")] for r in range(world))
     torch.testing.assert_close(delivered + kept, inputs, rtol=1e-5, atol=1e-5)
+    assert all(results[(r, "kept")] for r in range(world)), "an uncommitted step changed the residuals"
     # And it really is sparse: one step delivers at most world * k nonzeros.
     assert int((results[(0, 0, "output")] != 0).sum()) <= world * math.ceil(ratio * 10_001)

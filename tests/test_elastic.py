@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
-from workers.checkpoint_storage import MANIFEST, CheckpointStorage, latest_valid
+from workers.checkpoint_storage import MANIFEST, CheckpointStorage, latest_valid, verify_checkpoint
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -124,3 +124,16 @@ def test_auto_checkpoint_interval_follows_the_policy(tmp_path):
     steps = [e["step"] for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "checkpoint"]
     # Measured cost (milliseconds) and no failures give Young/Daly hundreds of steps: the cap.
     assert steps == [6, 12, 18, 24, 25] and result.summary["checkpoints"]["interval_steps"] == 6
+
+
+def test_topk_residuals_survive_recovery_and_travel_in_checkpoints(tmp_path):
+    """Top-k keeps per-worker unsent gradient: survivors keep theirs through a re-forming, every
+    rank's goes into the checkpoint, and a resumed run reads them back."""
+    overrides = ("collective.compression=topk", "collective.topk_ratio=0.05", "checkpoint.every_steps=10")
+    result = run(tmp_path, "topk", "scaling.workers=3", *overrides, _kills("{at_step: 5, rank: 1, how: sigkill}"))
+    assert result.summary["events"]["failures"] == 1
+    manifest = verify_checkpoint(CheckpointStorage(str(result.run_dir / "checkpoints")), "step-00000010")
+    files = {entry["path"] for entry in manifest["files"]}
+    assert {"residuals-rank-00000.pt", "residuals-rank-00001.pt"} <= files  # the two survivors
+    resumed = run(tmp_path, "topk", "scaling.workers=2", "steps=30", *overrides)
+    assert [e["checkpoint"] for e in jsonl(resumed.run_dir / "events.jsonl") if e["event"] == "resume"] == ["step-00000025"]

@@ -33,7 +33,7 @@ from workers.comm_group import (
     call_abortable,
     new_process_group,
 )
-from workers.communicator import make_communicator, pick_backend
+from workers.communicator import Communicator, make_communicator, pick_backend
 from workers.compression import TopKAllReduce, compress
 from workers.flat_optimizer import FlatOptimizer
 from workers.overlap import GradientReducer
@@ -111,7 +111,7 @@ class TrainWorker:
         self.rank = -1
         self.world_size = 0
         self.reducer: GradientReducer | None = None
-        self.reducer_comm: object | None = None  # the reducer's communicator (top-k keeps residuals)
+        self.reducer_comm: Communicator | None = None  # the reducer's (top-k keeps residuals)
         self.group: CommGroup | None = None
         self.abort_flag = threading.Event()
         self.aborted_through = 0  # the latest generation the driver aborted
@@ -165,11 +165,13 @@ class TrainWorker:
         """Form this generation's process group (rank ``rank`` of ``len(nodes)``; ``nodes[r]`` is
         rank r's Ray node id) through the driver's TCPStore under key ``prefix``, then take
         rank 0's training state: parameters, optimizer state and step. An abort for this
-        ``generation`` (or a later one) that arrived first makes the join fail at once. Every replica thus starts
-        the generation identical, whatever its factory did, whether it just joined (a
-        replacement or a new worker: the state comes from a live peer, not from disk) or missed
-        the last step of an aborted generation. Returns ``transfer_s``, the state broadcast's
-        seconds."""
+        ``generation`` (or a later one) that arrived first makes the join fail at once.
+
+        Every replica thus starts the generation identical, whatever its factory did, whether it
+        just joined (a replacement or a new worker: the state comes from a live peer, not from
+        disk) or missed the last step of an aborted generation. This worker's committed top-k
+        residuals carry over (or restored ones, after a resume). Returns ``transfer_s``, the
+        state broadcast's seconds."""
         if self.group is not None and self.chaos.kill_due("rejoin", self.next_step):
             kill_self(self._record_death)
         self.leave_group()
@@ -187,6 +189,7 @@ class TrainWorker:
             "rendezvous",
         )
         residuals = getattr(self.reducer_comm, "residuals", None) or self._restored_residuals
+        self._restored_residuals = {}
         self.group = CommGroup(pg, rank, len(nodes), self.spec.collective_timeout_s, self.abort_flag)
         self.rank, self.world_size = rank, len(nodes)
         exact = make_communicator(self.spec.algorithm, self.group, nodes)
@@ -281,6 +284,8 @@ class TrainWorker:
         if not torch.all(counts == 1):
             bad = {i: float(c) for i, c in enumerate(counts.tolist()) if c != 1}
             raise ShardCensusError(f"step {step}: shards not committed exactly once: {bad}")
+        if isinstance(self.reducer_comm, TopKAllReduce):
+            self.reducer_comm.commit()
         reduced = time.perf_counter()
         self.optimizer.step()
         self.next_step = step + 1

@@ -114,7 +114,11 @@ class Int8RingAllReduce:
 
 class TopKAllReduce:
     """Top-k sparsified sum with error feedback; ``residuals`` (per bucket) are this worker's
-    unsent gradient mass, state to keep across steps and in checkpoints."""
+    unsent gradient mass, state to keep across steps and in checkpoints.
+
+    A step's new residuals are staged and become ``residuals`` only on ``commit()`` (the caller
+    commits once the step's reduction is complete and verified): a step aborted half-way (a
+    peer died) and run again must not leave its gradient in the residuals twice."""
 
     def __init__(self, group: CommGroup, ratio: float) -> None:
         if not 0 < ratio <= 1:
@@ -123,6 +127,7 @@ class TopKAllReduce:
         self.ratio = ratio
         #: Residual per bucket, keyed by the bucket's (offset in its storage, length).
         self.residuals: dict[tuple[int, int], torch.Tensor] = {}
+        self._staged: dict[tuple[int, int], torch.Tensor] = {}
 
     def start_sum(self, tensor: torch.Tensor) -> PendingOp:
         flat = tensor.view(-1)
@@ -140,7 +145,7 @@ class TopKAllReduce:
         chosen = values.abs().topk(k, sorted=False).indices
         sent = values[chosen]
         values[chosen] = 0.0
-        self.residuals[key] = values
+        self._staged[key] = values
         n, me = self.group.size, self.group.rank
         pieces = [(chosen, sent) if r == me else (torch.empty_like(chosen), torch.empty_like(sent)) for r in range(n)]
         if n > 1:
@@ -149,6 +154,12 @@ class TopKAllReduce:
         for indices, entries in pieces:  # same order on every rank: identical results
             total.index_add_(0, indices, entries)
         flat.copy_(total)
+
+
+    def commit(self) -> None:
+        """The step's reduction completed: its unsent mass becomes the residuals."""
+        self.residuals.update(self._staged)
+        self._staged.clear()
 
 
 def compress(
