@@ -50,6 +50,9 @@ EVENT_COUNTERS = (
 PROBE_S = 3.0
 # Re-forming attempts in a row (each after a further failure) before the job gives up.
 MAX_REFORMS = 5
+# While a step runs the driver looks at the workers' finished calls this often: the bound on
+# how late it sees a failure (one wait per step when steps are shorter).
+FAILURE_POLL_S = 0.05
 # At most this often the driver looks for free slots to start workers in (a GCS round trip).
 FILL_EVERY_S = 1.0
 
@@ -316,9 +319,10 @@ class JobDriver:
         return {"stragglers": {"expected_shard_s": self._stragglers().expected_shard_s}}
 
     def _await_step(self, group: WorkerGroup, step: int, refs: list[ray.ObjectRef]) -> StepWait:
-        """Wait for ``step``, one report at a time, so the first failure is seen at once.
-        Returns the reports, the workers to evict for holding it up, or the failure. Raises
-        JobFailed after ``timeouts.step_s``."""
+        """Wait for ``step``, looking at what has come in every ``FAILURE_POLL_S``, so the first
+        failure is seen within that (most steps end within one wait). Returns the reports, the
+        workers to evict for holding it up, or the failure. Raises JobFailed after
+        ``timeouts.step_s``."""
         self.chaos.during_step(group, step)
         deadline = time.monotonic() + self.job.timeouts.step_s
         silent_s = self.job.stragglers.silent_s
@@ -326,11 +330,12 @@ class JobDriver:
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         waited = StepWait()
         pending = list(refs)
+        quiet_since = time.monotonic()
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise JobFailed(f"step {step} did not finish within {self.job.timeouts.step_s:.0f}s")
-            ready, pending = ray.wait(pending, num_returns=1, timeout=min(silent_s, left))
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(FAILURE_POLL_S, left))
             for ref in ready:
                 rank = rank_of[ref]
                 try:
@@ -344,8 +349,11 @@ class JobDriver:
                         waited.user_error = err  # a bug or bad data, not a lost peer
             if waited.failed:
                 return waited
-            if ready or not self._stragglers().evicting:
+            if ready:
+                quiet_since = time.monotonic()
+            if not pending or time.monotonic() - quiet_since < silent_s or not self._stragglers().evicting:
                 continue
+            quiet_since = time.monotonic()
             progress = group.progress(timeout_s=min(5.0, silent_s))
             silent = silent_workers(step, progress, silent_s)
             if silent and group.size - len(silent) >= self.job.scaling.min_workers:
