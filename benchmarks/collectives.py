@@ -115,14 +115,12 @@ def _overlap_rank(
     for overlap in (True, False):
         variant = job.model_copy(update={"collective": job.collective.model_copy(update={"overlap": overlap})})
         workers[overlap] = TrainWorker(worker_spec(variant))
-    step = 0
     generation = 0
     for round_ in range(rounds):
         for overlap, worker in workers.items():
             generation += 1
             worker.join_group("127.0.0.1", port, f"gen{generation}/", generation, rank, ["node"] * world, 60.0)
-            reports = [worker.train_step(step + i, plan) for i in range(steps)]
-            step += steps
+            reports = [worker.train_step(worker.next_step, plan) for _ in range(steps)]
             worker.leave_group()
             if rank == 0:
                 kept = reports[2:]  # skip warm-up steps of each group

@@ -22,6 +22,7 @@ from orchestrator.config import ConfigError, JobConfig
 from orchestrator.run_dir import RunDirectory
 from policies.checkpoint_interval import CheckpointInterval
 from workers.checkpoint_storage import (
+    MANIFEST,
     CheckpointStorage,
     FileEntry,
     checkpoint_name,
@@ -132,6 +133,7 @@ class CheckpointCoordinator:
             max_steps=config.max_every_steps,
         )
         self.last_step = 0
+        self.attempts = 0  # checkpoints started by this run; tags their files
         self.pending: PendingCheckpoint | None = None
 
     def resumed(self, point: ResumePoint) -> None:
@@ -154,13 +156,15 @@ class CheckpointCoordinator:
         (all by default), each writing a slice; ``meta`` goes into the manifest."""
         actors = group.actors[: ranks or group.size]
         name = checkpoint_name(step)
+        self.attempts += 1
+        tag = f"a{self.attempts}"
         timeout_s = self.job.timeouts.checkpoint_s
         self.pending = PendingCheckpoint(
             name=name,
             step=step,
             started=time.perf_counter(),
-            copies=[a.snapshot.remote(step, self.root, name, i, len(actors)) for i, a in enumerate(actors)],
-            writes=[a.checkpoint_written.remote(name, timeout_s) for a in actors],
+            copies=[a.snapshot.remote(step, self.root, name, tag, i, len(actors)) for i, a in enumerate(actors)],
+            writes=[a.checkpoint_written.remote(name, tag, timeout_s) for a in actors],
             meta={
                 **meta,
                 # Shards are a function of (seed, step, shard): the next step is the whole cursor.
@@ -199,15 +203,24 @@ class CheckpointCoordinator:
         except ray.exceptions.RayError as err:
             self.abandon(f"a part failed: {type(err).__name__}: {err}")
             return
-        write_manifest(self.storage, pending.step, files, pending.meta)
         self.pending = None
+        # Storage trouble (a full disk, a bucket error) must not end the training.
+        try:
+            write_manifest(self.storage, pending.step, files, pending.meta)
+        except (OSError, ValueError) as err:
+            self.run.event("checkpoint_abandoned", name=pending.name, reason=f"manifest: {type(err).__name__}: {err}")
+            return
+        try:
+            deleted = prune(self.storage, self.job.checkpoint.keep)
+        except OSError as err:
+            deleted = []
+            self.run.event("checkpoint_prune_failed", reason=f"{type(err).__name__}: {err}")
         record = CheckpointRecord(
             pending.name, pending.step, pending.why, copy_s, time.perf_counter() - pending.started, sum(f.bytes for f in files)
         )
         self.written.append(record)
         self.counters["checkpoints"] += 1
         self.policy.observe_checkpoint(copy_s)
-        deleted = prune(self.storage, self.job.checkpoint.keep)
         self.run.event("checkpoint", **vars(record), location=self.storage.location(pending.name), pruned=deleted)
 
     def save_now(
@@ -217,6 +230,8 @@ class CheckpointCoordinator:
         before failing). Skipped when checkpoints are off, unless ``force``."""
         if not (self.enabled or force) or group.size == 0:
             return
+        if self.storage.exists(f"{checkpoint_name(step)}/{MANIFEST}"):
+            return  # already saved (e.g. a run resumed from its final checkpoint)
         self.abandon("superseded")
         self.start(group, step, meta, why, ranks)
         self.poll(self.policy.state().get("elapsed_s") or 0.0, wait_s=self.job.timeouts.checkpoint_s)

@@ -289,20 +289,13 @@ class JobDriver:
                     next_step += 1
                 if not inflight:  # drained for a change at this step boundary
                     if pending:
-                        self._shrink(group, store, pending, redo=[])
+                        self._recover(group, store, StepWait(evict=pending), [], bar)
                     else:
                         self._grow(group, store)
                     continue
                 step, refs = inflight.popleft()
                 waited = self._await_step(group, step, refs)
-                if waited.evict:
-                    redo = [step] + [s for s, _ in inflight]
-                    group.abort_all(store.generation, [r for _, refs in inflight for r in refs] + refs, self.job.timeouts.collective_s)
-                    inflight.clear()
-                    self._shrink(group, store, waited.evict, redo=redo)
-                    next_step = step
-                    continue
-                if waited.failed:
+                if waited.evict or waited.failed:
                     next_step = self._recover(group, store, waited, [(step, refs), *inflight], bar)
                     inflight.clear()
                     continue
@@ -369,17 +362,30 @@ class JobDriver:
         steps: list[tuple[int, list[ray.ObjectRef]]],
         bar: tqdm,
     ) -> int:
-        """Recover from a failure seen while waiting for ``steps[0]``: abort every member, find
-        the dead, commit what some survivor finished, re-form without the dead (with any ready
-        replacements) and return the first step to run again. Raises JobFailed if the failure
-        is not a lost worker, or too few workers are left."""
+        """Change the group after a failure seen while waiting for ``steps[0]``, or to evict
+        ``waited.evict``: abort every member, find the dead, commit what some survivor finished,
+        re-form without the dead and the evicted (with any ready replacements) and return the
+        first step to run again (``steps`` are the steps in flight; none at a drained
+        boundary). Raises JobFailed if the failure is not a lost worker, or too few workers
+        are left."""
         noticed = time.time()
-        self.machine.to(JobState.RECOVERING, f"step {steps[0][0]} failed: {waited.errors}")
-        alive, silent = self._settle(group, store, steps)
-        dead = sorted(waited.dead | set(silent))
-        if not dead and waited.user_error is not None:
-            raise JobFailed(f"step {steps[0][0]}: {_reason(waited.user_error)}")
-        if not dead:
+        evicted = [e.worker for e in waited.evict]
+        if evicted:
+            self.machine.to(JobState.RECOVERING, f"evicting worker(s) {evicted}")
+            for eviction in waited.evict:
+                self.counters["evictions"] += 1
+                self.run.event(
+                    "evict", at_step=self.steps_done, worker=eviction.worker, reason=eviction.reason,
+                    evidence=eviction.evidence,
+                )
+        else:
+            self.machine.to(JobState.RECOVERING, f"step {steps[0][0]} failed: {waited.errors}")
+        alive, silent = self._settle(group, store, steps, frozenset(evicted))
+        alive = {w: r for w, r in alive.items() if w not in evicted}
+        dead = sorted((waited.dead | set(silent)) - set(evicted))
+        if not dead and not evicted:
+            if waited.user_error is not None:
+                raise JobFailed(f"step {steps[0][0]}: {_reason(waited.user_error)}")
             # Collectives failed with every member alive (a network fault): re-form and retry,
             # but not forever.
             self._failed_in_a_row += 1
@@ -387,7 +393,7 @@ class JobDriver:
                 raise JobFailed(f"step {steps[0][0]} failed {MAX_REFORMS} times in a row: {waited.errors}")
         # A step is committed once any survivor applied it: its all-reduce completed, and the
         # census on that survivor proved every shard counted exactly once.
-        next_step = max(report["next_step"] for report in alive.values()) if alive else steps[0][0]
+        next_step = max((r["next_step"] for r in alive.values()), default=self.steps_done)
         for step, refs in steps:
             if step >= next_step:
                 break
@@ -395,42 +401,50 @@ class JobDriver:
         died_at = [t for w in dead if (t := self.chaos.death_time(store, w)) is not None]
         recovery = Recovery(
             at_step=next_step,
-            workers=dead,
-            reasons={w: waited.errors.get(w, "did not answer") for w in dead},
+            workers=dead + evicted,
+            reasons={**{w: waited.errors.get(w, "did not answer") for w in dead}, **{w: "evicted" for w in evicted}},
             started=min(died_at) if died_at else noticed,
         )
         recovery.detect_s = time.time() - recovery.started
-        self.counters["failures"] += len(dead)
-        self.run.event("failure", at_step=next_step, workers=dead, reasons=recovery.reasons, detect_s=recovery.detect_s)
+        if dead:
+            self.counters["failures"] += len(dead)
+            self.run.event("failure", at_step=next_step, workers=dead, reasons=recovery.reasons, detect_s=recovery.detect_s)
+            self.checkpoints.observe_failure()
         group.remove(dead)
-        self.checkpoints.abandon(f"worker(s) {dead} died")
-        self.checkpoints.observe_failure()
+        group.remove(evicted, retire=True)
+        self.checkpoints.abandon(f"worker(s) {dead + evicted} left the group")
         redo = [s for s, _ in steps if s >= next_step]
         self._reform(group, store, alive, recovery)
-        self.counters["recoveries"] += 1
-        self.counters["steps_redone"] += len(redo)
-        recovery.redo_steps = redo
-        recovery.reformed_at = time.time()
-        self._open_recovery = recovery
+        if dead or redo:
+            self.counters["recoveries"] += 1
+            self.counters["steps_redone"] += len(redo)
+            recovery.redo_steps = redo
+            recovery.reformed_at = time.time()
+            self._open_recovery = recovery
         self.run.event("group_reformed", workers=group.workers, redo=redo, transfer_s=recovery.transfer_s)
         self.machine.to(JobState.RUNNING, f"{group.size} workers")
         return next_step
 
     def _settle(
-        self, group: WorkerGroup, store: RendezvousStore, steps: list[tuple[int, list[ray.ObjectRef]]]
+        self,
+        group: WorkerGroup,
+        store: RendezvousStore,
+        steps: list[tuple[int, list[ray.ObjectRef]]],
+        leaving: frozenset[int] = frozenset(),
     ) -> tuple[dict[int, dict[str, Any]], list[int]]:
-        """Abort every member's pending steps and wait until the survivors' have ended, so what
-        each survivor applied can no longer change; returns their progress reports and the
-        workers that are dead or did not settle (those are killed with the dead)."""
+        """Abort every member's pending steps and wait until the survivors' (not ``leaving``
+        ones') have ended, so what each survivor applied can no longer change; returns their
+        progress reports and the workers that are dead or did not settle (those are killed
+        with the dead)."""
         pending = [r for _, refs in steps for r in refs]
         group.abort_all(store.generation, pending, PROBE_S)
         alive, silent = group.probe(PROBE_S)
         # Dead actors' calls may take Ray a while to fail (a lost node); the survivors' end
         # within the abort poll, and only they matter now.
         rank_of = {w: r for r, w in enumerate(group.workers)}
-        theirs = [refs[rank_of[w]] for _, refs in steps for w in alive]
+        theirs = [refs[rank_of[w]] for _, refs in steps for w in alive if w not in leaving]
         _, stuck = ray.wait(theirs, num_returns=len(theirs), timeout=self.job.timeouts.collective_s)
-        stuck_workers = {w for _, refs in steps for w in alive if refs[rank_of[w]] in stuck}
+        stuck_workers = {w for _, refs in steps for w in alive if w not in leaving and refs[rank_of[w]] in stuck}
         alive, more = group.probe(PROBE_S)
         return {w: r for w, r in alive.items() if w not in stuck_workers}, sorted(set(silent) | set(more) | stuck_workers)
 
@@ -530,25 +544,6 @@ class JobDriver:
             "grow", at_step=self.steps_done, joined=joined, workers=group.workers,
             transfer_s=transfer_s, reform_s=time.time() - started - transfer_s,
         )
-
-    def _shrink(self, group: WorkerGroup, store: RendezvousStore, evictions: list[Evict], redo: list[int]) -> None:
-        """Remove the evicted workers and re-form the group among the others (a new generation);
-        the steps in ``redo`` were aborted and run again."""
-        workers = [e.worker for e in evictions]
-        self.machine.to(JobState.RECOVERING, f"evicting worker(s) {workers}")
-        for eviction in evictions:
-            self.counters["evictions"] += 1
-            self.run.event(
-                "evict", at_step=self.steps_done, worker=eviction.worker, reason=eviction.reason, evidence=eviction.evidence
-            )
-        group.remove(workers, retire=True)
-        group.form_group(store)
-        self._stragglers().set_workers(group.workers)
-        if redo:
-            self.counters["recoveries"] += 1
-            self.counters["steps_redone"] += len(redo)
-        self.run.event("group_reformed", workers=group.workers, redo=redo)
-        self.machine.to(JobState.RUNNING, f"{group.size} workers")
 
     def _collect(self, step: int, reports: list[StepTelemetry], bar: tqdm, *, complete: bool) -> None:
         """Account a committed step. ``complete``: every rank's report is here and together they

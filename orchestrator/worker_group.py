@@ -235,13 +235,18 @@ class WorkerGroup:
     def remove(self, workers: list[int], retire: bool = False) -> None:
         """Kill the actors of these worker ids and drop them from the group (ranks close up).
         Their slots are free for replacements, unless ``retire``: an evicted worker's slot is
-        given up (a replacement there would likely be as slow), and one slot fewer reserved."""
+        given up (a replacement there would likely be as slow), one slot fewer is reserved, and
+        a single-bundle placement group is released."""
         for member in self.members:
             if member.info["worker"] in workers:
                 ray.kill(member.actor, no_restart=True)
                 if retire:
                     self.slots.remove(member.slot)
                     self.retired += 1
+                    placement = member.slot.placement
+                    if len(placement.bundle_specs) == 1:  # its own group: give the resources back
+                        remove_placement_group(placement)
+                        self.placements.remove(placement)
         self.members = [m for m in self.members if m.info["worker"] not in workers]
 
     def kill(self, worker: int) -> None:

@@ -25,7 +25,7 @@ def _checkpoint(tmp_path, count: int):
     for index in range(count):
         residuals = {"0:1001": torch.full((1001,), float(index))}
         part = take_snapshot(7, index, count, flat, whole, residuals)
-        files += [FileEntry(**f) for f in write_snapshot(storage, "step-00000007", index, part)]
+        files += [FileEntry(**f) for f in write_snapshot(storage, "step-00000007", "a1", index, part)]
     write_manifest(storage, 7, files, {})
     return storage, flat, whole
 
@@ -46,7 +46,7 @@ def test_a_checkpoint_written_in_parts_loads_back_whole(tmp_path):
 def test_a_part_changed_after_verification_is_refused(tmp_path):
     storage, _, _ = _checkpoint(tmp_path, count=2)
     manifest = verify_checkpoint(storage, "step-00000007")
-    part = tmp_path / "step-00000007" / "part-00001-of-00002.pt"
+    part = tmp_path / "step-00000007" / "part-00001-of-00002-a1.pt"
     part.write_bytes(part.read_bytes()[:-10])
-    with pytest.raises(CheckpointCorrupt, match="part-00001-of-00002.pt"):
+    with pytest.raises(CheckpointCorrupt, match="part-00001-of-00002-a1.pt"):
         load_state(storage, "step-00000007", manifest)

@@ -115,6 +115,8 @@ class TrainWorker:
         self.group: CommGroup | None = None
         self.abort_flag = threading.Event()
         self.aborted_through = 0  # the latest generation the driver aborted
+        self.generation = 0  # the generation this worker last joined
+        self._reducing_step = -1  # the step whose reduction last started (top-k stages its residuals)
         # Checkpoint files are written here while training goes on.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ringleader-checkpoint", initializer=_lowest_priority)
         self._writes: dict[str, Future[list[dict[str, Any]]]] = {}
@@ -175,6 +177,7 @@ class TrainWorker:
         if self.group is not None and self.chaos.kill_due("rejoin", self.next_step):
             kill_self(self._record_death)
         self.leave_group()
+        self.generation = generation
         if self.aborted_through < generation:
             self.abort_flag.clear()
         store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
@@ -188,7 +191,8 @@ class TrainWorker:
             timeout_s,
             "rendezvous",
         )
-        residuals = getattr(self.reducer_comm, "residuals", None) or self._restored_residuals
+        previous = self.reducer_comm
+        residuals = getattr(previous, "residuals", None) or self._restored_residuals
         self._restored_residuals = {}
         self.group = CommGroup(pg, rank, len(nodes), self.spec.collective_timeout_s, self.abort_flag)
         self.rank, self.world_size = rank, len(nodes)
@@ -207,6 +211,12 @@ class TrainWorker:
         started = time.perf_counter()
         step = torch.tensor([self.next_step], dtype=torch.int64, device=self.device)
         self.group.broadcast(step, root=0)
+        staged_for = self._reducing_step
+        if isinstance(previous, TopKAllReduce) and int(step.item()) == staged_for + 1 and self.next_step == staged_for:
+            # This rank was aborted in a step that completed elsewhere (a rank died in the
+            # all-gather after everyone's piece was out): its piece was counted, so its unsent
+            # remainder is the residual now.
+            previous.commit()
         if int(step.item()) != self.next_step:
             # Until the whole state has arrived this replica holds none: if the transfer breaks
             # off, the driver must not take it for a survivor with a good state.
@@ -235,9 +245,12 @@ class TrainWorker:
     def abort(self, generation: int) -> None:
         """Make every pending and future collective of ``generation`` and earlier ones fail at
         once, a rendezvous for them included (the driver calls this when it sees a peer die;
-        answered even while a step or a join is blocked)."""
+        answered even while a step or a join is blocked). An abort of an older generation than
+        the one this worker is in arrived late (the control group is not ordered with the
+        compute group) and is ignored."""
         self.aborted_through = max(self.aborted_through, generation)
-        self.abort_flag.set()
+        if generation >= self.generation:
+            self.abort_flag.set()
 
     @ray.method(concurrency_group="compute")
     def leave_group(self) -> None:
@@ -262,7 +275,11 @@ class TrainWorker:
         """
         if self.reducer is None or self.claims_store is None:
             raise RuntimeError("train_step called before join_group")
+        if step != self.next_step:
+            # Applying a step twice (or skipping one) would corrupt the replica silently.
+            raise RuntimeError(f"asked for step {step}, but this replica's next step is {self.next_step}")
         started = time.perf_counter()
+        self._reducing_step = step
         self._enter(step, "stall")
         stalled_s = self.chaos.stall(step)
         self._enter(step, "compute")
@@ -317,13 +334,13 @@ class TrainWorker:
         )
 
     @ray.method(concurrency_group="compute")
-    def snapshot(self, step: int, root: str, name: str, index: int, count: int) -> float:
+    def snapshot(self, step: int, root: str, name: str, tag: str, index: int, count: int) -> float:
         """Copy part ``index`` of ``count`` of the state after ``step`` steps to memory and start
-        writing it to checkpoint ``name`` under ``root`` in the background (see
-        ``checkpoint_written``). Queued between two steps, so it sees exactly the state after
+        writing it to checkpoint ``name`` under ``root`` as attempt ``tag`` in the background
+        (see ``checkpoint_written``). Queued between two steps, so it sees exactly the state after
         ``step`` steps; raises RuntimeError if this replica is not there (an aborted step).
         Returns the seconds training was held up (the copy)."""
-        written = self._write_future(name)
+        written = self._write_future(f"{name}/{tag}")
         try:
             if self.next_step != step:
                 raise RuntimeError(f"checkpoint {name} wants the state after step {step}, this replica is at {self.next_step}")
@@ -340,30 +357,35 @@ class TrainWorker:
         except BaseException as err:
             written.set_exception(err)
             raise
-        writing = self._writer.submit(self._write, CheckpointStorage(root), name, part, self.rank)
+        writing = self._writer.submit(self._write, CheckpointStorage(root), name, tag, part, self.rank)
         writing.add_done_callback(lambda done: _chain(done, written))
         return part.copy_s
 
-    def _write_future(self, name: str) -> Future[list[dict[str, Any]]]:
-        """The outcome of checkpoint ``name``'s write, shared by ``snapshot`` (which may run
-        after ``checkpoint_written`` started waiting: they are in different groups)."""
+    def _write_future(self, attempt: str) -> Future[list[dict[str, Any]]]:
+        """The outcome of one checkpoint attempt's write (``name/tag``), shared by ``snapshot``
+        (which may run after ``checkpoint_written`` started waiting: they are in different
+        groups)."""
         with self._writes_lock:
-            return self._writes.setdefault(name, Future())
+            return self._writes.setdefault(attempt, Future())
 
-    def _write(self, storage: CheckpointStorage, name: str, part: PartSnapshot, rank: int) -> list[dict[str, Any]]:
+    def _write(
+        self, storage: CheckpointStorage, name: str, tag: str, part: PartSnapshot, rank: int
+    ) -> list[dict[str, Any]]:
         if self.chaos.kill_due("checkpoint", part.step - 1):
             kill_self(self._record_death)  # mid-write: some parts may be on disk, no manifest
-        return write_snapshot(storage, name, rank, part)
+        return write_snapshot(storage, name, tag, rank, part)
 
     @ray.method(concurrency_group="io")
-    def checkpoint_written(self, name: str, timeout_s: float) -> list[dict[str, Any]]:
-        """Wait (up to ``timeout_s``) for checkpoint ``name``'s background write; returns the
-        files written (path, sha256, bytes) or raises the write's error or TimeoutError."""
+    def checkpoint_written(self, name: str, tag: str, timeout_s: float) -> list[dict[str, Any]]:
+        """Wait (up to ``timeout_s``) for attempt ``tag`` of checkpoint ``name`` to be written;
+        returns the files written (path, sha256, bytes) or raises the write's error or
+        TimeoutError."""
+        attempt = f"{name}/{tag}"
         try:
-            return self._write_future(name).result(timeout=timeout_s)
+            return self._write_future(attempt).result(timeout=timeout_s)
         finally:
             with self._writes_lock:
-                self._writes.pop(name, None)
+                self._writes.pop(attempt, None)
 
     @ray.method(concurrency_group="compute")
     def restore(self, root: str, name: str, manifest: dict[str, Any], rank: int, state: bool) -> None:

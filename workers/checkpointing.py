@@ -31,12 +31,14 @@ from workers.checkpoint_storage import CheckpointCorrupt, CheckpointStorage, Fil
 FORMAT = 1
 
 
-def part_file(index: int, count: int) -> str:
-    return f"part-{index:05d}-of-{count:05d}.pt"
+# File names carry the attempt (``tag``) that wrote them: a checkpoint of the same step taken
+# again (after an abandoned one whose writers may still be running) never writes over its files.
+def part_file(index: int, count: int, tag: str) -> str:
+    return f"part-{index:05d}-of-{count:05d}-{tag}.pt"
 
 
-def residual_file(rank: int) -> str:
-    return f"residuals-rank-{rank:05d}.pt"
+def residual_file(rank: int, tag: str) -> str:
+    return f"residuals-rank-{rank:05d}-{tag}.pt"
 
 
 def part_range(numel: int, index: int, count: int) -> tuple[int, int]:
@@ -88,9 +90,11 @@ def take_snapshot(
     )
 
 
-def write_snapshot(storage: CheckpointStorage, name: str, rank: int, snapshot: PartSnapshot) -> list[dict[str, Any]]:
-    """Write ``snapshot`` under checkpoint ``name``; returns the FileEntry (as dicts) of each
-    file written, for the manifest."""
+def write_snapshot(
+    storage: CheckpointStorage, name: str, tag: str, rank: int, snapshot: PartSnapshot
+) -> list[dict[str, Any]]:
+    """Write ``snapshot`` under checkpoint ``name`` as attempt ``tag``; returns the FileEntry
+    (as dicts) of each file written, for the manifest."""
     payload = {
         "format": FORMAT,
         "step": snapshot.step,
@@ -100,9 +104,9 @@ def write_snapshot(storage: CheckpointStorage, name: str, rank: int, snapshot: P
         "slices": snapshot.slices,
         "whole": snapshot.whole,
     }
-    files = [_save(storage, name, part_file(snapshot.index, snapshot.count), payload)]
+    files = [_save(storage, name, part_file(snapshot.index, snapshot.count, tag), payload)]
     if snapshot.residuals:
-        files.append(_save(storage, name, residual_file(rank), {"format": FORMAT, "residuals": snapshot.residuals}))
+        files.append(_save(storage, name, residual_file(rank, tag), {"format": FORMAT, "residuals": snapshot.residuals}))
     return [asdict(f) for f in files]
 
 
@@ -154,7 +158,8 @@ def load_state(
 
 def load_residuals(storage: CheckpointStorage, name: str, manifest: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s saved top-k residuals, or {} if it had none (or did not exist)."""
+    mine = residual_file(rank, "").removesuffix(".pt")
     for entry in manifest["files"]:
-        if entry["path"] == residual_file(rank):
+        if entry["path"].startswith(mine):
             return _load(storage, name, entry)["residuals"]
     return {}
