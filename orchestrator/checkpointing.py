@@ -178,10 +178,12 @@ class CheckpointCoordinator:
         )
         self.last_step = step
 
-    def poll(self, elapsed_s: float, wait_s: float = 0.0) -> None:
+    def poll(self, elapsed_s: float | None = None, wait_s: float = 0.0) -> None:
         """Finish the pending checkpoint if every part is written (waiting up to ``wait_s``):
-        manifest, prune, count. A part that failed abandons it."""
-        self.policy.observe_elapsed(elapsed_s)
+        manifest, prune, count. A part that failed abandons it. ``elapsed_s``, the training
+        seconds so far, feeds the interval policy's failure rate."""
+        if elapsed_s is not None:
+            self.policy.observe_elapsed(elapsed_s)
         pending = self.pending
         if pending is None:
             return
@@ -234,7 +236,7 @@ class CheckpointCoordinator:
             return  # already saved (e.g. a run resumed from its final checkpoint)
         self.abandon("superseded")
         self.start(group, step, meta, why, ranks)
-        self.poll(self.policy.state().get("elapsed_s") or 0.0, wait_s=self.job.timeouts.checkpoint_s)
+        self.poll(wait_s=self.job.timeouts.checkpoint_s)
 
     def abandon(self, reason: str) -> None:
         """Drop the pending checkpoint (its files, without a manifest, are pruned later)."""

@@ -233,7 +233,7 @@ class JobDriver:
             self.run.event("workers_ready", workers=info, startup_s=dict(self.startup_s))
             self.machine.to(JobState.RUNNING)
             self._train(group, store, num_steps)
-            self.checkpoints.poll(self.train_s, wait_s=self.job.timeouts.checkpoint_s)
+            self.checkpoints.poll(wait_s=self.job.timeouts.checkpoint_s)
             self.checkpoints.save_now(group, self.steps_done, self._policy_state(), "final")
             metrics = group.call_rank(0, "evaluate", job.timeouts.step_s)
             self.run.event("eval", step=self.steps_done, metrics=metrics)
@@ -275,7 +275,7 @@ class JobDriver:
         next_step = self.steps_done
         with tqdm(total=num_steps, initial=next_step, unit="step", disable=not self.progress, dynamic_ncols=True) as bar:
             while self.steps_done < num_steps:
-                self.checkpoints.poll(time.perf_counter() - started)
+                self.checkpoints.poll(elapsed_s=time.perf_counter() - started)
                 joining = self._ready_to_join(group)
                 pending = self._stragglers().pending_evictions
                 while next_step < num_steps and len(inflight) < STEPS_IN_FLIGHT and not pending and not joining:
@@ -381,7 +381,6 @@ class JobDriver:
         else:
             self.machine.to(JobState.RECOVERING, f"step {steps[0][0]} failed: {waited.errors}")
         alive, silent = self._settle(group, store, steps, frozenset(evicted))
-        alive = {w: r for w, r in alive.items() if w not in evicted}
         dead = sorted((waited.dead | set(silent)) - set(evicted))
         if not dead and not evicted:
             if waited.user_error is not None:
@@ -433,9 +432,9 @@ class JobDriver:
         leaving: frozenset[int] = frozenset(),
     ) -> tuple[dict[int, dict[str, Any]], list[int]]:
         """Abort every member's pending steps and wait until the survivors' (not ``leaving``
-        ones') have ended, so what each survivor applied can no longer change; returns their
-        progress reports and the workers that are dead or did not settle (those are killed
-        with the dead)."""
+        ones') have ended, so what each survivor applied can no longer change; returns the
+        survivors' progress reports and the workers that are dead or did not settle (those are
+        killed with the dead)."""
         pending = [r for _, refs in steps for r in refs]
         group.abort_all(store.generation, pending, PROBE_S)
         alive, silent = group.probe(PROBE_S)
@@ -446,7 +445,8 @@ class JobDriver:
         _, stuck = ray.wait(theirs, num_returns=len(theirs), timeout=self.job.timeouts.collective_s)
         stuck_workers = {w for _, refs in steps for w in alive if w not in leaving and refs[rank_of[w]] in stuck}
         alive, more = group.probe(PROBE_S)
-        return {w: r for w, r in alive.items() if w not in stuck_workers}, sorted(set(silent) | set(more) | stuck_workers)
+        staying = {w: r for w, r in alive.items() if w not in stuck_workers and w not in leaving}
+        return staying, sorted(set(silent) | set(more) | stuck_workers)
 
     def _reform(self, group: WorkerGroup, store: RendezvousStore, alive: dict[int, dict[str, Any]], recovery: Recovery) -> None:
         """Bring the group to ``min_workers`` or more (waiting, bounded, for replacements) and
@@ -515,7 +515,7 @@ class JobDriver:
 
     def _ready_to_join(self, group: WorkerGroup) -> bool:
         """Whether workers have loaded and there is room for them (checked at a boundary)."""
-        if group.size + len(group.joiners) + len(self._ready) < self.job.scaling.max_workers - group.retired:
+        if group.size + len(group.joiners) + len(self._ready) < group.capacity:
             self._fill(group)
         if group.joiners:
             self._ready += group.ready_joiners()
@@ -534,12 +534,12 @@ class JobDriver:
         started = time.time()
         try:
             transfer_s = group.form_group(store)
+            self._stragglers().set_workers(group.workers)
         except (ray.exceptions.RayError, WorkerGroupError) as err:
             alive, silent = self._after_failed_join(group, store, err)
             recovery = Recovery(self.steps_done, silent, {w: "died while the group grew" for w in silent}, started)
             self._reform(group, store, {w: r for w, r in alive.items() if w not in joined}, recovery)
             transfer_s = recovery.transfer_s
-        self._stragglers().set_workers(group.workers)
         self.run.event(
             "grow", at_step=self.steps_done, joined=joined, workers=group.workers,
             transfer_s=transfer_s, reform_s=time.time() - started - transfer_s,

@@ -136,6 +136,11 @@ class WorkerGroup:
         return [m.info for m in self.members]
 
     @property
+    def capacity(self) -> int:
+        """The most workers this group may have: ``scaling.max_workers`` less retired slots."""
+        return self.scaling.max_workers - self.retired
+
+    @property
     def workers(self) -> list[int]:
         """Worker ids in rank order."""
         return [m.info["worker"] for m in self.members]
@@ -264,7 +269,7 @@ class WorkerGroup:
         ones, reserving new ones as single-bundle placement groups), except slots whose bundle
         sits on a node in ``dead_nodes`` (Ray moves those bundles once it declares the node
         dead) or that failed less than RETRY_S ago. Returns how many actors were started."""
-        while len(self.slots) < self.scaling.max_workers - self.retired:
+        while len(self.slots) < self.capacity:
             placement = placement_group([self._bundle])
             self.placements.append(placement)
             self.slots.append(Slot(placement, 0))

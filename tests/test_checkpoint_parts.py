@@ -23,7 +23,7 @@ def _checkpoint(tmp_path, count: int):
     whole = {"optim/step": torch.tensor(7.0), "buffer/running_mean": torch.randn(4)}
     files = []
     for index in range(count):
-        residuals = {"0:1001": torch.full((1001,), float(index))}
+        residuals = {(0, 1001): torch.full((1001,), float(index))}
         part = take_snapshot(7, index, count, flat, whole, residuals)
         files += [FileEntry(**f) for f in write_snapshot(storage, "step-00000007", "a1", index, part)]
     write_manifest(storage, 7, files, {})
@@ -39,7 +39,7 @@ def test_a_checkpoint_written_in_parts_loads_back_whole(tmp_path):
         torch.testing.assert_close(got_flat[key], flat[key], rtol=0, atol=0)
     for key in whole:
         torch.testing.assert_close(got_whole[key], whole[key], rtol=0, atol=0)
-    assert torch.equal(load_residuals(storage, "step-00000007", manifest, 2)["0:1001"], torch.full((1001,), 2.0))
+    assert torch.equal(load_residuals(storage, "step-00000007", manifest, 2)[(0, 1001)], torch.full((1001,), 2.0))
     assert load_residuals(storage, "step-00000007", manifest, 5) == {}
 
 

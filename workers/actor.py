@@ -345,14 +345,10 @@ class TrainWorker:
             if self.next_step != step:
                 raise RuntimeError(f"checkpoint {name} wants the state after step {step}, this replica is at {self.next_step}")
             started = time.perf_counter()
-            whole = {"optim/step": self.optimizer.state_tensors()["step"], "rng/torch": torch.get_rng_state()}
-            whole.update({f"buffer/{k}": v for k, v in self.model.named_buffers()})
-            flat = {"params": self.flat.values}
-            flat.update({f"optim/{k}": v for k, v in self.optimizer.state_tensors().items() if k != "step"})
+            flat, whole = self._checkpointed_tensors()
+            whole["rng/torch"] = torch.get_rng_state()
             residuals = getattr(self.reducer_comm, "residuals", None) or {}
-            part = take_snapshot(
-                step, index, count, flat, whole, {f"{offset}:{length}": r for (offset, length), r in residuals.items()}
-            )
+            part = take_snapshot(step, index, count, flat, whole, residuals)
             part.copy_s = time.perf_counter() - started
         except BaseException as err:
             written.set_exception(err)
@@ -360,6 +356,14 @@ class TrainWorker:
         writing = self._writer.submit(self._write, CheckpointStorage(root), name, tag, part, self.rank)
         writing.add_done_callback(lambda done: _chain(done, written))
         return part.copy_s
+
+    def _checkpointed_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The training state a checkpoint holds, by name: the flat tensors (parameters and
+        optimizer state, all one length, written in slices) and the small whole ones."""
+        optimizer = self.optimizer.state_tensors()
+        flat = {"params": self.flat.values, **{f"optim/{k}": v for k, v in optimizer.items() if k != "step"}}
+        whole = {"optim/step": optimizer["step"], **{f"buffer/{k}": v for k, v in self.model.named_buffers()}}
+        return flat, whole
 
     def _write_future(self, attempt: str) -> Future[list[dict[str, Any]]]:
         """The outcome of one checkpoint attempt's write (``name/tag``), shared by ``snapshot``
@@ -395,16 +399,12 @@ class TrainWorker:
         changed since it was verified, ValueError if the checkpoint is for another model."""
         storage = CheckpointStorage(root)
         saved = load_residuals(storage, name, manifest, rank)
-        self._restored_residuals = {
-            (int(k.split(":")[0]), int(k.split(":")[1])): v.to(self.device) for k, v in saved.items()
-        }
+        self._restored_residuals = {key: v.to(self.device) for key, v in saved.items()}
         if not state:
             return
         flat, whole = load_state(storage, name, manifest)
-        targets = {"params": self.flat.values}
-        targets.update({f"optim/{k}": v for k, v in self.optimizer.state_tensors().items() if k != "step"})
-        targets["optim/step"] = self.optimizer.state_tensors()["step"]
-        targets.update({f"buffer/{k}": v for k, v in self.model.named_buffers()})
+        mine_flat, mine_whole = self._checkpointed_tensors()
+        targets = {**mine_flat, **mine_whole}
         loaded = {**flat, **{k: v for k, v in whole.items() if not k.startswith("rng/")}}
         if loaded.keys() != targets.keys() or any(loaded[k].shape != t.shape for k, t in targets.items()):
             raise ValueError(

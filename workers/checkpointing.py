@@ -64,16 +64,27 @@ class PartSnapshot:
     copy_s: float = 0.0
 
 
+# Top-k residuals are keyed by their bucket's (offset, length); files hold string keys only.
+def _residual_key(bucket: tuple[int, int]) -> str:
+    return f"{bucket[0]}:{bucket[1]}"
+
+
+def _residual_bucket(key: str) -> tuple[int, int]:
+    offset, length = key.split(":")
+    return int(offset), int(length)
+
+
 def take_snapshot(
     step: int,
     index: int,
     count: int,
     flat: dict[str, torch.Tensor],
     whole: dict[str, torch.Tensor],
-    residuals: dict[str, torch.Tensor],
+    residuals: dict[tuple[int, int], torch.Tensor],
 ) -> PartSnapshot:
     """Copy part ``index`` of ``count`` of the flat tensors (all of length ``numel``), and
-    ``whole`` if this is part 0, to the CPU. Training may change the originals right after."""
+    ``whole`` if this is part 0, and this worker's ``residuals`` (by bucket) to the CPU.
+    Training may change the originals right after."""
     numels = {t.numel() for t in flat.values()}
     if len(numels) != 1:
         raise ValueError(f"flat tensors differ in length: {sorted(numels)}")
@@ -86,7 +97,7 @@ def take_snapshot(
         numel=numel,
         slices={k: t[lo:hi].detach().to("cpu", copy=True) for k, t in flat.items()},
         whole={k: t.detach().to("cpu", copy=True) for k, t in whole.items()} if index == 0 else {},
-        residuals={k: t.detach().to("cpu", copy=True) for k, t in residuals.items()},
+        residuals={_residual_key(k): t.detach().to("cpu", copy=True) for k, t in residuals.items()},
     )
 
 
@@ -156,10 +167,12 @@ def load_state(
     return flat, whole
 
 
-def load_residuals(storage: CheckpointStorage, name: str, manifest: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s saved top-k residuals, or {} if it had none (or did not exist)."""
+def load_residuals(
+    storage: CheckpointStorage, name: str, manifest: dict[str, Any], rank: int
+) -> dict[tuple[int, int], torch.Tensor]:
+    """Rank ``rank``'s saved top-k residuals by bucket, or {} if it had none (or did not exist)."""
     mine = residual_file(rank, "").removesuffix(".pt")
     for entry in manifest["files"]:
         if entry["path"].startswith(mine):
-            return _load(storage, name, entry)["residuals"]
+            return {_residual_bucket(k): v for k, v in _load(storage, name, entry)["residuals"].items()}
     return {}
