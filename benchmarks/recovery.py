@@ -19,7 +19,7 @@ from tempfile import TemporaryDirectory
 from typing import Any, Callable
 
 from benchmarks.recovery_baseline import run_command, run_ray_train_recovery
-from benchmarks.throughput import BenchmarkError
+from benchmarks.throughput import BenchmarkError, read_run
 from benchmarks.workloads import workload_job
 from orchestrator.config import JobConfig
 
@@ -38,8 +38,7 @@ def _run_ours(job: JobConfig, workdir: Path) -> tuple[dict[str, Any], list[dict[
     run_dir = workdir / "run"
     command = [sys.executable, "-m", "orchestrator.cli", "run", str(job_file), "--run-dir", str(run_dir), "--no-progress"]
     wall_s = run_command(command, RUN_TIMEOUT_S, "ringleader run")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    summary, events = read_run(run_dir)
     if summary["status"] != "finished":
         raise BenchmarkError(f"ringleader run {summary['status']}: {summary.get('error')}")
     return summary, events, wall_s

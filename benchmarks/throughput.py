@@ -61,9 +61,14 @@ def _command_torchrun(job: JobConfig) -> Callable[[Path, Path], list[str]]:
     return command
 
 
-def _ringleader_result(run_dir: Path) -> dict[str, Any]:
+def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A finished ringleader run directory's summary and events."""
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    return json.loads((run_dir / "summary.json").read_text()), events
+
+
+def _ringleader_result(run_dir: Path) -> dict[str, Any]:
+    summary, events = read_run(run_dir)
     return {"step_ends": [e["time"] for e in events if e["event"] == "step"], "eval": summary["eval"]}
 
 

@@ -25,23 +25,21 @@ POLL_S = 0.01
 
 
 class ChaosError(RuntimeError):
-    """A chaos entry cannot be carried out (e.g. removing a node without local nodes)."""
+    """A chaos entry cannot be carried out (e.g. removing the head node)."""
 
 
 class ChaosControl:
     """Carries out ``chaos.kill`` (ray_kill, remove_node) and ``chaos.add_node``.
 
-    ``cluster`` is the local ``ray.cluster_utils.Cluster`` (``--local-nodes``), or None, and
-    ``node_cpus`` the CPUs of each of its nodes (added nodes get as many); ``event`` records what was done. ``killed_at`` maps worker id to its time of death
-    (``time.time()``) for kills the driver made or read back.
+    ``cluster`` is the local ``ray.cluster_utils.Cluster`` (``--local-nodes``), or None (then
+    ``run_job`` has refused node chaos), and ``node_cpus`` the CPUs of each of its nodes (added
+    nodes get as many); ``event`` records what was done. ``killed_at`` maps worker id to its
+    time of death (``time.time()``) for kills the driver made or read back.
     """
 
     def __init__(
         self, chaos: ChaosConfig, cluster: Cluster | None, node_cpus: float, event: Callable[..., None]
     ) -> None:
-        if chaos.needs_local_nodes and cluster is None:
-            raise ChaosError("chaos.kill with how: remove_node and chaos.add_node need --local-nodes N")
-        self.chaos = chaos
         self.cluster = cluster
         self.node_cpus = node_cpus
         self.event = event

@@ -24,31 +24,14 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a training job (the built-in example without JOB)")
     run.add_argument("job", nargs="?", help="job file (YAML); omit for the built-in digits example")
-    run.add_argument("--workers", type=int, help="number of workers (overrides scaling.workers)")
-    run.add_argument("--address", help="Ray cluster to join; default: start a local Ray")
-    run.add_argument(
-        "--local-nodes", type=int, default=0, metavar="N",
-        help="start N simulated Ray nodes on this machine (try node loss, hierarchical all-reduce)",
-    )
     run.add_argument("--run-dir", help="where events, telemetry, model and summary go")
-    run.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-        help="override a job field, e.g. --set steps=50 --set scaling.workers=3",
-    )
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_launch_options(run, "e.g. --set steps=50 --set scaling.workers=3")
 
     resume = commands.add_parser(
         "resume", help="go on with a run from its last good checkpoint (on any worker count)"
     )
     resume.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds job.json)")
-    resume.add_argument("--workers", type=int, help="number of workers (overrides scaling.workers)")
-    resume.add_argument("--address", help="Ray cluster to join; default: start a local Ray")
-    resume.add_argument("--local-nodes", type=int, default=0, metavar="N", help="as for run")
-    resume.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-        help="override a job field, e.g. --set steps=600 to train longer",
-    )
-    resume.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_launch_options(resume, "e.g. --set steps=600 to train longer")
 
     bench = commands.add_parser("bench", help="benchmarks (side by side, one run)")
     benches = bench.add_subparsers(dest="bench", required=True)
@@ -87,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     straggler.add_argument("--factor", type=float, default=3.0, help="how many times slower the last worker is")
     straggler.add_argument("--repeats", type=int, default=2)
     straggler.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
+
     recovery = benches.add_parser(
         "recovery", help="seconds and steps lost when a worker is SIGKILLed: ours vs Ray Train; checkpoint cost"
     )
@@ -99,6 +83,21 @@ def _parser() -> argparse.ArgumentParser:
     recovery.add_argument("--overhead-steps", type=int, default=200, help="steps of each checkpoint-overhead run")
     recovery.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
     return parser
+
+
+def _add_launch_options(command: argparse.ArgumentParser, set_example: str) -> None:
+    """The options ``run`` and ``resume`` share: where to run, how many workers, overrides."""
+    command.add_argument("--workers", type=int, help="number of workers (overrides scaling.workers)")
+    command.add_argument("--address", help="Ray cluster to join; default: start a local Ray")
+    command.add_argument(
+        "--local-nodes", type=int, default=0, metavar="N",
+        help="start N simulated Ray nodes on this machine (try node loss, hierarchical all-reduce)",
+    )
+    command.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+        help=f"override a job field, {set_example}",
+    )
+    command.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
