@@ -102,10 +102,10 @@ def _overlap_rank(
     rank: int, world: int, port: int, results: dict, job_json: str, rounds: int, steps: int
 ) -> None:
     from orchestrator.config import JobConfig
-    from orchestrator.driver import worker_spec
     from policies.assignment import ShardAssignment
     from policies.work_stealing import StepPlan
     from workers.actor import TrainWorker
+    from workers.protocol import JoinRequest
 
     torch.set_num_threads(1)
     job = JobConfig.model_validate_json(job_json)
@@ -114,12 +114,12 @@ def _overlap_rank(
     workers = {}
     for overlap in (True, False):
         variant = job.model_copy(update={"collective": job.collective.model_copy(update={"overlap": overlap})})
-        workers[overlap] = TrainWorker(worker_spec(variant))
+        workers[overlap] = TrainWorker(variant)
     generation = 0
     for round_ in range(rounds):
         for overlap, worker in workers.items():
             generation += 1
-            worker.join_group("127.0.0.1", port, f"gen{generation}/", generation, rank, ["node"] * world, 60.0)
+            worker.join_group(JoinRequest("127.0.0.1", port, f"gen{generation}/", generation, rank, ("node",) * world, 60.0))
             reports = [worker.train_step(worker.next_step, plan) for _ in range(steps)]
             worker.leave_group()
             if rank == 0:

@@ -18,7 +18,7 @@ import torch
 from orchestrator.config import JobConfig
 from policies.assignment import ShardAssignment
 from workers import factories
-from workers.chaos import ChaosSchedule, Slowdown
+from workers.chaos import ChaosSchedule
 from workers.sampler import ShardSampler
 from workers.training import evaluate_model, fetch_batch, per_sample_loss
 
@@ -69,10 +69,9 @@ def train_ddp(
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
     my_shards = ShardAssignment.balanced(job.shards, world).shards_by_rank[rank]
-    # The job's injected slowness, exactly as a ringleader worker injects it (rank = worker).
-    chaos = ChaosSchedule(
-        [Slowdown(c.factor, c.from_step, c.to_step) for c in job.chaos.slow if c.rank == rank], [], threading.Event()
-    )
+    # The job's injected slowness, exactly as a ringleader worker injects it (rank = worker id:
+    # DDP never re-forms its group). Only slow_down/record are used: stalls and kills are not.
+    chaos = ChaosSchedule.for_worker(job.chaos, rank, threading.Event())
     step_ends: list[float] = []
     for step in range(start_step, job.steps or 0):
         indices = np.concatenate([sampler.shard_indices(step, s) for s in my_shards])

@@ -46,7 +46,7 @@ def _run_ours(job: JobConfig, workdir: Path) -> tuple[dict[str, Any], list[dict[
 
 def ours_recovery(job: JobConfig, workdir: Path, kill_step: int, kill_rank: int, checkpoint_every: int) -> dict[str, Any]:
     """Our run of ``job`` with worker ``kill_rank`` SIGKILLed in step ``kill_step``."""
-    chaos = {**job.chaos.model_dump(mode="json"), "kill": [{"at_step": kill_step, "rank": kill_rank, "how": "sigkill"}]}
+    chaos = {**job.chaos.model_dump(mode="json"), "kill": [{"at_step": kill_step, "worker": kill_rank, "how": "sigkill"}]}
     checkpoint = {**job.checkpoint.model_dump(mode="json"), "every_steps": checkpoint_every}
     summary, events, wall_s = _run_ours(_with(job, chaos=chaos, checkpoint=checkpoint), workdir)
     recovered = [e for e in events if e["event"] == "recovered"]

@@ -25,7 +25,7 @@ VARIANTS = ("clean", "unmitigated", "mitigated", "ray_train", "clean_unmitigated
 
 def variant_job(base: JobConfig, variant: str, factor: float) -> tuple[str, JobConfig]:
     """(framework, job) for one variant; the last worker is the slow one."""
-    slow = [{"rank": base.scaling.workers - 1, "factor": factor}] if variant in ("unmitigated", "mitigated", "ray_train") else []
+    slow = [{"worker": base.scaling.workers - 1, "factor": factor}] if variant in ("unmitigated", "mitigated", "ray_train") else []
     mitigation = variant in ("clean", "mitigated")
     # Fit all workers on this machine: a CPU share each, at most one.
     cpus = min(1.0, (os.cpu_count() or 1) / base.scaling.workers)

@@ -13,8 +13,10 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from orchestrator.config import ChaosConfig, KillChaos
-from orchestrator.worker_group import RendezvousStore, WorkerGroup
+from orchestrator.group import WorkerGroup
+from orchestrator.rendezvous import RendezvousStore
 from workers.actor import death_key
+from workers.protocol import Phase
 
 if TYPE_CHECKING:
     from ray.cluster_utils import Cluster
@@ -62,7 +64,7 @@ class ChaosControl:
         """Strike the ``ray_kill``/``remove_node`` kills due in ``step``, once the victim is in it."""
         for kill in [k for k in self._kills if k.at_step == step]:
             self._kills.remove(kill)
-            victim = kill.rank
+            victim = kill.worker
             if victim is not None:
                 self._wait_until_in_step(group, victim, step)
             if kill.how == "ray_kill":
@@ -77,7 +79,7 @@ class ChaosControl:
         deadline = time.monotonic() + STRIKE_WAIT_S
         while time.monotonic() < deadline:
             report = group.progress(timeout_s=1.0).get(worker)
-            if report is None or report["step"] > step or (report["step"] == step and report["phase"] != "stall"):
+            if report is None or report.step > step or (report.step == step and report.phase is not Phase.STALL):
                 return
             time.sleep(POLL_S)
 
@@ -89,23 +91,23 @@ class ChaosControl:
                 raise ChaosError(f"chaos.kill: node {kill.node} does not exist (the cluster has {len(nodes)} nodes)")
             node = nodes[kill.node]
         else:
-            where = {info["worker"]: info["node_id"] for info in group.info}
-            if kill.rank not in where:
-                raise ChaosError(f"chaos.kill: worker {kill.rank} is not in the group at step {step}")
-            node = next(n for n in nodes if n.node_id == where[kill.rank])
+            where = {info.worker: info.node_id for info in group.info}
+            if kill.worker not in where:
+                raise ChaosError(f"chaos.kill: worker {kill.worker} is not in the group at step {step}")
+            node = next(n for n in nodes if n.node_id == where[kill.worker])
         if node.head:
             raise ChaosError("chaos.kill: the head node holds the driver and cannot be removed; name another node")
         # A machine that dies takes its processes with it. A simulated node's raylet dies at once
         # but its workers would linger for seconds, still answering: kill them first.
         now = time.time()
-        victims = [info for info in group.info if info["node_id"] == node.node_id]
+        victims = [info for info in group.info if info.node_id == node.node_id]
         for info in victims:
-            self.killed_at[info["worker"]] = now
-            _kill_pid(info["pid"])
+            self.killed_at[info.worker] = now
+            _kill_pid(info.pid)
         self.cluster.remove_node(node, allow_graceful=False)
         self.dead_nodes.add(node.node_id)
         self.event(
-            "chaos", action="remove_node", at_step=step, node=node.node_id, workers=[i["worker"] for i in victims]
+            "chaos", action="remove_node", at_step=step, node=node.node_id, workers=[i.worker for i in victims]
         )
 
     def death_time(self, store: RendezvousStore, worker: int) -> float | None:

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import ray
-
 from orchestrator.config import ConfigError, JobConfig
+from orchestrator.group import Call, CallFailed, WorkerGroup
 from orchestrator.run_dir import RunDirectory
 from policies.checkpoint_interval import CheckpointInterval
+from workers.protocol import SnapshotRequest
 from workers.checkpoint_storage import (
     MANIFEST,
     CheckpointStorage,
@@ -99,8 +99,8 @@ class PendingCheckpoint:
     name: str
     step: int
     started: float
-    copies: list[ray.ObjectRef]
-    writes: list[ray.ObjectRef]
+    copies: list[Call]
+    writes: list[Call]
     meta: dict[str, Any]
     why: str
 
@@ -135,6 +135,7 @@ class CheckpointCoordinator:
         self.last_step = 0
         self.attempts = 0  # checkpoints started by this run; tags their files
         self.pending: PendingCheckpoint | None = None
+        self.group: WorkerGroup | None = None  # the group the pending checkpoint was queued on
 
     def resumed(self, point: ResumePoint) -> None:
         self.last_step = point.step
@@ -151,20 +152,22 @@ class CheckpointCoordinator:
             and self.policy.due(step - self.last_step)
         )
 
-    def start(self, group: Any, step: int, meta: dict[str, Any], why: str = "periodic", ranks: int | None = None) -> None:
+    def start(self, group: WorkerGroup, step: int, meta: dict[str, Any], why: str = "periodic", ranks: int | None = None) -> None:
         """Queue the snapshot of the state after ``step`` steps on the first ``ranks`` members
         (all by default), each writing a slice; ``meta`` goes into the manifest."""
-        actors = group.actors[: ranks or group.size]
+        count = ranks or group.size
         name = checkpoint_name(step)
         self.attempts += 1
         tag = f"a{self.attempts}"
-        timeout_s = self.job.timeouts.checkpoint_s
+        requests = [SnapshotRequest(step, self.root, name, tag, index, count) for index in range(count)]
+        copies, writes = group.snapshot(requests, self.job.timeouts.checkpoint_s)
+        self.group = group
         self.pending = PendingCheckpoint(
             name=name,
             step=step,
             started=time.perf_counter(),
-            copies=[a.snapshot.remote(step, self.root, name, tag, i, len(actors)) for i, a in enumerate(actors)],
-            writes=[a.checkpoint_written.remote(name, tag, timeout_s) for a in actors],
+            copies=copies,
+            writes=writes,
             meta={
                 **meta,
                 # Shards are a function of (seed, step, shard): the next step is the whole cursor.
@@ -172,7 +175,7 @@ class CheckpointCoordinator:
                 "config_hash": config_hash(self.job),
                 "config": trajectory_config(self.job),
                 "policy": self.policy.state(),
-                "workers": len(actors),
+                "workers": count,
             },
             why=why,
         )
@@ -187,23 +190,26 @@ class CheckpointCoordinator:
         pending = self.pending
         if pending is None:
             return
-        refs = pending.copies + pending.writes
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
-        if len(ready) < len(refs):
-            copied, _ = ray.wait(pending.copies, num_returns=len(pending.copies), timeout=0)
+        group = self.group
+        assert group is not None, "a pending checkpoint has its group"
+        calls = pending.copies + pending.writes
+        _, waiting = group.wait(calls, len(calls), wait_s)
+        if waiting:
+            copied, _ = group.wait(pending.copies, len(pending.copies), 0.0)
             try:
-                ray.get(copied, timeout=0)
-            except ray.exceptions.RayError as err:
-                self.abandon(f"a snapshot failed: {type(err).__name__}: {err}")
+                for call in copied:
+                    group.result(call)
+            except CallFailed as err:
+                self.abandon(f"a snapshot failed: {err}")
                 return
             if time.perf_counter() - pending.started > self.job.timeouts.checkpoint_s:
                 self.abandon(f"not written within timeouts.checkpoint_s ({self.job.timeouts.checkpoint_s:.0f}s)")
             return
         try:
-            copy_s = max(ray.get(pending.copies, timeout=0))
-            files = [FileEntry(**f) for part in ray.get(pending.writes, timeout=0) for f in part]
-        except ray.exceptions.RayError as err:
-            self.abandon(f"a part failed: {type(err).__name__}: {err}")
+            copy_s = max(group.result(c) for c in pending.copies)
+            files: list[FileEntry] = [f for c in pending.writes for f in group.result(c)]
+        except CallFailed as err:
+            self.abandon(f"a part failed: {err}")
             return
         self.pending = None
         # Storage trouble (a full disk, a bucket error) must not end the training.
@@ -226,7 +232,7 @@ class CheckpointCoordinator:
         self.run.event("checkpoint", **vars(record), location=self.storage.location(pending.name), pruned=deleted)
 
     def save_now(
-        self, group: Any, step: int, meta: dict[str, Any], why: str, ranks: int | None = None, force: bool = False
+        self, group: WorkerGroup, step: int, meta: dict[str, Any], why: str, ranks: int | None = None, force: bool = False
     ) -> None:
         """A checkpoint of the state after ``step`` steps, waited for (the final one, or one
         before failing). Skipped when checkpoints are off, unless ``force``."""

@@ -6,8 +6,9 @@ The defaults of :class:`JobConfig` are the built-in example (the digits classifi
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -148,11 +149,43 @@ class CheckpointConfig(_Strict):
         return self.every_steps != 0
 
 
-class SlowChaos(_Strict):
-    """Worker ``rank`` (its rank at job start) computes ``factor`` times slower in steps
-    ``from_step`` up to, not including, ``to_step`` (null: to the end)."""
+class _WorkerChaos(_Strict):
+    """A chaos entry aimed at one worker by its ``worker`` id: its rank at job start (worker
+    ids never repeat, so a replacement is never hit by chaos meant for the worker it replaces).
 
-    rank: int = Field(ge=0)
+    The field used to be called ``rank``, which it is not once the group has re-formed; the old
+    name is still accepted, with a FutureWarning (users of the CLI see it).
+    """
+
+    #: The entry's list in ``chaos`` (``slow``, ``stall``, ``kill``), for messages.
+    _kind: ClassVar[str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rank_is_worker(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "rank" not in data:
+            return data
+        if "worker" in data:
+            raise ValueError(
+                f"chaos.{cls._kind}: set 'worker' only ('rank' is its deprecated old name), "
+                f"got both: worker {data['worker']!r}, rank {data['rank']!r}"
+            )
+        warnings.warn(
+            f"chaos.{cls._kind}: 'rank' is deprecated, use 'worker' (the worker id: its rank at job start)",
+            FutureWarning,  # not DeprecationWarning: that one is hidden from the CLI's users
+        )
+        moved = {key: value for key, value in data.items() if key != "rank"}
+        moved["worker"] = data["rank"]
+        return moved
+
+
+class SlowChaos(_WorkerChaos):
+    """Worker ``worker`` (the worker id: its rank at job start) computes ``factor`` times
+    slower in steps ``from_step`` up to, not including, ``to_step`` (null: to the end)."""
+
+    _kind = "slow"
+
+    worker: int = Field(ge=0, description="the worker id: its rank at job start")
     factor: float = Field(gt=1)
     from_step: int = Field(0, ge=0)
     to_step: int | None = Field(None, ge=1)
@@ -164,18 +197,25 @@ class SlowChaos(_Strict):
         return self
 
 
-class StallChaos(_Strict):
-    """Worker ``rank`` stops for ``seconds`` at the start of step ``at_step``."""
+class StallChaos(_WorkerChaos):
+    """Worker ``worker`` (the worker id: its rank at job start) stops for ``seconds`` at the
+    start of step ``at_step``."""
 
-    rank: int = Field(ge=0)
+    _kind = "stall"
+
+    worker: int = Field(ge=0, description="the worker id: its rank at job start")
     at_step: int = Field(ge=0)
     seconds: float = Field(gt=0)
 
 
-class KillChaos(_Strict):
-    """Kill a worker at step ``at_step``: worker ``rank`` (its rank at job start), or for
-    ``remove_node`` the simulated node ``node`` (1..N-1 of ``--local-nodes N``; 0 is the head,
-    which holds the driver) or the node that runs ``rank``.
+#: Where a worker can SIGKILL itself (``KillChaos.during``).
+KillPoint = Literal["step", "checkpoint", "rejoin"]
+
+
+class KillChaos(_WorkerChaos):
+    """Kill a worker at step ``at_step``: worker ``worker`` (the worker id: its rank at job
+    start), or for ``remove_node`` the simulated node ``node`` (1..N-1 of ``--local-nodes N``;
+    0 is the head, which holds the driver) or the node that runs ``worker``.
 
     ``how``: ``sigkill`` (the worker SIGKILLs itself, like a crash or the OOM killer),
     ``ray_kill`` (the driver calls ``ray.kill`` while the step runs) or ``remove_node`` (the
@@ -185,16 +225,18 @@ class KillChaos(_Strict):
     group at or after ``at_step`` (``rejoin``: a failure during recovery).
     """
 
+    _kind = "kill"
+
     at_step: int = Field(ge=0)
-    rank: int | None = Field(None, ge=0)
+    worker: int | None = Field(None, ge=0, description="the worker id: its rank at job start")
     node: int | None = Field(None, ge=1)
     how: Literal["sigkill", "ray_kill", "remove_node"] = "sigkill"
-    during: Literal["step", "checkpoint", "rejoin"] = "step"
+    during: KillPoint = "step"
 
     @model_validator(mode="after")
     def _target(self) -> "KillChaos":
-        if (self.rank is None) == (self.node is None):
-            raise ValueError("set exactly one of 'rank' and 'node'")
+        if (self.worker is None) == (self.node is None):
+            raise ValueError("set exactly one of 'worker' and 'node'")
         if self.node is not None and self.how != "remove_node":
             raise ValueError(f"'node' needs how: remove_node (got how: {self.how})")
         if self.during != "step" and self.how != "sigkill":
@@ -214,7 +256,8 @@ class ChaosConfig(_Strict):
 
     ``shuffle_shards``: deal each step's shards to workers at random (seeded, uneven counts,
     some workers may get none) instead of by the rebalancer; the result must not change.
-    ``slow``/``stall``: make a worker really compute slower, or stop, in given steps.
+    ``slow``/``stall``: make a worker (by its worker id) really compute slower, or stop, in
+    given steps.
     ``kill``/``add_node``: worker and node failures, and nodes joining (see KillChaos).
     """
 
@@ -317,9 +360,9 @@ class JobConfig(_Strict):
             )
         for kind in ("slow", "stall", "kill"):
             for index, entry in enumerate(getattr(self.chaos, kind)):
-                if entry.rank is not None and entry.rank >= self.scaling.max_workers:
+                if entry.worker is not None and entry.worker >= self.scaling.max_workers:
                     raise ValueError(
-                        f"chaos.{kind}.{index}.rank: {entry.rank} is not a worker "
+                        f"chaos.{kind}.{index}.worker: {entry.worker} is not a worker "
                         f"(the job has at most {self.scaling.max_workers})"
                     )
         if self.shards < self.scaling.max_workers:

@@ -13,14 +13,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from orchestrator.config import ConfigError, JobConfig, resolve_job
 from orchestrator.run_dir import RunDirectory
 
 if TYPE_CHECKING:
-    from orchestrator.driver import JobResult
+    from orchestrator.controller import JobResult
 
 # Imports cannot hang, but a wedged file system could; never wait forever.
 PRELOAD_TIMEOUT_S = 300.0
@@ -96,14 +95,14 @@ def default_run_dir(job: JobConfig) -> Path:
     return Path("runs") / f"{job.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def _preload(job: JobConfig, source: str) -> ModuleType:
-    """Import torch, the user's factories and the driver; raises ConfigError for bad factories."""
+def _preload(job: JobConfig, source: str) -> None:
+    """Import torch, the user's factories and the driver's modules; raises ConfigError for bad
+    factories."""
     import torch  # noqa: F401 - the bulk of the work, first, before anything waits on it
 
     resolve_job(job, source)
-    import orchestrator.driver
-
-    return orchestrator.driver
+    import orchestrator.controller  # noqa: F401
+    import orchestrator.worker_group  # noqa: F401
 
 
 def run_job(
@@ -144,17 +143,23 @@ def run_job(
         preload = pool.submit(_preload, job, source)
         with ray_session(address, local_nodes) as cluster:
             ray_ready = time.perf_counter() - launched
-            driver = preload.result(timeout=PRELOAD_TIMEOUT_S)
+            preload.result(timeout=PRELOAD_TIMEOUT_S)
+            from orchestrator.chaos_control import ChaosControl
+            from orchestrator.controller import JobController
+            from orchestrator.worker_group import RayWorkerGroup, driver_store
+
             run = RunDirectory(path, resume=resuming)
             run.save_job(job.model_dump(mode="json", exclude_unset=True))
-            job_driver = driver.JobDriver(
+            node_cpus = local_node_cpus(local_nodes) if local_nodes else 0
+            controller = JobController(
                 job,
                 run,
-                progress=progress,
+                RayWorkerGroup(job),
+                driver_store(job.timeouts.rendezvous_s),
+                chaos=ChaosControl(job.chaos, cluster, node_cpus, run.event),
                 launched=launched,
-                cluster=cluster,
-                node_cpus=local_node_cpus(local_nodes) if local_nodes else 0,
+                progress=progress,
                 resume=resume,
             )
-            job_driver.mark("ray_ready", ray_ready)
-            return job_driver.execute()
+            controller.mark("ray_ready", ray_ready)
+            return controller.execute()

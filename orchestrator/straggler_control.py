@@ -12,7 +12,7 @@ from policies.eviction import Evict, slow_workers
 from policies.rebalance import Rebalancer
 from policies.straggler import StragglerDetector, WorkerStep
 from policies.work_stealing import StepPlan
-from workers.telemetry import StepTelemetry
+from workers.protocol import StepTelemetry
 
 EventSink = Callable[..., None]
 

@@ -1,14 +1,13 @@
-"""Worker actors in a placement group, and the driver-hosted rendezvous store they meet at."""
+"""The Ray implementation of the worker group (``orchestrator/group.py``): worker actors in
+placement-group bundles, driven through Ray calls whose failures are classified here."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any
+from typing import Any, Sequence
 
 import ray
-import torch.distributed as dist
 from ray.util.placement_group import (
     PlacementGroup,
     placement_group,
@@ -17,45 +16,32 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator.config import ScalingConfig, TimeoutConfig
+from orchestrator.config import JobConfig, ScalingConfig
+from orchestrator.group import Call, CallFailed, FailureKind, WorkerGroupError
+from orchestrator.rendezvous import RendezvousStore
 from policies.work_stealing import StepPlan
-from workers.actor import TrainWorker, WorkerSpec
+from workers.actor import TrainWorker
+from workers.comm_group import CollectiveAborted, CollectiveTimeout
+from workers.protocol import JoinRequest, Progress, SnapshotRequest, WorkerInfo
 
 RemoteTrainWorker = ray.remote(concurrency_groups={"compute": 1, "control": 1, "io": 1})(TrainWorker)
 
 
-class WorkerGroupError(RuntimeError):
-    """Workers could not be placed, started or did not answer in time."""
+def driver_store(timeout_s: float) -> RendezvousStore:
+    """The job's rendezvous store, on this (the driver's) Ray node's address."""
+    return RendezvousStore(ray.util.get_node_ip_address(), timeout_s)
 
 
-class RendezvousStore:
-    """A TCPStore in the driver process, so no worker is a single point of failure.
-
-    Each process group formed through it uses a fresh key prefix (its generation).
-    """
-
-    #: The current generation's view of the store, where shard claims live (set by next_prefix).
-    claims: dist.Store
-
-    def __init__(self, timeout_s: float) -> None:
-        self.host = ray.util.get_node_ip_address()
-        self._store = dist.TCPStore(
-            self.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-        )
-        self.port = self._store.port
-        self.generation = 0
-
-    def read(self, key: str) -> str | None:
-        """The value at ``key`` (outside any generation), or None if it is not set; no wait."""
-        if not self._store.check([key]):
-            return None
-        return self._store.get(key).decode()
-
-    def next_prefix(self) -> str:
-        self.generation += 1
-        prefix = f"gen{self.generation}/"
-        self.claims = dist.PrefixStore(prefix, self._store)
-        return prefix
+def failure_of(worker: int, err: BaseException) -> CallFailed:
+    """Classify a Ray call's error: the actor died, a collective failed on a lost peer, or the
+    call raised an error of its own."""
+    cause = getattr(err, "cause", None) or err
+    reason = f"{type(cause).__name__}: {cause}".strip()
+    if isinstance(err, ray.exceptions.RayActorError):
+        return CallFailed(worker, FailureKind.DIED, reason)
+    if isinstance(cause, (CollectiveAborted, CollectiveTimeout)):
+        return CallFailed(worker, FailureKind.PEER_LOST, reason)
+    return CallFailed(worker, FailureKind.ERROR, reason)
 
 
 def actor_options(scaling: ScalingConfig) -> dict[str, Any]:
@@ -83,7 +69,7 @@ class Slot:
 @dataclass
 class Member:
     actor: Any
-    info: dict[str, Any]  # the actor's describe()
+    info: WorkerInfo
     slot: Slot
 
 
@@ -97,7 +83,7 @@ class Joiner:
     ready: ray.ObjectRef  # its describe()
 
 
-class WorkerGroup:
+class RayWorkerGroup:
     """Starts, drives, grows and tears down the worker actors of one job.
 
     Workers live in slots (placement-group bundles). A slot freed by a death gets a replacement
@@ -110,10 +96,10 @@ class WorkerGroup:
     #: After a replacement failed to start in a slot, wait this long before trying it again.
     RETRY_S = 5.0
 
-    def __init__(self, spec: WorkerSpec, scaling: ScalingConfig, timeouts: TimeoutConfig) -> None:
-        self.spec = spec
-        self.scaling = scaling
-        self.timeouts = timeouts
+    def __init__(self, job: JobConfig) -> None:
+        self.job = job
+        self.scaling = job.scaling
+        self.timeouts = job.timeouts
         self.members: list[Member] = []
         self.joiners: list[Joiner] = []
         self.placements: list[PlacementGroup] = []
@@ -121,7 +107,7 @@ class WorkerGroup:
         self._retry_at: dict[Slot, float] = {}
         self.retired = 0  # slots given up with evicted workers
         self._next_worker = 0
-        self._bundle = {k: v for k, v in scaling.resources_per_worker.items() if v > 0}
+        self._bundle = {k: v for k, v in self.scaling.resources_per_worker.items() if v > 0}
 
     @property
     def size(self) -> int:
@@ -132,8 +118,12 @@ class WorkerGroup:
         return [m.actor for m in self.members]
 
     @property
-    def info(self) -> list[dict[str, Any]]:
+    def info(self) -> list[WorkerInfo]:
         return [m.info for m in self.members]
+
+    @property
+    def loading(self) -> int:
+        return len(self.joiners)
 
     @property
     def capacity(self) -> int:
@@ -143,9 +133,9 @@ class WorkerGroup:
     @property
     def workers(self) -> list[int]:
         """Worker ids in rank order."""
-        return [m.info["worker"] for m in self.members]
+        return [m.info.worker for m in self.members]
 
-    def start(self, count: int) -> list[dict[str, Any]]:
+    def start(self, count: int) -> list[WorkerInfo]:
         """Reserve ``count`` bundles, start one actor in each, wait until all have loaded.
 
         Actors are created at once and wait in Ray for their bundles, so reserving resources
@@ -168,6 +158,8 @@ class WorkerGroup:
                     "scaling.resources_per_worker"
                 ) from None
             raise WorkerGroupError(f"workers did not finish 'start' within {self.timeouts.start_s:.0f}s") from None
+        except ray.exceptions.RayError as err:
+            raise WorkerGroupError(f"a worker failed to start: {failure_of(-1, err).reason}") from None
         self.members = [Member(actor, info, slot) for (actor, _), info, slot in zip(actors, infos, slots)]
         return self.info
 
@@ -177,40 +169,52 @@ class WorkerGroup:
         actor = RemoteTrainWorker.options(
             **actor_options(self.scaling),
             scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement, placement_group_bundle_index=slot.index),
-        ).remote(self.spec, worker)
+        ).remote(self.job, worker)
         return actor, worker
 
     def form_group(self, store: RendezvousStore) -> float:
         """All members join one torch.distributed group through the driver's store (a new
         generation) and take rank 0's training state. Returns the state transfer's seconds (the
-        slowest rank's). Raises WorkerGroupError on a timeout and RayActorError if a member
-        died meanwhile."""
+        slowest rank's). Raises WorkerGroupError on a timeout and CallFailed if a member
+        failed (died) meanwhile."""
         prefix = store.next_prefix()
-        nodes = [info["node_id"] for info in self.info]  # topology for the hierarchical all-reduce
-        joined = self._gather(
-            [
-                actor.join_group.remote(
-                    store.host, store.port, prefix, store.generation, rank, nodes, self.timeouts.rendezvous_s
-                )
-                for rank, actor in enumerate(self.actors)
-            ],
-            self.timeouts.rendezvous_s,
-            "rendezvous",
-        )
-        return max(j["transfer_s"] for j in joined)
+        nodes = tuple(info.node_id for info in self.info)  # topology for the hierarchical all-reduce
+        requests = [
+            JoinRequest(store.host, store.port, prefix, store.generation, rank, nodes, self.timeouts.rendezvous_s)
+            for rank in range(self.size)
+        ]
+        calls = [Call(m.info.worker, m.actor.join_group.remote(r)) for m, r in zip(self.members, requests)]
+        joined = self._gather(calls, self.timeouts.rendezvous_s, "rendezvous")
+        return max(j.transfer_s for j in joined)
 
-    def submit_step(self, step: int, plan: StepPlan) -> list[ray.ObjectRef]:
+    def submit_step(self, step: int, plan: StepPlan) -> list[Call]:
         if len(plan.shards_by_rank) != self.size:
             raise ValueError(f"plan is for {len(plan.shards_by_rank)} ranks, group has {self.size}")
         # By value: a small plan inlined in the task beats a ray.put the workers must fetch.
-        return [actor.train_step.remote(step, plan) for actor in self.actors]
+        return [Call(m.info.worker, m.actor.train_step.remote(step, plan)) for m in self.members]
 
-    def progress(self, timeout_s: float) -> dict[int, dict[str, Any] | None]:
+    def wait(self, calls: Sequence[Call], num_returns: int, timeout_s: float) -> tuple[list[Call], list[Call]]:
+        if not calls:
+            return [], []
+        refs = [c.handle for c in calls]
+        ready, _ = ray.wait(refs, num_returns=min(num_returns, len(refs)), timeout=max(0.0, timeout_s))
+        ended = set(ready)
+        return [c for c in calls if c.handle in ended], [c for c in calls if c.handle not in ended]
+
+    def result(self, call: Call) -> Any:
+        try:
+            return ray.get(call.handle, timeout=0)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"the call into worker {call.worker} has not ended") from None
+        except ray.exceptions.RayError as err:
+            raise failure_of(call.worker, err) from None
+
+    def progress(self, timeout_s: float) -> dict[int, Progress | None]:
         """Each member's ``progress()`` by worker id; None for one that did not answer in time
         or is dead."""
-        refs = {m.info["worker"]: m.actor.progress.remote() for m in self.members}
+        refs = {m.info.worker: m.actor.progress.remote() for m in self.members}
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-        out: dict[int, dict[str, Any] | None] = {}
+        out: dict[int, Progress | None] = {}
         for worker, ref in refs.items():
             try:
                 out[worker] = ray.get(ref, timeout=0)
@@ -218,11 +222,11 @@ class WorkerGroup:
                 out[worker] = None
         return out
 
-    def probe(self, timeout_s: float) -> tuple[dict[int, dict[str, Any]], list[int]]:
+    def probe(self, timeout_s: float) -> tuple[dict[int, Progress], list[int]]:
         """Which members are alive: their ``progress()`` by worker id, and the ids of those that
         are dead or did not answer within ``timeout_s`` (the control group answers even while a
         step is blocked, so silence means a dead process or node Ray has not noticed yet)."""
-        alive: dict[int, dict[str, Any]] = {}
+        alive: dict[int, Progress] = {}
         dead: list[int] = []
         for worker, report in self.progress(timeout_s).items():
             if report is None:
@@ -231,19 +235,19 @@ class WorkerGroup:
                 alive[worker] = report
         return alive, dead
 
-    def abort_all(self, generation: int, pending: list[ray.ObjectRef], timeout_s: float) -> None:
+    def abort_all(self, generation: int, pending: Sequence[Call], timeout_s: float) -> None:
         """Raise every member's abort flag for ``generation`` and earlier and wait (bounded)
         until ``pending`` calls end; they end in errors, which are expected and dropped."""
-        aborts = [actor.abort.remote(generation) for actor in self.actors]
-        ray.wait(aborts + pending, num_returns=len(aborts) + len(pending), timeout=timeout_s)
+        refs = [actor.abort.remote(generation) for actor in self.actors] + [c.handle for c in pending]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
-    def remove(self, workers: list[int], retire: bool = False) -> None:
+    def remove(self, workers: Sequence[int], retire: bool = False) -> None:
         """Kill the actors of these worker ids and drop them from the group (ranks close up).
         Their slots are free for replacements, unless ``retire``: an evicted worker's slot is
         given up (a replacement there would likely be as slow), one slot fewer is reserved, and
         a single-bundle placement group is released."""
         for member in self.members:
-            if member.info["worker"] in workers:
+            if member.info.worker in workers:
                 ray.kill(member.actor, no_restart=True)
                 if retire:
                     self.slots.remove(member.slot)
@@ -252,17 +256,17 @@ class WorkerGroup:
                     if len(placement.bundle_specs) == 1:  # its own group: give the resources back
                         remove_placement_group(placement)
                         self.placements.remove(placement)
-        self.members = [m for m in self.members if m.info["worker"] not in workers]
+        self.members = [m for m in self.members if m.info.worker not in workers]
 
     def kill(self, worker: int) -> None:
         """``ray.kill`` one member, leaving it in the group (chaos: the driver must notice)."""
         for member in self.members:
-            if member.info["worker"] == worker:
+            if member.info.worker == worker:
                 ray.kill(member.actor, no_restart=True)
 
     def lead_with(self, worker: int) -> None:
         """Make ``worker`` rank 0 of the next generation (the state every rank takes)."""
-        self.members.sort(key=lambda m: m.info["worker"] != worker)
+        self.members.sort(key=lambda m: m.info.worker != worker)
 
     def fill_slots(self, dead_nodes: set[str]) -> int:
         """Start an actor in every free slot (up to ``scaling.max_workers`` slots less retired
@@ -302,7 +306,7 @@ class WorkerGroup:
                 self._retry_at[joiner.slot] = time.monotonic() + self.RETRY_S
         return out
 
-    def admit(self, members: list[Member]) -> None:
+    def admit(self, members: Sequence[Member]) -> None:
         """Add ready joiners at the end of the rank order (they join at the next form_group)."""
         self.members.extend(members)
 
@@ -310,31 +314,37 @@ class WorkerGroup:
         """Load checkpoint ``name``: rank 0 the training state (the others take it from rank 0
         when the group forms), every rank its saved top-k residuals."""
         self._gather(
-            [a.restore.remote(root, name, manifest, rank, rank == 0) for rank, a in enumerate(self.actors)],
+            [Call(m.info.worker, m.actor.restore.remote(root, name, manifest, rank, rank == 0)) for rank, m in enumerate(self.members)],
             self.timeouts.checkpoint_s,
             "restore",
         )
 
-    def call_rank(self, rank: int, method: str, timeout_s: float, *args: Any) -> Any:
-        return self._get(getattr(self.actors[rank], method).remote(*args), timeout_s, method)
+    def snapshot(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> tuple[list[Call], list[Call]]:
+        members = self.members[: len(requests)]
+        copies = [Call(m.info.worker, m.actor.snapshot.remote(r)) for m, r in zip(members, requests)]
+        writes = [Call(m.info.worker, m.actor.checkpoint_written.remote(r.name, r.tag, timeout_s)) for m, r in zip(members, requests)]
+        return copies, writes
 
-    def _gather(self, refs: list[ray.ObjectRef], timeout_s: float, what: str) -> list[Any]:
-        """Results of ``refs`` in order, raising the first error as soon as any call fails (not
-        after the others, which may be blocked waiting for the failed one)."""
+    def evaluate(self, timeout_s: float) -> dict[str, float]:
+        """Rank 0's evaluation metrics ({} without an eval dataset)."""
+        return self._gather([Call(self.workers[0], self.actors[0].evaluate.remote())], timeout_s, "evaluate")[0]
+
+    def model_state(self, timeout_s: float) -> dict[str, Any]:
+        """Rank 0's parameters and buffers, on the CPU."""
+        return self._gather([Call(self.workers[0], self.actors[0].model_state.remote())], timeout_s, "model_state")[0]
+
+    def _gather(self, calls: list[Call], timeout_s: float, what: str) -> list[Any]:
+        """Results of ``calls`` in order, raising the first CallFailed as soon as any call fails
+        (not after the others, which may be blocked waiting for the failed one), and
+        WorkerGroupError after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        pending = list(refs)
+        pending = list(calls)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
+            ended, pending = self.wait(pending, 1, deadline - time.monotonic())
+            if not ended:
                 raise WorkerGroupError(f"workers did not finish '{what}' within {timeout_s:.0f}s")
-            ray.get(ready[0], timeout=0)  # raises the call's error
-        return ray.get(refs, timeout=0)
-
-    def _get(self, refs: Any, timeout_s: float, what: str) -> Any:
-        try:
-            return ray.get(refs, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise WorkerGroupError(f"workers did not finish '{what}' within {timeout_s:.0f}s") from None
+            self.result(ended[0])  # raises the call's error
+        return [self.result(c) for c in calls]
 
     def shutdown(self) -> None:
         """Kill every actor and release the placement groups. Safe to call twice."""

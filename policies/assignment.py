@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from policies.split import even_counts
+
 
 @dataclass(frozen=True)
 class ShardAssignment:
@@ -33,8 +35,9 @@ class ShardAssignment:
 
     @classmethod
     def balanced(cls, num_shards: int, world_size: int) -> "ShardAssignment":
-        """Contiguous blocks whose sizes differ by at most one (lower ranks take the extra)."""
-        return cls.from_counts(_even_counts(num_shards, world_size))
+        """Contiguous blocks whose sizes differ by at most one (lower ranks take the extra).
+        Raises ValueError if ``world_size < 1``."""
+        return cls.from_counts(even_counts(num_shards, world_size))
 
     @classmethod
     def from_counts(cls, counts: list[int]) -> "ShardAssignment":
@@ -62,9 +65,3 @@ class ShardAssignment:
             blocks[owner].append(shard)
         return cls(tuple(tuple(b) for b in blocks))
 
-
-def _even_counts(total: int, parts: int) -> list[int]:
-    if parts <= 0:
-        raise ValueError(f"need at least one rank, got {parts}")
-    size, extra = divmod(total, parts)
-    return [size + (1 if r < extra else 0) for r in range(parts)]

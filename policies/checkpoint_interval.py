@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from policies.ewma import ewma
+
 # Used in auto mode until both a step time and a checkpoint cost have been measured. The first
 # checkpoint is what measures the cost, so this only sets when that first one happens.
 DEFAULT_STEPS = 100
@@ -67,12 +69,12 @@ class CheckpointInterval:
     def observe_step(self, step_s: float) -> None:
         """Record one training step's duration in seconds (> 0)."""
         _check_seconds("step_s", step_s, positive=True)
-        self._step_s = _ewma(self._step_s, float(step_s), STEP_ALPHA)
+        self._step_s = ewma(self._step_s, float(step_s), STEP_ALPHA)
 
     def observe_checkpoint(self, cost_s: float) -> None:
         """Record how long one checkpoint held training up, in seconds (>= 0)."""
         _check_seconds("cost_s", cost_s)
-        self._cost_s = _ewma(self._cost_s, float(cost_s), COST_ALPHA)
+        self._cost_s = ewma(self._cost_s, float(cost_s), COST_ALPHA)
 
     def observe_failure(self) -> None:
         """Record one failure that cost the job its progress since the last checkpoint."""
@@ -148,11 +150,6 @@ class CheckpointInterval:
         self._cost_s = None if cost_s is None else float(cost_s)
         self._failures = state["failures"]
         self._elapsed_s = float(state["elapsed_s"])
-
-
-def _ewma(current: float | None, sample: float, alpha: float) -> float:
-    # The first sample stands alone: averaging it with an arbitrary start would bias early decisions.
-    return sample if current is None else alpha * sample + (1.0 - alpha) * current
 
 
 def _clamp(value: float, low: int, high: int) -> float:

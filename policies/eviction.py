@@ -12,8 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-# Phases a worker reports while a step runs (see the worker's ``progress``).
-WAITING = ("idle", "reduce", "done")
+from workers.protocol import Progress
 
 
 @dataclass(frozen=True)
@@ -25,23 +24,22 @@ class Evict:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
-def silent_workers(step: int, progress: dict[int, dict[str, Any] | None], silent_s: float) -> list[Evict]:
+def silent_workers(step: int, progress: dict[int, Progress | None], silent_s: float) -> list[Evict]:
     """Workers holding up ``step``, which has run longer than ``silent_s``.
 
-    ``progress[w]`` is worker w's report (``step``, ``phase``, ``since_s``) or None if it did not
-    answer. A worker is holding the step up when it has not reached the all-reduce of ``step``
+    ``progress[w]`` is worker w's report or None if it did not answer. A worker is holding the step up when it has not reached the all-reduce of ``step``
     (still stalled or computing it, or an earlier step, or not answering) while at least one
     other worker is waiting there. If nobody is waiting, the whole step is slow, not one worker:
     nobody is evicted.
     """
 
-    def waiting(report: dict[str, Any] | None) -> bool:
-        return report is not None and (report["step"] > step or (report["step"] == step and report["phase"] in WAITING))
+    def waiting(report: Progress | None) -> bool:
+        return report is not None and report.waiting_in(step)
 
     if not any(waiting(r) for r in progress.values()):
         return []
     return [
-        Evict(worker, "silent", {"step": step, "progress": report, "silent_s": silent_s})
+        Evict(worker, "silent", {"step": step, "progress": report and report.to_json(), "silent_s": silent_s})
         for worker, report in sorted(progress.items())
         if not waiting(report)
     ]

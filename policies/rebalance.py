@@ -13,6 +13,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from policies.ewma import ewma
+
 
 @dataclass(frozen=True)
 class Rebalance:
@@ -96,8 +98,7 @@ class Rebalancer:
         """Update each worker's estimate (workers without a measurement keep theirs) and decide."""
         for worker, seconds in shard_s.items():
             if seconds > 0 and worker in self.counts:
-                old = self._shard_s.get(worker)
-                self._shard_s[worker] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+                self._shard_s[worker] = ewma(self._shard_s.get(worker), seconds, self.alpha)
         self._seen += 1
         if self._seen < self.warmup or any(w not in self._shard_s for w in self.counts):
             return None

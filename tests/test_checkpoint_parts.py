@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.checkpoint_storage import CheckpointCorrupt, CheckpointStorage, FileEntry, verify_checkpoint, write_manifest
+from workers.checkpoint_storage import CheckpointCorrupt, CheckpointStorage, verify_checkpoint, write_manifest
 from workers.checkpointing import load_residuals, load_state, part_range, take_snapshot, write_snapshot
 
 
@@ -25,7 +25,7 @@ def _checkpoint(tmp_path, count: int):
     for index in range(count):
         residuals = {(0, 1001): torch.full((1001,), float(index))}
         part = take_snapshot(7, index, count, flat, whole, residuals)
-        files += [FileEntry(**f) for f in write_snapshot(storage, "step-00000007", "a1", index, part)]
+        files += write_snapshot(storage, "step-00000007", "a1", index, part)
     write_manifest(storage, 7, files, {})
     return storage, flat, whole
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from orchestrator.cli import main
-from orchestrator.config import ConfigError, JobConfig, load_job
+from orchestrator.config import ConfigError, JobConfig, KillChaos, SlowChaos, StallChaos, load_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,10 +61,11 @@ BAD_JOBS = [
     ({"collective": {"topk_ratio": 2}}, "'collective.topk_ratio'"),
     ({"scaling": {"resources_per_worker": {"CPU": -1}}}, "'scaling.resources_per_worker'"),
     ({"steps": 10, "epochs": 2}, "exactly one of 'steps' and 'epochs'"),
-    ({"chaos": {"slow": [{"rank": 9, "factor": 3}]}}, "chaos.slow.0.rank: 9 is not a worker"),
-    ({"chaos": {"slow": [{"rank": 0, "factor": 0.5}]}}, "'chaos.slow.0.factor'"),
-    ({"chaos": {"slow": [{"rank": 0, "factor": 2, "from_step": 5, "to_step": 5}]}}, "to_step (5) must be after from_step (5)"),
-    ({"chaos": {"stall": [{"rank": 1, "at_step": 3}]}}, "'chaos.stall.0.seconds'"),
+    ({"chaos": {"slow": [{"worker": 9, "factor": 3}]}}, "chaos.slow.0.worker: 9 is not a worker"),
+    ({"chaos": {"slow": [{"worker": 0, "factor": 0.5}]}}, "'chaos.slow.0.factor'"),
+    ({"chaos": {"slow": [{"worker": 0, "factor": 2, "from_step": 5, "to_step": 5}]}}, "to_step (5) must be after from_step (5)"),
+    ({"chaos": {"stall": [{"worker": 1, "at_step": 3}]}}, "'chaos.stall.0.seconds'"),
+    ({"chaos": {"stall": [{"worker": 1, "rank": 1, "at_step": 3, "seconds": 1}]}}, "field 'chaos.stall.0': chaos.stall: set 'worker' only"),
     ({"stragglers": {"min_ratio": 1}}, "'stragglers.min_ratio'"),
     ({"stragglers": {"window": 3, "persistent_steps": 4}}, "persistent_steps (4) must be <= window (3)"),
 ]
@@ -165,3 +166,45 @@ def test_console_entry_point_exit_code_and_no_traceback(tmp_path):
 def test_jobconfig_is_immutable():
     with pytest.raises(Exception):
         JobConfig().steps = 3
+
+
+# Chaos entries name their target by worker id ('worker'); 'rank' is its deprecated old name.
+
+CHAOS_ENTRIES = {
+    "slow": (SlowChaos, "{%s: 1, factor: 2}"),
+    "stall": (StallChaos, "{%s: 1, at_step: 3, seconds: 1}"),
+    "kill": (KillChaos, "{at_step: 3, %s: 1}"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CHAOS_ENTRIES))
+def test_chaos_entry_targets_a_worker(kind, recwarn):
+    _, entry = CHAOS_ENTRIES[kind]
+    job = load_job(None, [f"chaos.{kind}=[{entry % 'worker'}]"], resolve=False)
+    assert getattr(job.chaos, kind)[0].worker == 1
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
+
+
+@pytest.mark.parametrize("kind", sorted(CHAOS_ENTRIES))
+def test_chaos_rank_is_deprecated_name_of_worker(kind):
+    model, entry = CHAOS_ENTRIES[kind]
+    expected = f"chaos.{kind}: 'rank' is deprecated, use 'worker' (the worker id: its rank at job start)"
+    with pytest.warns(FutureWarning, match=re.escape(expected)):
+        job = load_job(None, [f"chaos.{kind}=[{entry % 'rank'}]"], resolve=False)
+    parsed = getattr(job.chaos, kind)[0]
+    assert isinstance(parsed, model) and parsed.worker == 1 and "rank" not in type(parsed).model_fields
+    # A job saved after loading (checkpoints keep it) has the new name only.
+    assert "rank" not in parsed.model_dump() and parsed.model_dump()["worker"] == 1
+
+
+@pytest.mark.parametrize("kind", sorted(CHAOS_ENTRIES))
+def test_chaos_rank_and_worker_together_are_refused(kind):
+    _, entry = CHAOS_ENTRIES[kind]
+    both = entry % "worker: 1, rank"
+    with pytest.raises(ConfigError, match=re.escape(f"field 'chaos.{kind}.0': chaos.{kind}: set 'worker' only")):
+        load_job(None, [f"chaos.{kind}=[{both}]"], resolve=False)
+
+
+def test_chaos_rank_out_of_range_names_the_worker_field():
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=re.escape("chaos.slow.0.worker: 9 is not a worker")):
+        load_job(None, ["chaos.slow=[{rank: 9, factor: 2}]"], resolve=False)

@@ -28,9 +28,9 @@ def _recoveries(run_dir):
 def test_a_worker_sigkilled_mid_step_is_replaced_and_the_trajectory_is_unchanged(tmp_path, reference):
     result = run(
         tmp_path, "sigkill", "scaling.workers=4",
-        _kills("{at_step: 5, rank: 1, how: sigkill}"),
+        _kills("{at_step: 5, worker: 1, how: sigkill}"),
         # A pause after the kill, so the replacement has loaded and joins before the end.
-        "chaos.stall=[{rank: 0, at_step: 12, seconds: 15}]",
+        "chaos.stall=[{worker: 0, at_step: 12, seconds: 15}]",
     )
     summary = result.summary
     assert summary["events"]["failures"] == 1 and summary["events"]["recoveries"] == 1
@@ -50,7 +50,7 @@ def test_a_worker_sigkilled_mid_step_is_replaced_and_the_trajectory_is_unchanged
 def test_ray_kill_then_sigkill_two_failures_in_one_run(tmp_path, reference):
     result = run(
         tmp_path, "twice", "scaling.workers=4",
-        _kills("{at_step: 4, rank: 2, how: ray_kill}", "{at_step: 15, rank: 3, how: sigkill}"),
+        _kills("{at_step: 4, worker: 2, how: ray_kill}", "{at_step: 15, worker: 3, how: sigkill}"),
     )
     events = result.summary["events"]
     assert events["failures"] == 2 and events["recoveries"] == 2
@@ -61,7 +61,7 @@ def test_ray_kill_then_sigkill_two_failures_in_one_run(tmp_path, reference):
 def test_a_death_during_recovery_starts_the_reforming_over(tmp_path, reference):
     result = run(
         tmp_path, "during-recovery", "scaling.workers=4",
-        _kills("{at_step: 6, rank: 1, how: sigkill}", "{at_step: 6, rank: 2, how: sigkill, during: rejoin}"),
+        _kills("{at_step: 6, worker: 1, how: sigkill}", "{at_step: 6, worker: 2, how: sigkill, during: rejoin}"),
     )
     events = jsonl(result.run_dir / "events.jsonl")
     assert result.summary["events"]["failures"] == 2
@@ -75,7 +75,7 @@ def test_a_death_during_recovery_starts_the_reforming_over(tmp_path, reference):
 def test_a_death_during_a_checkpoint_write_leaves_no_manifest_and_loses_nothing(tmp_path, reference):
     result = run(
         tmp_path, "ckpt-death", "scaling.workers=3", "checkpoint.every_steps=4", "checkpoint.keep=10",
-        _kills("{at_step: 7, rank: 1, how: sigkill, during: checkpoint}"),
+        _kills("{at_step: 7, worker: 1, how: sigkill, during: checkpoint}"),
     )
     run_dir = result.run_dir
     assert result.summary["events"]["failures"] == 1
@@ -96,7 +96,7 @@ def test_too_few_workers_left_fails_after_saving_a_checkpoint(tmp_path):
 
     job = load_job(None, [
         "steps=25", "eval=null", "scaling.workers=2", "scaling.min_workers=2", "scaling.wait_for_workers_s=0",
-        _kills("{at_step: 5, rank: 1, how: sigkill}"),
+        _kills("{at_step: 5, worker: 1, how: sigkill}"),
     ])
     result = run_job(job, run_dir=tmp_path / "min")
     summary = result.summary
@@ -111,7 +111,7 @@ def test_the_group_grows_to_max_workers_when_there_is_room(tmp_path, reference):
     result = run(
         tmp_path, "grow", "scaling.workers=2", "scaling.max_workers=3",
         # The newcomer needs a few seconds to load: both workers pause so it can join mid-run.
-        "chaos.stall=[{rank: 0, at_step: 3, seconds: 15}, {rank: 1, at_step: 3, seconds: 15}]",
+        "chaos.stall=[{worker: 0, at_step: 3, seconds: 15}, {worker: 1, at_step: 3, seconds: 15}]",
     )
     assert result.summary["workers"] == {"start": 2, "end": 3} and result.summary["events"]["joins"] == 1
     (grow,) = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "grow"]
@@ -130,7 +130,7 @@ def test_topk_residuals_survive_recovery_and_travel_in_checkpoints(tmp_path):
     """Top-k keeps per-worker unsent gradient: survivors keep theirs through a re-forming, every
     rank's goes into the checkpoint, and a resumed run reads them back."""
     overrides = ("collective.compression=topk", "collective.topk_ratio=0.05", "checkpoint.every_steps=10")
-    result = run(tmp_path, "topk", "scaling.workers=3", *overrides, _kills("{at_step: 5, rank: 1, how: sigkill}"))
+    result = run(tmp_path, "topk", "scaling.workers=3", *overrides, _kills("{at_step: 5, worker: 1, how: sigkill}"))
     assert result.summary["events"]["failures"] == 1
     manifest = verify_checkpoint(CheckpointStorage(str(result.run_dir / "checkpoints")), "step-00000010")
     ranks = {entry["path"][: len("residuals-rank-00000")] for entry in manifest["files"]}

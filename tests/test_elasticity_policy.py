@@ -34,12 +34,12 @@ def test_admit_count_stops_at_max_workers():
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
-        ("{at_step: 1}", "exactly one of 'rank' and 'node'"),
-        ("{at_step: 1, rank: 0, node: 1, how: remove_node}", "exactly one of 'rank' and 'node'"),
+        ("{at_step: 1}", "exactly one of 'worker' and 'node'"),
+        ("{at_step: 1, worker: 0, node: 1, how: remove_node}", "exactly one of 'worker' and 'node'"),
         ("{at_step: 1, node: 1}", "'node' needs how: remove_node"),
-        ("{at_step: 1, rank: 0, how: ray_kill, during: checkpoint}", "during: checkpoint needs how: sigkill"),
-        ("{at_step: 1, rank: 9}", "chaos.kill.0.rank: 9 is not a worker"),
-        ("{at_step: 1, rank: 0, how: shoot}", "field 'chaos.kill.0.how'"),
+        ("{at_step: 1, worker: 0, how: ray_kill, during: checkpoint}", "during: checkpoint needs how: sigkill"),
+        ("{at_step: 1, worker: 9}", "chaos.kill.0.worker: 9 is not a worker"),
+        ("{at_step: 1, worker: 0, how: shoot}", "field 'chaos.kill.0.how'"),
     ],
 )
 def test_bad_kill_entries_name_the_field(entry, message):

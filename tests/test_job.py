@@ -10,7 +10,7 @@ import torch
 
 from orchestrator.cli import main
 from orchestrator.config import load_job
-from orchestrator.driver import EVENT_COUNTERS
+from orchestrator.controller import EVENT_COUNTERS
 from orchestrator.launch import run_job
 from tests.helpers.jobs import assert_same_params, params, run
 

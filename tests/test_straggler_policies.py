@@ -20,6 +20,7 @@ from policies.work_stealing import (
     Wait,
     pick_work,
 )
+from workers.protocol import Phase, Progress
 
 
 def _step(rng: random.Random, speeds: list[float], noise: float, shards: list[int] | None = None) -> list[WorkerStep]:
@@ -174,8 +175,8 @@ def test_claim_states_round_trip(text):
     assert ClaimState.decode(text).encode() == text
 
 
-def _progress(step: int, phase: str) -> dict:
-    return {"step": step, "phase": phase, "since_s": 1.0}
+def _progress(step: int, phase: str) -> Progress:
+    return Progress(step=step, phase=Phase(phase), since_s=1.0, next_step=step)
 
 
 def test_the_worker_holding_up_a_step_is_silent_but_a_slow_step_for_all_is_not():

@@ -18,9 +18,9 @@ def _random_slowness(seed: int, workers: int, steps: int) -> str:
     slow = []
     for _ in range(8):
         start = rng.randrange(steps - 2)
-        slow.append(f"{{rank: {rng.randrange(workers)}, factor: {rng.choice([2, 4, 8])}, "
+        slow.append(f"{{worker: {rng.randrange(workers)}, factor: {rng.choice([2, 4, 8])}, "
                     f"from_step: {start}, to_step: {start + rng.randint(1, 4)}}}")
-    stall = [f"{{rank: {rng.randrange(workers)}, at_step: {rng.randrange(steps)}, seconds: 0.3}}" for _ in range(2)]
+    stall = [f"{{worker: {rng.randrange(workers)}, at_step: {rng.randrange(steps)}, seconds: 0.3}}" for _ in range(2)]
     return f"chaos={{slow: [{', '.join(slow)}], stall: [{', '.join(stall)}]}}"
 
 
@@ -49,7 +49,7 @@ def test_stealing_and_backups_under_random_slowness_keep_every_shard_once(tmp_pa
 def test_a_persistently_slow_worker_gets_fewer_shards(tmp_path, reference):
     result = run(
         tmp_path, "rebalance", "scaling.workers=4", "steps=25",
-        "chaos.slow=[{rank: 3, factor: 4}]", "stragglers.steal=false", "stragglers.speculate=false",
+        "chaos.slow=[{worker: 3, factor: 4}]", "stragglers.steal=false", "stragglers.speculate=false",
         # On this tiny model a pass is mostly overhead, so 4x slower stays late even with one
         # shard and would (rightly) be evicted; this test is about the split.
         "stragglers.evict=false",
@@ -67,7 +67,7 @@ def test_a_persistently_slow_worker_gets_fewer_shards(tmp_path, reference):
 def test_without_mitigation_the_plan_is_kept(tmp_path):
     result = run(
         tmp_path, "off", "scaling.workers=2", "steps=8",
-        "chaos.slow=[{rank: 1, factor: 3}]", "stragglers.mitigation=false",
+        "chaos.slow=[{worker: 1, factor: 3}]", "stragglers.mitigation=false",
     )
     events = result.summary["events"]
     assert events["stolen_shards"] == events["speculative_shards"] == events["rebalances"] == 0
@@ -77,7 +77,7 @@ def test_without_mitigation_the_plan_is_kept(tmp_path):
 def test_a_stalled_worker_is_evicted_and_the_job_finishes_without_it(tmp_path, reference):
     result = run(
         tmp_path, "stall", "scaling.workers=4",
-        "chaos.stall=[{rank: 2, at_step: 6, seconds: 120}]", "stragglers.silent_s=2",
+        "chaos.stall=[{worker: 2, at_step: 6, seconds: 120}]", "stragglers.silent_s=2",
     )
     assert_same_params(params(result.run_dir), reference, "stall")
     summary = result.summary
@@ -94,7 +94,7 @@ def test_a_stalled_worker_is_evicted_and_the_job_finishes_without_it(tmp_path, r
 def test_a_persistently_far_slower_worker_is_evicted_at_a_step_boundary(tmp_path, reference):
     result = run(
         tmp_path, "slow", "scaling.workers=3",
-        "chaos.slow=[{rank: 1, factor: 30, from_step: 3}]",
+        "chaos.slow=[{worker: 1, factor: 30, from_step: 3}]",
         "stragglers.evict_ratio=5", "stragglers.persistent_steps=2", "stragglers.window=3",
     )
     assert_same_params(params(result.run_dir), reference, "slow")

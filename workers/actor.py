@@ -12,7 +12,6 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -20,10 +19,11 @@ import ray
 import torch
 import torch.distributed as dist
 
+from orchestrator.config import JobConfig
 from policies.work_stealing import StepPlan
 from workers import factories
-from workers.chaos import ChaosSchedule, Kill, Slowdown, Stall, kill_self
-from workers.checkpoint_storage import CheckpointStorage
+from workers.chaos import ChaosSchedule, kill_self
+from workers.checkpoint_storage import CheckpointStorage, FileEntry
 from workers.checkpointing import PartSnapshot, load_residuals, load_state, take_snapshot, write_snapshot
 from workers.claims import ShardClaims
 from workers.comm_group import (
@@ -38,45 +38,21 @@ from workers.compression import TopKAllReduce, compress
 from workers.flat_optimizer import FlatOptimizer
 from workers.overlap import GradientReducer
 from workers.sampler import ShardSampler
+from workers.protocol import (
+    Joined,
+    JoinRequest,
+    Phase,
+    Progress,
+    SnapshotRequest,
+    StepTelemetry,
+    WorkerInfo,
+)
 from workers.step import StepRunner
-from workers.telemetry import StepTelemetry
 from workers.training import FlatParameters, evaluate_model
 
 
 class ShardCensusError(RuntimeError):
     """After the all-reduce some shard was counted zero or several times: the step is invalid."""
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker needs to build its replica; the same for every rank."""
-
-    model_factory: str
-    model_kwargs: dict[str, Any]
-    dataset_factory: str
-    dataset_kwargs: dict[str, Any]
-    eval_factory: str | None
-    eval_kwargs: dict[str, Any]
-    loss: str
-    optimizer: str
-    optimizer_kwargs: dict[str, Any]
-    batch_size: int
-    num_shards: int
-    seed: int
-    steps: int | None
-    epochs: float | None
-    fuse_shards: bool
-    algorithm: str
-    compression: str
-    topk_ratio: float
-    bucket_bytes: int
-    overlap: bool
-    collective_timeout_s: float
-    # Injected slowness, by worker id: (worker, factor, from_step, to_step) and (worker, at_step, seconds).
-    chaos_slow: tuple[tuple[int, float, int, int | None], ...] = ()
-    chaos_stall: tuple[tuple[int, int, float], ...] = ()
-    # Self-inflicted SIGKILLs, by worker id: (worker, at_step, during) with during in KILL_POINTS.
-    chaos_kill: tuple[tuple[int, int, str], ...] = ()
 
 
 #: Key in the driver's store where a worker chaos-killing itself leaves its time of death
@@ -88,26 +64,26 @@ def death_key(worker_id: int) -> str:
 class TrainWorker:
     """A model replica. Built identically on every rank; rank 0's parameters win at join.
 
-    ``worker_id`` names the worker for its whole life (ranks change when the group re-forms);
-    chaos settings refer to it.
+    ``job`` is the validated job (the same for every rank); ``worker_id`` names the worker for
+    its whole life (ranks change when the group re-forms); chaos settings refer to it.
     """
 
-    def __init__(self, spec: WorkerSpec, worker_id: int = 0) -> None:
-        self.spec = spec
+    def __init__(self, job: JobConfig, worker_id: int = 0) -> None:
+        self.job = job
         self.worker_id = worker_id
         gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
         self.device = torch.device("cuda", 0) if gpu_ids and torch.cuda.is_available() else torch.device("cpu")
-        torch.manual_seed(spec.seed)
-        self.dataset = factories.build(spec.dataset_factory, spec.dataset_kwargs)
+        torch.manual_seed(job.seed)
+        self.dataset = factories.build(job.dataset.factory, job.dataset.kwargs)
         num_samples = len(self.dataset)
-        total = None if spec.epochs is None else max(1, round(spec.epochs * num_samples))
-        self.sampler = ShardSampler(num_samples, spec.batch_size, spec.num_shards, spec.seed, total)
-        self.num_steps = spec.steps if spec.steps is not None else self.sampler.num_steps
-        self.model: torch.nn.Module = factories.build(spec.model_factory, spec.model_kwargs).to(self.device)
+        total = None if job.epochs is None else max(1, round(job.epochs * num_samples))
+        self.sampler = ShardSampler(num_samples, job.batch_size, job.shards, job.seed, total)
+        self.num_steps = job.steps if job.steps is not None else self.sampler.num_steps
+        self.model: torch.nn.Module = factories.build(job.model.factory, job.model.kwargs).to(self.device)
         self.model.train()
         # Trailing slots: one census entry per shard, then the step's loss and sample count.
-        self.flat = FlatParameters(self.model.parameters(), extra=spec.num_shards + 2)
-        self.optimizer = FlatOptimizer(spec.optimizer, spec.optimizer_kwargs, self.flat.values, self.flat.grads)
+        self.flat = FlatParameters(self.model.parameters(), extra=job.shards + 2)
+        self.optimizer = FlatOptimizer(job.optimizer.name, job.optimizer.kwargs, self.flat.values, self.flat.grads)
         self.rank = -1
         self.world_size = 0
         self.reducer: GradientReducer | None = None
@@ -119,93 +95,82 @@ class TrainWorker:
         self._reducing_step = -1  # the step whose reduction last started (top-k stages its residuals)
         # Checkpoint files are written here while training goes on.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ringleader-checkpoint", initializer=_lowest_priority)
-        self._writes: dict[str, Future[list[dict[str, Any]]]] = {}
+        self._writes: dict[str, Future[list[FileEntry]]] = {}
         self._writes_lock = threading.Lock()
         self._restored_residuals: dict[tuple[int, int], torch.Tensor] = {}
         self.claims_store: dist.Store | None = None
         self.store: dist.Store | None = None
         #: The next step this replica will apply: the optimizer steps it holds, in job steps.
         self.next_step = 0
-        self._phase: tuple[int, str, float] = (-1, "done", time.monotonic())
-        self.chaos = ChaosSchedule(
-            [Slowdown(f, a, b) for w, f, a, b in spec.chaos_slow if w == worker_id],
-            [Stall(at, sec) for w, at, sec in spec.chaos_stall if w == worker_id],
-            self.abort_flag,
-            kill=[Kill(at, during) for w, at, during in spec.chaos_kill if w == worker_id],
-        )
+        self._phase: tuple[int, Phase, float] = (-1, Phase.DONE, time.monotonic())
+        self.chaos = ChaosSchedule.for_worker(job.chaos, worker_id, self.abort_flag)
         self.runner = StepRunner(
-            self.model, self.flat, self.sampler, self.dataset, spec.loss, spec.seed, spec.fuse_shards, self.chaos, self.device,
-            on_phase=lambda phase: self._enter(self._phase[0], phase),
+            self.model, self.flat, self.sampler, self.dataset, job.loss, job.seed, job.worker.fuse_shards, self.chaos,
+            self.device, on_phase=lambda phase: self._enter(self._phase[0], phase),
         )
 
     @ray.method(concurrency_group="control")
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> WorkerInfo:
         """Facts the driver needs before training: sizes, device, where this actor runs."""
-        context = ray.get_runtime_context()
-        return {
-            "num_samples": self.sampler.num_samples,
-            "num_steps": self.num_steps,
-            "num_params": self.flat.numel,
-            "device": str(self.device),
-            "node_id": context.get_node_id(),
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-            "worker": self.worker_id,
-        }
+        return WorkerInfo(
+            worker=self.worker_id,
+            num_samples=self.sampler.num_samples,
+            num_steps=self.num_steps,
+            num_params=self.flat.numel,
+            device=str(self.device),
+            node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local",
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+        )
 
     @ray.method(concurrency_group="compute")
-    def join_group(
-        self,
-        store_host: str,
-        store_port: int,
-        prefix: str,
-        generation: int,
-        rank: int,
-        nodes: list[str],
-        timeout_s: float,
-    ) -> dict[str, float]:
-        """Form this generation's process group (rank ``rank`` of ``len(nodes)``; ``nodes[r]`` is
-        rank r's Ray node id) through the driver's TCPStore under key ``prefix``, then take
-        rank 0's training state: parameters, optimizer state and step. An abort for this
-        ``generation`` (or a later one) that arrived first makes the join fail at once.
+    def join_group(self, request: JoinRequest) -> Joined:
+        """Form generation ``request.generation``'s process group through the driver's TCPStore,
+        then take rank 0's training state: parameters, optimizer state and step. An abort for
+        this generation (or a later one) that arrived first makes the join fail at once.
 
         Every replica thus starts the generation identical, whatever its factory did, whether it
         just joined (a replacement or a new worker: the state comes from a live peer, not from
         disk) or missed the last step of an aborted generation. This worker's committed top-k
-        residuals carry over (or restored ones, after a resume). Returns ``transfer_s``, the
-        state broadcast's seconds."""
+        residuals carry over (or restored ones, after a resume). Raises CollectiveAborted or
+        CollectiveTimeout if the rendezvous or the transfer cannot finish."""
         if self.group is not None and self.chaos.kill_due("rejoin", self.next_step):
             kill_self(self._record_death)
         self.leave_group()
-        self.generation = generation
-        if self.aborted_through < generation:
+        self.generation = request.generation
+        if self.aborted_through < request.generation:
             self.abort_flag.clear()
-        store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        collective = self.job.collective
+        timeout_s = self.job.timeouts.collective_s
+        store = dist.TCPStore(
+            request.store_host, request.store_port, is_master=False, timeout=timedelta(seconds=request.timeout_s)
+        )
         self.store = store
-        self.claims_store = dist.PrefixStore(prefix, store)
+        self.claims_store = dist.PrefixStore(request.prefix, store)
         pg = call_abortable(
             lambda: new_process_group(
-                pick_backend(self.device), dist.PrefixStore(prefix, store), rank, len(nodes), self.spec.collective_timeout_s
+                pick_backend(self.device), dist.PrefixStore(request.prefix, store), request.rank, request.world_size,
+                timeout_s,
             ),
             self.abort_flag,
-            timeout_s,
+            request.timeout_s,
             "rendezvous",
         )
         previous = self.reducer_comm
         residuals = getattr(previous, "residuals", None) or self._restored_residuals
         self._restored_residuals = {}
-        self.group = CommGroup(pg, rank, len(nodes), self.spec.collective_timeout_s, self.abort_flag)
-        self.rank, self.world_size = rank, len(nodes)
-        exact = make_communicator(self.spec.algorithm, self.group, nodes)
-        compressed = compress(self.spec.compression, exact, self.group, self.spec.topk_ratio)
+        self.group = CommGroup(pg, request.rank, request.world_size, timeout_s, self.abort_flag)
+        self.rank, self.world_size = request.rank, request.world_size
+        exact = make_communicator(collective.algorithm, self.group, request.nodes)
+        compressed = compress(collective.compression, exact, self.group, collective.topk_ratio)
         if residuals and isinstance(compressed, TopKAllReduce):
             compressed.residuals = residuals  # this worker's unsent gradient outlives the generation
         self.reducer_comm = compressed
         self.reducer = GradientReducer(
             self.flat,
             compressed,
-            self.spec.bucket_bytes,
-            self.spec.overlap,
+            int(collective.bucket_mb * 2**20),
+            collective.overlap,
             extra_comm=exact if compressed is not exact else None,
         )
         started = time.perf_counter()
@@ -225,20 +190,20 @@ class TrainWorker:
             self.group.broadcast(tensor, root=0)
         self.optimizer.state_restored()
         self.next_step = int(step.item())
-        return {"transfer_s": time.perf_counter() - started}
+        return Joined(transfer_s=time.perf_counter() - started, next_step=self.next_step)
 
     def _record_death(self) -> None:
         if self.store is not None:
             self.store.set(death_key(self.worker_id), repr(time.time()))
 
     @ray.method(concurrency_group="control")
-    def progress(self) -> dict[str, Any]:
-        """Where this worker is: ``step``, ``phase`` (stall, compute, idle, reduce, done) and
-        ``since_s`` in it. Answered while a step runs; the driver asks when a step is overdue."""
+    def progress(self) -> Progress:
+        """Where this worker is. Answered while a step runs (the control group), so the driver
+        can always ask: when a step is overdue, and to tell the living from the dead."""
         step, phase, since = self._phase
-        return {"step": step, "phase": phase, "since_s": time.monotonic() - since, "next_step": self.next_step}
+        return Progress(step=step, phase=phase, since_s=time.monotonic() - since, next_step=self.next_step)
 
-    def _enter(self, step: int, phase: str) -> None:
+    def _enter(self, step: int, phase: Phase) -> None:
         self._phase = (step, phase, time.monotonic())
 
     @ray.method(concurrency_group="control")
@@ -280,20 +245,20 @@ class TrainWorker:
             raise RuntimeError(f"asked for step {step}, but this replica's next step is {self.next_step}")
         started = time.perf_counter()
         self._reducing_step = step
-        self._enter(step, "stall")
+        self._enter(step, Phase.STALL)
         stalled_s = self.chaos.stall(step)
-        self._enter(step, "compute")
+        self._enter(step, Phase.COMPUTE)
         self.flat.zero()
         if plan.mitigating:
             claims = ShardClaims(self.claims_store, step, plan, self.rank)
             work = self.runner.run_claimed(
-                step, plan, claims, self.reducer, self.spec.collective_timeout_s, self.abort_flag
+                step, plan, claims, self.reducer, self.job.timeouts.collective_s, self.abort_flag
             )
         else:
             work = self.runner.run_fixed(step, list(plan.shards_by_rank[self.rank]), plan.num_shards, self.reducer)
         self.chaos.record(work.compute_s, work.shards_run)
         computed = time.perf_counter()
-        self._enter(step, "reduce")
+        self._enter(step, Phase.REDUCE)
         if self.chaos.kill_due("step", step):
             kill_self(self._record_death)  # mid all-reduce: overlapped buckets are on the wire
         comm_s = self.reducer.finish()
@@ -306,7 +271,7 @@ class TrainWorker:
         reduced = time.perf_counter()
         self.optimizer.step()
         self.next_step = step + 1
-        self._enter(step, "done")
+        self._enter(step, Phase.DONE)
         done = time.perf_counter()
         busy_s = work.compute_s + work.slowed_s
         return StepTelemetry(
@@ -334,13 +299,14 @@ class TrainWorker:
         )
 
     @ray.method(concurrency_group="compute")
-    def snapshot(self, step: int, root: str, name: str, tag: str, index: int, count: int) -> float:
-        """Copy part ``index`` of ``count`` of the state after ``step`` steps to memory and start
-        writing it to checkpoint ``name`` under ``root`` as attempt ``tag`` in the background
-        (see ``checkpoint_written``). Queued between two steps, so it sees exactly the state after
-        ``step`` steps; raises RuntimeError if this replica is not there (an aborted step).
-        Returns the seconds training was held up (the copy)."""
-        written = self._write_future(f"{name}/{tag}")
+    def snapshot(self, request: SnapshotRequest) -> float:
+        """Copy part ``request.index`` of ``request.count`` of the state after ``request.step``
+        steps to memory and start writing it in the background (see ``checkpoint_written``).
+        Queued between two steps, so it sees exactly the state after that step; raises
+        RuntimeError if this replica is not there (an aborted step). Returns the seconds
+        training was held up (the copy)."""
+        step, name = request.step, request.name
+        written = self._write_future(f"{name}/{request.tag}")
         try:
             if self.next_step != step:
                 raise RuntimeError(f"checkpoint {name} wants the state after step {step}, this replica is at {self.next_step}")
@@ -348,12 +314,12 @@ class TrainWorker:
             flat, whole = self._checkpointed_tensors()
             whole["rng/torch"] = torch.get_rng_state()
             residuals = getattr(self.reducer_comm, "residuals", None) or {}
-            part = take_snapshot(step, index, count, flat, whole, residuals)
+            part = take_snapshot(step, request.index, request.count, flat, whole, residuals)
             part.copy_s = time.perf_counter() - started
         except BaseException as err:
             written.set_exception(err)
             raise
-        writing = self._writer.submit(self._write, CheckpointStorage(root), name, tag, part, self.rank)
+        writing = self._writer.submit(self._write, CheckpointStorage(request.root), name, request.tag, part, self.rank)
         writing.add_done_callback(lambda done: _chain(done, written))
         return part.copy_s
 
@@ -365,7 +331,7 @@ class TrainWorker:
         whole = {"optim/step": optimizer["step"], **{f"buffer/{k}": v for k, v in self.model.named_buffers()}}
         return flat, whole
 
-    def _write_future(self, attempt: str) -> Future[list[dict[str, Any]]]:
+    def _write_future(self, attempt: str) -> Future[list[FileEntry]]:
         """The outcome of one checkpoint attempt's write (``name/tag``), shared by ``snapshot``
         (which may run after ``checkpoint_written`` started waiting: they are in different
         groups)."""
@@ -374,13 +340,13 @@ class TrainWorker:
 
     def _write(
         self, storage: CheckpointStorage, name: str, tag: str, part: PartSnapshot, rank: int
-    ) -> list[dict[str, Any]]:
+    ) -> list[FileEntry]:
         if self.chaos.kill_due("checkpoint", part.step - 1):
             kill_self(self._record_death)  # mid-write: some parts may be on disk, no manifest
         return write_snapshot(storage, name, tag, rank, part)
 
     @ray.method(concurrency_group="io")
-    def checkpoint_written(self, name: str, tag: str, timeout_s: float) -> list[dict[str, Any]]:
+    def checkpoint_written(self, name: str, tag: str, timeout_s: float) -> list[FileEntry]:
         """Wait (up to ``timeout_s``) for attempt ``tag`` of checkpoint ``name`` to be written;
         returns the files written (path, sha256, bytes) or raises the write's error or
         TimeoutError."""
@@ -421,10 +387,10 @@ class TrainWorker:
     @ray.method(concurrency_group="compute")
     def evaluate(self) -> dict[str, float]:
         """Mean loss (and accuracy, for cross-entropy) on the eval dataset; {} without one."""
-        if self.spec.eval_factory is None:
+        if self.job.eval is None:
             return {}
-        dataset = factories.build(self.spec.eval_factory, self.spec.eval_kwargs)
-        return evaluate_model(self.model, dataset, self.spec.loss)
+        dataset = factories.build(self.job.eval.factory, self.job.eval.kwargs)
+        return evaluate_model(self.model, dataset, self.job.loss)
 
     @ray.method(concurrency_group="compute")
     def model_state(self) -> dict[str, torch.Tensor]:
@@ -451,4 +417,4 @@ def _chain(done: Future[Any], into: Future[Any]) -> None:
         into.set_result(done.result())
 
 
-__all__ = ["CollectiveAborted", "CollectiveTimeout", "ShardCensusError", "TrainWorker", "WorkerSpec"]
+__all__ = ["CollectiveAborted", "CollectiveTimeout", "ShardCensusError", "TrainWorker"]

@@ -16,34 +16,18 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from typing import get_args
+
+from orchestrator.config import ChaosConfig, KillChaos, KillPoint, SlowChaos, StallChaos
+from policies.ewma import ewma
 
 CHECK_EVERY_S = 0.01
 
 #: Where a worker can kill itself: in the all-reduce of step ``at_step`` (``step``), while
 #: writing the checkpoint taken after ``at_step`` (``checkpoint``), or in the first re-forming
 #: of the group at or after ``at_step`` (``rejoin``: a failure during recovery).
-KILL_POINTS = ("step", "checkpoint", "rejoin")
-
-
-@dataclass(frozen=True)
-class Slowdown:
-    factor: float
-    from_step: int
-    to_step: int | None  # exclusive; None: to the end
-
-
-@dataclass(frozen=True)
-class Stall:
-    at_step: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Kill:
-    at_step: int
-    during: str  # one of KILL_POINTS
+KILL_POINTS: tuple[str, ...] = get_args(KillPoint)
 
 
 def kill_self(before: Callable[[], None] = lambda: None) -> None:
@@ -53,24 +37,40 @@ def kill_self(before: Callable[[], None] = lambda: None) -> None:
 
 
 class ChaosSchedule:
-    """The slowness this worker injects into itself (none by default)."""
+    """The slowness, stalls and deaths this worker injects into itself (none by default),
+    from the job's chaos entries aimed at it; :meth:`for_worker` picks those out."""
 
     def __init__(
         self,
-        slow: list[Slowdown],
-        stall: list[Stall],
+        slow: Iterable[SlowChaos],
+        stall: Iterable[StallChaos],
         abort_flag: threading.Event,
         alpha: float = 0.3,
-        kill: list[Kill] | None = None,
+        kill: Iterable[KillChaos] = (),
     ) -> None:
-        self.slow = slow
-        self.stall_at = stall
-        self.kills = list(kill or [])
+        """Apply every entry given, whatever its ``worker`` (the caller has chosen them);
+        ``kill`` entries are carried out as ``sigkill`` at their ``during``. ``alpha``: EWMA
+        weight of the newest compute measurement."""
+        self.slow = list(slow)
+        self.stall_at = list(stall)
+        self.kills = list(kill)
         self.abort_flag = abort_flag
         self.alpha = alpha
         self._shard_s: float | None = None
 
+    @classmethod
+    def for_worker(cls, chaos: ChaosConfig, worker_id: int, abort_flag: threading.Event) -> ChaosSchedule:
+        """The schedule of worker ``worker_id``: the ``chaos`` entries whose ``worker`` it is,
+        and of ``chaos.kill`` only the ``sigkill`` ones (the driver carries out the others)."""
+        return cls(
+            [s for s in chaos.slow if s.worker == worker_id],
+            [s for s in chaos.stall if s.worker == worker_id],
+            abort_flag,
+            kill=[k for k in chaos.kill if k.worker == worker_id and k.how == "sigkill"],
+        )
+
     def factor(self, step: int) -> float:
+        """How many times slower this worker computes in ``step`` (1.0: not slowed)."""
         factor = 1.0
         for s in self.slow:
             if s.from_step <= step and (s.to_step is None or step < s.to_step):
@@ -80,8 +80,7 @@ class ChaosSchedule:
     def record(self, compute_s: float, shards: int) -> None:
         """Feed the measured (unslowed) compute of ``shards`` shards."""
         if shards > 0 and compute_s > 0:
-            per = compute_s / shards
-            self._shard_s = per if self._shard_s is None else (1 - self.alpha) * self._shard_s + self.alpha * per
+            self._shard_s = ewma(self._shard_s, compute_s / shards, self.alpha)
 
     def slow_down(self, step: int, shards: int, interrupted: Callable[[], bool]) -> float:
         """Sleep for a slowed pass of ``shards`` shards at ``step``; returns seconds slept."""
@@ -107,8 +106,8 @@ class ChaosSchedule:
     def kill_due(self, during: str, step: int) -> bool:
         """Whether this worker dies now, at ``during`` of ``step`` (``rejoin``: any re-forming
         at or after its step). A kill happens once."""
-        for kill in self.kills:
+        for index, kill in enumerate(self.kills):
             if kill.during == during and (kill.at_step == step or (during == "rejoin" and step >= kill.at_step)):
-                self.kills.remove(kill)
+                del self.kills[index]
                 return True
         return False

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.serialization import config as serialization_config
 
+from policies.split import even_bounds
 from workers.checkpoint_storage import CheckpointCorrupt, CheckpointStorage, FileEntry
 
 FORMAT = 1
@@ -42,11 +43,14 @@ def residual_file(rank: int, tag: str) -> str:
 
 
 def part_range(numel: int, index: int, count: int) -> tuple[int, int]:
-    """Slice ``[lo, hi)`` of a flat tensor of ``numel`` entries that part ``index`` of
-    ``count`` holds; parts differ in size by at most one entry."""
-    size, extra = divmod(numel, count)
-    lo = index * size + min(index, extra)
-    return lo, lo + size + (1 if index < extra else 0)
+    """Slice ``[lo, hi)`` of a flat tensor of ``numel`` entries that part ``index`` (0-based)
+    of ``count`` holds; parts differ in size by at most one entry, the first ones larger
+    (``policies.split.even_bounds``). Raises ValueError if ``count < 1``, IndexError if
+    ``index`` is not in ``0..count-1``."""
+    if not 0 <= index < count:
+        # A negative index would silently pick a part from the end.
+        raise IndexError(f"part {index} of {count} does not exist")
+    return even_bounds(numel, count)[index]
 
 
 @dataclass
@@ -103,9 +107,9 @@ def take_snapshot(
 
 def write_snapshot(
     storage: CheckpointStorage, name: str, tag: str, rank: int, snapshot: PartSnapshot
-) -> list[dict[str, Any]]:
+) -> list[FileEntry]:
     """Write ``snapshot`` under checkpoint ``name`` as attempt ``tag``; returns the FileEntry
-    (as dicts) of each file written, for the manifest."""
+    of each file written, for the manifest."""
     payload = {
         "format": FORMAT,
         "step": snapshot.step,
@@ -118,7 +122,7 @@ def write_snapshot(
     files = [_save(storage, name, part_file(snapshot.index, snapshot.count, tag), payload)]
     if snapshot.residuals:
         files.append(_save(storage, name, residual_file(rank, tag), {"format": FORMAT, "residuals": snapshot.residuals}))
-    return [asdict(f) for f in files]
+    return files
 
 
 def _save(storage: CheckpointStorage, name: str, filename: str, payload: dict[str, Any]) -> FileEntry:

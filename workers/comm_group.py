@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from datetime import timedelta
 from typing import Callable, TypeVar
 
@@ -49,28 +49,54 @@ class PendingOp:
 
     def wait(self) -> None:
         """Block until done. Raises CollectiveAborted, CollectiveTimeout (both break the group)
-        or the error the operation itself raised."""
+        or the error the operation itself raised; a RuntimeError from the operation (gloo/NCCL:
+        a peer closed its connection, ...) breaks the group too and becomes CollectiveTimeout."""
         group = self._group
-        deadline = time.monotonic() + group.timeout_s
-        while True:
-            if group.abort_flag.is_set():
-                group.broken = f"aborted during {self._what}"
-                raise CollectiveAborted(f"{self._what} aborted by the driver")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                group.broken = f"timed out during {self._what}"
-                raise CollectiveTimeout(
-                    f"{self._what} did not finish within {group.timeout_s:.0f}s "
-                    f"(rank {group.rank} of {group.size}; a peer died, hung or is far behind)"
-                )
-            try:
-                self._future.result(timeout=min(ABORT_POLL_S, remaining))
-                return
-            except FutureTimeout:
-                continue
-            except RuntimeError as err:  # gloo/NCCL errors: a peer closed its connection, ...
-                group.broken = f"failed during {self._what}: {err}"
-                raise CollectiveTimeout(f"{self._what} failed on rank {group.rank}: {err}") from err
+        try:
+            wait_abortable(
+                self._future, group.abort_flag, group.timeout_s, self._what,
+                detail=f"rank {group.rank} of {group.size}; a peer died, hung or is far behind",
+            )
+        except RuntimeError as err:
+            if not _raised_by(self._future, err):  # the wait's own CollectiveAborted or CollectiveTimeout
+                aborted = isinstance(err, CollectiveAborted)
+                group.broken = f"{'aborted' if aborted else 'timed out'} during {self._what}"
+                raise
+            # gloo/NCCL errors: a peer closed its connection, ...
+            group.broken = f"failed during {self._what}: {err}"
+            raise CollectiveTimeout(f"{self._what} failed on rank {group.rank}: {err}") from err
+
+
+def wait_abortable(
+    future: Future[T], abort_flag: threading.Event, timeout_s: float, what: str, *, detail: str = ""
+) -> T:
+    """Wait for ``future`` for at most ``timeout_s`` seconds, looking at ``abort_flag`` every
+    ``ABORT_POLL_S`` (gloo may block far longer than our timeout, and only the driver knows a
+    peer has died). Returns its result, or re-raises the error it ended with, as is.
+
+    Raises CollectiveAborted (``"<what> aborted by the driver"``) if the flag is up first, even
+    if the future is done too, and CollectiveTimeout (``"<what> did not finish within <t>s"``,
+    then ``(detail)`` if given) once the deadline passes. The future is left running either way.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if abort_flag.is_set():
+            raise CollectiveAborted(f"{what} aborted by the driver")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            suffix = f" ({detail})" if detail else ""
+            raise CollectiveTimeout(f"{what} did not finish within {timeout_s:.0f}s{suffix}")
+        # wait(), not result(timeout): an operation that itself raised TimeoutError must not
+        # look like one more poll that timed out.
+        done, _ = wait_futures([future], timeout=min(ABORT_POLL_S, remaining))
+        if done:
+            return future.result()
+
+
+def _raised_by(future: Future[object], err: BaseException) -> bool:
+    """Whether ``err`` is the error ``future``'s operation ended with (not one raised while
+    waiting for it)."""
+    return future.done() and not future.cancelled() and future.exception() is err
 
 
 def call_abortable(operation: Callable[[], T], abort_flag: threading.Event, timeout_s: float, what: str) -> T:
@@ -82,17 +108,7 @@ def call_abortable(operation: Callable[[], T], abort_flag: threading.Event, time
     pool = ThreadPoolExecutor(1, thread_name_prefix="ringleader-abortable")
     future = pool.submit(operation)
     pool.shutdown(wait=False)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if abort_flag.is_set():
-            raise CollectiveAborted(f"{what} aborted by the driver")
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise CollectiveTimeout(f"{what} did not finish within {timeout_s:.0f}s")
-        try:
-            return future.result(timeout=min(ABORT_POLL_S, remaining))
-        except FutureTimeout:
-            continue
+    return wait_abortable(future, abort_flag, timeout_s, what)
 
 
 def new_process_group(

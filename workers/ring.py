@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from policies.split import even_bounds
 from workers.comm_group import CommGroup, PendingOp
 
 # Segments: about SEGMENTS_PER_CHUNK per chunk so the pipeline has depth, within bounds that
@@ -30,14 +31,11 @@ MAX_SEGMENT_BYTES = 2 << 20
 
 
 def chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
-    """Split ``range(length)`` into ``parts`` contiguous pieces whose sizes differ by at most 1."""
-    base, extra = divmod(length, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    """The ring's chunks: ``range(length)`` cut into ``parts`` contiguous pieces whose sizes
+    differ by at most 1, the first ones larger (``policies.split.even_bounds``; the name stays
+    for the compressed ring, which cuts its buffer the same way). Raises ValueError if
+    ``parts < 1``."""
+    return even_bounds(length, parts)
 
 
 class _Scratch:

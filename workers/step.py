@@ -32,6 +32,7 @@ from workers.claims import ShardClaims
 from workers.comm_group import CollectiveAborted, CollectiveTimeout
 from workers.overlap import GradientReducer
 from workers.sampler import ShardSampler
+from workers.protocol import Phase
 from workers.training import FlatParameters, fetch_batch, move_to, per_sample_loss
 
 # How often an idle worker looks at the claims again (store round trips are ~50-150 us).
@@ -74,7 +75,7 @@ class StepRunner:
         fuse_shards: bool,
         chaos: ChaosSchedule,
         device: torch.device,
-        on_phase: Callable[[str], None] = lambda phase: None,
+        on_phase: Callable[[Phase], None] = lambda phase: None,
     ) -> None:
         self.model = model
         self.flat = flat
@@ -85,7 +86,7 @@ class StepRunner:
         self.fuse_shards = fuse_shards
         self.chaos = chaos
         self.device = device
-        self.on_phase = on_phase  # told "idle" while waiting for others' shards, then "compute"
+        self.on_phase = on_phase  # told IDLE while waiting for others' shards, then COMPUTE
 
     def _groups(self, shards: list[int]) -> list[list[int]]:
         """Shards run together in one pass (``fuse_shards``), or one at a time."""
@@ -193,7 +194,7 @@ class StepRunner:
             if isinstance(decision, Wait):
                 if waited_since is None:
                     waited_since = now
-                    self.on_phase("idle")
+                    self.on_phase(Phase.IDLE)
                 if now - waited_since > deadline_s:
                     raise CollectiveTimeout(
                         f"step {step}: shards {[s for s, st in states.items() if st.kind is not ClaimKind.DONE]} "
@@ -204,7 +205,7 @@ class StepRunner:
             if waited_since is not None:
                 work.idle_s += now - waited_since
                 waited_since = None
-                self.on_phase("compute")
+                self.on_phase(Phase.COMPUTE)
             if isinstance(decision, Backup):
                 if claims.start_backup(decision.shard, decision.owner):
                     self._backup(step, decision.shard, decision.owner, claims, work)

@@ -1,0 +1,418 @@
+"""The job controller: owns a job from start to summary as a loop over states
+(``orchestrator/states.py``; docs/architecture.md, "The controller").
+
+Each state's handler does its work and returns the next state; ``_step`` runs one handler and
+returns ``(previous, next)``; every change of kind is an event in ``events.jsonl``. The
+controller talks to workers only through a ``WorkerGroup`` (``orchestrator/group.py``): Ray
+actors in a job, an in-process fake in ``tests/test_recovery.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from orchestrator.chaos_control import ChaosControl, ChaosError
+from orchestrator.checkpointing import CheckpointCoordinator, ResumePoint
+from orchestrator.config import JobConfig
+from orchestrator.errors import JobFailed
+from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
+from orchestrator.ledger import CommitLedger
+from orchestrator.membership import JoinerPool
+from orchestrator.pipeline import StepOutcome, StepPipeline, await_step, ended_reports
+from orchestrator.recovery import (
+    MAX_REFORMS,
+    GiveUp,
+    Recovery,
+    RecoveryLog,
+    Reformer,
+    first_uncommitted,
+    settle,
+    steps_to_redo,
+)
+from orchestrator.rendezvous import RendezvousStore
+from orchestrator.run_dir import RunDirectory
+from orchestrator.states import (
+    CheckpointingBeforeFailure,
+    Failed,
+    Finished,
+    Growing,
+    Recovering,
+    Running,
+    Starting,
+    State,
+    Stopped,
+    check_transition,
+    is_terminal,
+)
+from orchestrator.straggler_control import StragglerControl
+from policies.elasticity import pick_root
+from policies.work_stealing import StepPlan
+from workers.claims import open_step
+from workers.protocol import StepTelemetry
+
+EVENT_COUNTERS = (
+    "failures",
+    "recoveries",
+    "steps_redone",
+    "stragglers_detected",
+    "speculative_shards",
+    "speculative_won",
+    "stolen_shards",
+    "rebalances",
+    "checkpoints",
+    "evictions",
+    "joins",
+)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    run_dir: Path
+    summary: dict[str, Any]
+
+
+class JobController:
+    """Runs one job on ``group`` (not started yet), meeting its workers at ``store``: start,
+    train, evaluate, save, summarise (see the module doc). ``launched``: ``perf_counter()`` at
+    launch, for start-up milestones; ``resume``: the checkpoint to go on from."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        run: RunDirectory,
+        group: WorkerGroup,
+        store: RendezvousStore,
+        *,
+        chaos: ChaosControl,
+        launched: float,
+        progress: bool = False,
+        resume: ResumePoint | None = None,
+    ) -> None:
+        self.job = job
+        self.run = run
+        self.group = group
+        self.store = store
+        self.chaos = chaos
+        self.launched = launched
+        self.progress = progress
+        self.resume = resume
+        self.startup_s: dict[str, float] = {}
+        self.counters = dict.fromkeys(EVENT_COUNTERS, 0)
+        self.ledger = CommitLedger(job.shards)
+        self.checkpoints = CheckpointCoordinator(job, run, self.counters)
+        self.recoveries = RecoveryLog()
+        self.joiners = JoinerPool(group, job.scaling.max_workers, lambda: chaos.dead_nodes)
+        self.reformer = Reformer(
+            group, store, self.joiners, job.scaling.min_workers, job.scaling.wait_for_workers_s,
+            job.timeouts.collective_s, self._failed_join,
+        )
+        self.state: State = Starting()
+        self.stragglers: StragglerControl | None = None
+        self.num_steps = 0
+        self.train_s = 0.0
+        self._train_started: float | None = None
+        self._bar: tqdm | None = None
+        self._failed_in_a_row = 0  # recoveries with nobody dead since the last completed step
+        self._pipeline: StepPipeline | None = None
+
+    def mark(self, milestone: str, seconds: float | None = None) -> None:
+        """Record a start-up milestone, in seconds since launch (now, unless given)."""
+        self.startup_s[milestone] = time.perf_counter() - self.launched if seconds is None else seconds
+
+    def execute(self) -> JobResult:
+        """Run the job to a terminal state; returns the run directory and its summary (also
+        saved there) whatever the outcome."""
+        self.run.event("job_start", name=self.job.name, config=self.job.model_dump(mode="json"))
+        workers_start = self.job.scaling.workers
+        try:
+            while not is_terminal(self.state):
+                self._step()
+        finally:
+            workers_end = self.group.size
+            self.checkpoints.abandon("the job ended")
+            self.group.shutdown()
+            if self._bar is not None:
+                self._bar.close()
+        summary = self._summary(workers_start, workers_end)
+        self.run.event("job_end", status=summary["status"])
+        self.run.save_summary(summary)
+        self.run.close()
+        return JobResult(self.run.path, summary)
+
+    def _step(self) -> tuple[State, State]:
+        """Run the current state's handler once; returns (previous, next)."""
+        previous = self.state
+        try:
+            following = self._handle(previous)
+        except KeyboardInterrupt:
+            following = Stopped("interrupted")
+        except (JobFailed, CallFailed, WorkerGroupError, ChaosError) as err:
+            self.run.event("error", message=str(err))
+            following = Failed(str(err))
+        check_transition(previous, following)
+        if following.kind is not previous.kind:
+            self.run.event("state", old=previous.kind.value, new=following.kind.value, reason=following.reason)
+        self.state = following
+        return previous, following
+
+    def _handle(self, state: State) -> State:
+        if isinstance(state, Starting):
+            return self._starting()
+        if isinstance(state, Running):
+            return self._running(state)
+        if isinstance(state, Recovering):
+            return self._recovering(state)
+        if isinstance(state, Growing):
+            return self._growing()
+        if isinstance(state, CheckpointingBeforeFailure):
+            return self._checkpointing_before_failure(state)
+        raise AssertionError(f"no handler for {state}")
+
+    # Starting
+
+    def _starting(self) -> State:
+        info = self.group.start(self.job.scaling.workers)
+        self.mark("workers_started")
+        self.num_steps = info[0].num_steps
+        if self.resume is not None:
+            self._restore(self.resume)
+        self.group.form_group(self.store)
+        self.stragglers = StragglerControl(self.job, self.group.workers, self.counters, self.run.event)
+        if self.resume is not None:
+            saved = self.resume.meta.get("stragglers", {})
+            self.stragglers.expected_shard_s = float(saved.get("expected_shard_s", 0.0))
+        self.mark("group_formed")
+        self.run.event("workers_ready", workers=[i.to_json() for i in info], startup_s=dict(self.startup_s))
+        self._bar = tqdm(
+            total=self.num_steps, initial=self.ledger.steps_done, unit="step", disable=not self.progress, dynamic_ncols=True
+        )
+        return Running(self.ledger.steps_done)
+
+    def _restore(self, point: ResumePoint) -> None:
+        """Load the checkpoint into rank 0 (the others take it when the group forms) and go on
+        from its step, with its counters."""
+        if point.step > self.num_steps:
+            raise JobFailed(f"checkpoint {point.name} is at step {point.step}, past this job's {self.num_steps} steps")
+        self.group.restore(point.root, point.name, point.manifest)
+        self.ledger.resume_at(point.step)
+        self.checkpoints.resumed(point)
+        self.run.event("resume", checkpoint=point.name, step=point.step, skipped=point.skipped)
+
+    # Running
+
+    def _running(self, state: Running) -> State:
+        """One turn of training: top up the steps in flight, wait for the oldest, commit it.
+        Leaves for Growing or Recovering at a drained step boundary (joiners ready, workers to
+        evict), for Recovering on a failure, for Finished after the last step."""
+        if self._train_started is None:
+            self._train_started = time.perf_counter()
+        if self._pipeline is None:  # entering Running: nothing in flight
+            self._pipeline = StepPipeline(self.group, state.next_step, self._plan)
+        pipeline = self._pipeline
+        if self.ledger.steps_done >= self.num_steps:
+            return self._finish()
+        self.checkpoints.poll(elapsed_s=time.perf_counter() - self._train_started)
+        joining = self.joiners.want_to_join()
+        evictions = self._stragglers().pending_evictions
+        if not joining and not evictions:
+            pipeline.top_up(self.num_steps, self._before_submit)
+        if not pipeline.in_flight:  # drained for a change at this step boundary
+            self._pipeline = None
+            if evictions:
+                return Recovering(StepOutcome(evict=list(evictions)))
+            return Growing()
+        step = pipeline.in_flight.popleft()
+        self.chaos.during_step(self.group, step.step)
+        outcome = await_step(self.group, step, self.job, self._stragglers().evicting)
+        if outcome.evict or outcome.failed:
+            in_flight = (step, *pipeline.drain())
+            self._pipeline = None
+            return Recovering(outcome, in_flight)
+        self._commit(step.step, [outcome.reports[r] for r in sorted(outcome.reports)], complete=True)
+        return Running(pipeline.next_step)
+
+    def _plan(self, step: int) -> StepPlan:
+        plan = self._stragglers().plan(step)
+        if plan.mitigating:
+            open_step(self.store.claims, step, plan)
+        return plan
+
+    def _before_submit(self, step: int) -> None:
+        self.chaos.at_boundary(step)
+        if self.checkpoints.due(step):
+            self.checkpoints.start(self.group, step, self._policy_state())
+
+    def _finish(self) -> State:
+        if self._train_started is not None:
+            self.train_s = time.perf_counter() - self._train_started
+        self.checkpoints.poll(wait_s=self.job.timeouts.checkpoint_s)
+        self.checkpoints.save_now(self.group, self.ledger.steps_done, self._policy_state(), "final")
+        metrics = self.group.evaluate(self.job.timeouts.step_s)
+        self.run.event("eval", step=self.ledger.steps_done, metrics=metrics)
+        self.run.save_model(self.group.model_state(self.job.timeouts.step_s))
+        return Finished(metrics)
+
+    def _commit(self, step: int, reports: list[StepTelemetry], *, complete: bool) -> None:
+        """Account a committed step (``complete``: every rank's report is here)."""
+        self.ledger.commit(step, reports, complete=complete)
+        if "first_step" not in self.startup_s:
+            self.mark("first_step")
+        if reports:
+            self.run.telemetry([r.to_json() for r in reports])
+        if complete:
+            self._stragglers().observe(step, reports)
+            self._failed_in_a_row = 0
+        step_s = max((r.step_s for r in reports), default=0.0)
+        self.checkpoints.observe_step(step_s)
+        self.run.event(
+            "step", step=step, loss=self.ledger.final_loss, samples=reports[0].global_samples if reports else None,
+            step_s=step_s,
+        )
+        closed = self.recoveries.committed(step)
+        if closed is not None:
+            self.run.event("recovered", **closed.to_json())
+        if self._bar is not None:
+            self._bar.update(1)
+            if self.ledger.final_loss is not None:
+                self._bar.set_postfix(loss=f"{self.ledger.final_loss:.4f}", refresh=False)
+
+    # Recovering
+
+    def _recovering(self, state: Recovering) -> State:
+        """Abort every member, find the dead, commit what some survivor finished, re-form
+        without the dead and the evicted (with any ready replacements) and redo the steps that
+        were in flight. Fails if the failure is not a lost worker."""
+        noticed = time.time()
+        outcome = state.outcome
+        evicted = [e.worker for e in outcome.evict]
+        for eviction in outcome.evict:
+            self.counters["evictions"] += 1
+            self.run.event(
+                "evict", at_step=self.ledger.steps_done, worker=eviction.worker, reason=eviction.reason,
+                evidence=eviction.evidence,
+            )
+        settled = settle(self.group, self.store.generation, state.in_flight, frozenset(evicted), self.job.timeouts.collective_s)
+        dead = sorted((outcome.dead | set(settled.lost)) - set(evicted))
+        failed_step = state.in_flight[0].step if state.in_flight else self.ledger.steps_done
+        if not dead and not evicted:
+            if outcome.user_error is not None:
+                raise JobFailed(f"step {failed_step}: {outcome.user_error}")
+            # Collectives failed with every member alive (a network fault): re-form and retry,
+            # but not forever.
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row > MAX_REFORMS:
+                raise JobFailed(f"step {failed_step} failed {MAX_REFORMS} times in a row: {outcome.errors}")
+        next_step = first_uncommitted(settled.alive, self.ledger.steps_done)
+        for step in state.in_flight:
+            if step.step >= next_step:
+                break
+            known = outcome.reports if step is state.in_flight[0] else {}
+            self._commit(step.step, ended_reports(self.group, step, known), complete=False)
+        died_at = [t for w in dead if (t := self.chaos.death_time(self.store, w)) is not None]
+        recovery = Recovery(
+            at_step=next_step,
+            workers=dead + evicted,
+            reasons={**{w: outcome.errors.get(w, "did not answer") for w in dead}, **{w: "evicted" for w in evicted}},
+            started=min(died_at) if died_at else noticed,
+        )
+        recovery.detect_s = time.time() - recovery.started
+        if dead:
+            self.counters["failures"] += len(dead)
+            self.run.event("failure", at_step=next_step, workers=dead, reasons=recovery.reasons, detect_s=recovery.detect_s)
+            self.checkpoints.observe_failure()
+        self.group.remove(dead)
+        self.group.remove(evicted, retire=True)
+        self.checkpoints.abandon(f"worker(s) {dead + evicted} left the group")
+        redo = steps_to_redo(state.in_flight, next_step)
+        reformed = self.reformer.reform(settled.alive, self.ledger.steps_done, state.without_state)
+        if isinstance(reformed, GiveUp):
+            return CheckpointingBeforeFailure(reformed.holders, reformed.error)
+        recovery.workers += list(reformed.lost)
+        self.counters["joins"] += len(reformed.joined)
+        recovery.transfer_s, recovery.reform_s = reformed.transfer_s, reformed.reform_s
+        self._stragglers().set_workers(self.group.workers)
+        if dead or redo:
+            self.counters["recoveries"] += 1
+            self.counters["steps_redone"] += len(redo)
+            recovery.redo_steps = redo
+            self.recoveries.opened(recovery)
+        self.run.event("group_reformed", workers=self.group.workers, redo=redo, transfer_s=recovery.transfer_s)
+        return Running(next_step, f"{self.group.size} workers")
+
+    def _failed_join(self, lost: list[int], error: str) -> None:
+        self.run.event("reform_failed", error=error)
+        self.counters["failures"] += len(lost)
+        if lost:
+            self.run.event("failure", at_step=self.ledger.steps_done, workers=lost, reasons={}, detect_s=None)
+
+    def _checkpointing_before_failure(self, state: CheckpointingBeforeFailure) -> State:
+        if state.holders:
+            root, step = pick_root(dict(state.holders))
+            self.group.lead_with(root)
+            self.checkpoints.save_now(self.group, step, self._policy_state(), "before failing", ranks=1, force=True)
+        raise JobFailed(state.error)
+
+    # Growing
+
+    def _growing(self) -> State:
+        """Ready workers join and take the state from rank 0; a death meanwhile is recovered
+        from (the newcomers hold no state yet)."""
+        joined = self.joiners.admit()
+        self.counters["joins"] += len(joined)
+        started = time.time()
+        try:
+            transfer_s = self.group.form_group(self.store)
+        except (CallFailed, WorkerGroupError) as err:
+            self.run.event("reform_failed", error=str(err))
+            outcome = StepOutcome()
+            if isinstance(err, CallFailed):
+                outcome.record(err)
+            return Recovering(outcome, without_state=frozenset(joined), cause=f"growing: {err}")
+        self._stragglers().set_workers(self.group.workers)
+        self.run.event(
+            "grow", at_step=self.ledger.steps_done, joined=joined, workers=self.group.workers,
+            transfer_s=transfer_s, reform_s=time.time() - started - transfer_s,
+        )
+        return Running(self.ledger.steps_done, f"{self.group.size} workers")
+
+    # Helpers
+
+    def _stragglers(self) -> StragglerControl:
+        assert self.stragglers is not None, "group not formed"
+        return self.stragglers
+
+    def _policy_state(self) -> dict[str, Any]:
+        """What the driver's policies learned, for a checkpoint's manifest (the interval policy's
+        own state is added by the coordinator)."""
+        return {"stragglers": {"expected_shard_s": self._stragglers().expected_shard_s}}
+
+    def _summary(self, workers_start: int, workers_end: int) -> dict[str, Any]:
+        ledger = self.ledger
+        summary: dict[str, Any] = {
+            "name": self.job.name,
+            "status": self.state.kind.value,
+            "steps": ledger.steps_done,
+            "steps_planned": self.num_steps,
+            "samples": ledger.samples,
+            "wall_s": time.perf_counter() - self.launched,
+            "train_s": self.train_s,
+            "first_step_s": self.startup_s.get("first_step"),
+            "startup_s": dict(self.startup_s),
+            "samples_per_s": ledger.samples / self.train_s if self.train_s else 0.0,
+            "final_loss": ledger.final_loss,
+            "eval": dict(self.state.metrics) if isinstance(self.state, Finished) else {},
+            "workers": {"start": workers_start, "end": workers_end},
+            "shards_expected": ledger.steps_done * self.job.shards,
+            "shards_committed": ledger.shards_committed,
+            "events": dict(self.counters),
+            "recoveries": [r.to_json() for r in self.recoveries.done],
+            "checkpoints": self.checkpoints.summary(),
+        }
+        if isinstance(self.state, (Failed, Stopped)):
+            summary["error"] = self.state.reason
+        return summary

@@ -1,0 +1,149 @@
+"""The worker group as the controller sees it: an interface, so the controller and the
+recovery core run the same against Ray actors (``orchestrator/worker_group.py``) and against
+an in-process fake (``tests/helpers/fake_group.py``), as Ray Train V2's controller runs
+against its worker group or a dummy one.
+
+Calls into workers are ``Call`` handles; the group waits on them and turns what came back into
+a value or a ``CallFailed`` that says what kind of failure it was. Nothing outside a group
+implementation touches Ray's object refs or exceptions.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from orchestrator.rendezvous import RendezvousStore
+from policies.work_stealing import StepPlan
+from workers.protocol import Progress, SnapshotRequest, WorkerInfo
+
+
+class WorkerGroupError(RuntimeError):
+    """Workers could not be placed, started or did not answer in time."""
+
+
+class FailureKind(str, enum.Enum):
+    """Why a call into a worker failed: the worker ``DIED`` (its process or node is gone), the
+    call failed because a ``PEER_LOST`` (a collective was aborted or timed out: someone else
+    died or hung), or it raised an ``ERROR`` of its own (a bug, bad data: not recoverable by
+    re-forming)."""
+
+    DIED = "died"
+    PEER_LOST = "peer_lost"
+    ERROR = "error"
+
+
+class CallFailed(Exception):
+    """A call into worker ``worker`` failed; ``reason`` is the one-line cause."""
+
+    def __init__(self, worker: int, kind: FailureKind, reason: str) -> None:
+        super().__init__(f"worker {worker}: {reason}")
+        self.worker = worker
+        self.kind = kind
+        self.reason = reason
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """One pending call into worker ``worker``; ``handle`` belongs to the group that made it.
+    Compared by identity: two calls are never the same call."""
+
+    worker: int
+    handle: Any
+
+
+class Member(Protocol):
+    """A worker in the group (or ready to join it)."""
+
+    @property
+    def info(self) -> WorkerInfo: ...
+
+
+class WorkerGroup(Protocol):
+    """Starts, drives, grows and tears down a job's workers. ``members`` are in rank order;
+    worker ids never repeat. Every wait is bounded by a timeout given in seconds.
+    See ``orchestrator/worker_group.py`` for the Ray implementation's contract in full."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def workers(self) -> list[int]:
+        """Worker ids in rank order."""
+        ...
+
+    @property
+    def info(self) -> list[WorkerInfo]: ...
+
+    @property
+    def capacity(self) -> int:
+        """The most workers this group may have (``scaling.max_workers`` less retired slots)."""
+        ...
+
+    @property
+    def loading(self) -> int:
+        """Workers started into free slots that have not finished loading."""
+        ...
+
+    def start(self, count: int) -> list[WorkerInfo]: ...
+
+    def form_group(self, store: RendezvousStore) -> float:
+        """Every member joins the store's next generation's process group and takes rank 0's
+        state; returns the transfer's seconds (the slowest rank's). Raises CallFailed if a
+        member failed (died) and WorkerGroupError if it timed out."""
+        ...
+
+    def submit_step(self, step: int, plan: StepPlan) -> list[Call]:
+        """Queue ``step`` on every member (one call per rank)."""
+        ...
+
+    def wait(self, calls: Sequence[Call], num_returns: int, timeout_s: float) -> tuple[list[Call], list[Call]]:
+        """Wait until ``num_returns`` of ``calls`` have ended or ``timeout_s`` passed; returns
+        (ended, pending), each in the order of ``calls``."""
+        ...
+
+    def result(self, call: Call) -> Any:
+        """The value of an ended call; raises CallFailed."""
+        ...
+
+    def progress(self, timeout_s: float) -> dict[int, Progress | None]:
+        """Each member's progress by worker id; None for one that is dead or did not answer."""
+        ...
+
+    def probe(self, timeout_s: float) -> tuple[dict[int, Progress], list[int]]:
+        """(the living members' progress by worker id, the ids of the dead or silent)."""
+        ...
+
+    def abort_all(self, generation: int, pending: Sequence[Call], timeout_s: float) -> None:
+        """Abort every member's collectives of ``generation`` and earlier; wait (bounded) until
+        ``pending`` calls have ended."""
+        ...
+
+    def kill(self, worker: int) -> None: ...
+
+    def remove(self, workers: Sequence[int], retire: bool = False) -> None: ...
+
+    def lead_with(self, worker: int) -> None: ...
+
+    def fill_slots(self, dead_nodes: set[str]) -> int: ...
+
+    def ready_joiners(self, timeout_s: float = 0.0) -> list[Any]: ...
+
+    def admit(self, members: Sequence[Any]) -> None: ...
+
+    def snapshot(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> tuple[list[Call], list[Call]]:
+        """Queue ``requests[i]`` on rank i; returns (the copies' calls, each answering the
+        seconds training was held up; the writes' calls, each answering the files written,
+        a list of ``workers.checkpoint_storage.FileEntry``). ``timeout_s`` bounds each write."""
+        ...
+
+    def restore(self, root: str, name: str, manifest: dict[str, Any]) -> None: ...
+
+    def evaluate(self, timeout_s: float) -> dict[str, float]: ...
+
+    def model_state(self, timeout_s: float) -> dict[str, Any]: ...
+
+    def shutdown(self) -> None: ...
+
+

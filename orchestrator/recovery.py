@@ -1,0 +1,222 @@
+"""The recovery core: after a death or an eviction, who is alive and what each applied
+(settle), which steps are committed and which to redo, who carries the state on (the new
+rank 0), and re-forming the group, retried when someone dies meanwhile
+(docs/architecture.md, "Recovery").
+
+The decisions are pure functions over the survivors' ``Progress``; the procedures drive a
+``WorkerGroup`` (``orchestrator/group.py``), so ``tests/test_recovery.py`` runs them against an
+in-process fake group in milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from orchestrator.errors import JobFailed
+from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
+from orchestrator.membership import JoinerPool
+from orchestrator.pipeline import InFlight
+from orchestrator.rendezvous import RendezvousStore
+from policies.elasticity import after_failure, pick_root
+from workers.protocol import Progress
+
+# How long the driver waits for every member's progress() when it looks for the dead: the
+# control group answers in milliseconds even mid-step, so silence this long means a dead
+# process (or a node Ray has not declared dead yet).
+PROBE_S = 3.0
+# Re-forming attempts in a row (each after a further failure) before the job gives up.
+MAX_REFORMS = 5
+
+
+@dataclass
+class Recovery:
+    """One recovery's time split, in seconds: ``detect`` (from the death, when known, else from
+    the first error seen, to knowing who is dead), ``reform`` (removing them, starting over the
+    rendezvous), ``transfer`` (state broadcast from the surviving root), ``redo`` (re-running
+    the steps that were in flight). ``first_step_s``: from the death to the next completed step."""
+
+    at_step: int
+    workers: list[int]
+    reasons: dict[int, str]
+    started: float  # time.time() of the death (or of the first error seen)
+    detect_s: float = 0.0
+    reform_s: float = 0.0
+    transfer_s: float = 0.0
+    redo_s: float | None = None
+    first_step_s: float | None = None
+    redo_steps: list[int] = field(default_factory=list)
+    reformed_at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "at_step": self.at_step, "workers": self.workers, "reasons": self.reasons,
+            "detect_s": self.detect_s, "reform_s": self.reform_s, "transfer_s": self.transfer_s,
+            "redo_s": self.redo_s, "first_step_s": self.first_step_s, "redo_steps": self.redo_steps,
+        }
+
+
+class RecoveryLog:
+    """Recoveries whose redone steps are still running (at most one), and the finished ones."""
+
+    def __init__(self) -> None:
+        self.done: list[Recovery] = []
+        self.open: Recovery | None = None
+
+    def opened(self, recovery: Recovery) -> None:
+        recovery.reformed_at = time.time()
+        self.open = recovery
+
+    def committed(self, step: int) -> Recovery | None:
+        """Step ``step`` was committed: returns the open recovery if that closes it."""
+        recovery = self.open
+        if recovery is None:
+            return None
+        now = time.time()
+        if recovery.first_step_s is None:
+            recovery.first_step_s = now - recovery.started
+        if step < max(recovery.redo_steps, default=step):
+            return None
+        recovery.redo_s = now - recovery.reformed_at
+        self.done.append(recovery)
+        self.open = None
+        return recovery
+
+
+# Pure decisions over the survivors' progress.
+
+
+def first_uncommitted(alive: Mapping[int, Progress], steps_done: int) -> int:
+    """The first step no survivor applied. A step is committed once any survivor applied it:
+    its all-reduce completed and that survivor's census proved every shard counted once."""
+    return max((p.next_step for p in alive.values()), default=steps_done)
+
+
+def state_holders(alive: Mapping[int, Progress], steps_done: int, without_state: frozenset[int] = frozenset()) -> dict[int, int]:
+    """Survivors that hold the training state (worker id -> next step): only a member that
+    applied every committed step does (a worker still joining holds none)."""
+    return {w: p.next_step for w, p in alive.items() if p.next_step >= steps_done and w not in without_state}
+
+
+def steps_to_redo(in_flight: Sequence[InFlight], first: int) -> list[int]:
+    """The steps in flight from ``first`` (the first uncommitted) on: they run again."""
+    return [s.step for s in in_flight if s.step >= first]
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The survivors that stay (their progress by worker id) and the workers that are dead,
+    silent or did not settle (removed with the dead)."""
+
+    alive: dict[int, Progress]
+    lost: list[int]
+
+
+def settle(group: WorkerGroup, generation: int, in_flight: Sequence[InFlight], leaving: frozenset[int], stuck_s: float) -> Settled:
+    """Abort every member's pending steps of ``generation`` and wait (up to ``stuck_s``) until
+    the survivors' (not ``leaving`` ones') have ended, so what each survivor applied can no
+    longer change."""
+    group.abort_all(generation, [c for s in in_flight for c in s.calls], PROBE_S)
+    alive, silent = group.probe(PROBE_S)
+    # Dead workers' calls may take a while to fail (a lost node); the survivors' end within
+    # the abort poll, and only they matter now.
+    theirs = [c for s in in_flight for c in s.calls if c.worker in alive and c.worker not in leaving]
+    _, stuck = group.wait(theirs, len(theirs), stuck_s)
+    stuck_workers = {c.worker for c in stuck}
+    alive, more = group.probe(PROBE_S)
+    staying = {w: p for w, p in alive.items() if w not in stuck_workers and w not in leaving}
+    return Settled(staying, sorted(set(silent) | set(more) | stuck_workers))
+
+
+@dataclass(frozen=True)
+class Reformed:
+    """The group formed again: ``transfer_s`` of state broadcast, ``reform_s`` the rest;
+    ``joined``: new workers that joined it; ``lost``: workers that died while it re-formed
+    (removed)."""
+
+    transfer_s: float
+    reform_s: float
+    joined: tuple[int, ...] = ()
+    lost: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Too few workers: the job ends with ``error`` after saving ``holders``' state (worker id
+    -> next step; may be empty)."""
+
+    holders: dict[int, int]
+    error: str
+
+
+class Reformer:
+    """Forms the group again after its membership changed. ``on_failure(workers, error)`` is
+    told of each failed attempt (events, counters)."""
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        store: RendezvousStore,
+        joiners: JoinerPool,
+        min_workers: int,
+        wait_for_workers_s: float,
+        collective_s: float,
+        on_failed_join: Callable[[list[int], str], None],
+    ) -> None:
+        self.group = group
+        self.store = store
+        self.joiners = joiners
+        self.min_workers = min_workers
+        self.wait_for_workers_s = wait_for_workers_s
+        self.collective_s = collective_s
+        self._on_failed_join = on_failed_join
+
+    def reform(
+        self, alive: Mapping[int, Progress], steps_done: int, without_state: frozenset[int] = frozenset()
+    ) -> Reformed | GiveUp:
+        """Bring the group to ``min_workers`` or more (waiting up to ``wait_for_workers_s`` for
+        replacements) and form it with the survivor that applied the most steps as rank 0,
+        ready joiners joining. A further death meanwhile starts this over, ``MAX_REFORMS``
+        times at most (then raises JobFailed). ``alive``: the members' progress."""
+        waited_since = time.monotonic()
+        lost: list[int] = []
+        joined: list[int] = []
+        for _ in range(MAX_REFORMS):
+            holders = state_holders(alive, steps_done, without_state)
+            self.joiners.fill(force=True)
+            while True:
+                self.joiners.collect()
+                newcomers = self.group.size - len(holders) + len(self.joiners.ready)
+                decision = after_failure(
+                    len(holders), newcomers, self.min_workers, time.monotonic() - waited_since, self.wait_for_workers_s
+                )
+                if decision.action == "continue":
+                    break
+                if decision.action == "fail":
+                    return GiveUp(holders, decision.reason)
+                self.joiners.collect(timeout_s=1.0)
+                self.joiners.fill()
+            root, _ = pick_root(holders)
+            self.group.lead_with(root)
+            admitted = self.joiners.admit()
+            joined += admitted
+            started = time.time()
+            try:
+                transfer_s = self.group.form_group(self.store)
+                stayed = tuple(w for w in joined if w not in lost)
+                return Reformed(transfer_s, time.time() - started - transfer_s, stayed, tuple(lost))
+            except (CallFailed, WorkerGroupError) as err:
+                alive, silent = self.after_failed_join(err)
+                lost += silent
+                without_state = without_state | frozenset(admitted)
+        raise JobFailed(f"the group could not be re-formed after {MAX_REFORMS} attempts")
+
+    def after_failed_join(self, err: BaseException) -> tuple[dict[int, Progress], list[int]]:
+        """A rendezvous failed (a member died while the group formed): abort it everywhere,
+        remove whoever does not answer; returns the others' progress and the removed ids."""
+        self.group.abort_all(self.store.generation, [], self.collective_s)
+        alive, silent = self.group.probe(PROBE_S)
+        self._on_failed_join(silent, str(err))
+        self.group.remove(silent)
+        return alive, silent

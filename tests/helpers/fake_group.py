@@ -1,0 +1,329 @@
+"""An in-process worker group for driving the controller and the recovery core without Ray,
+as Ray Train V2's tests swap in a dummy worker group and torchft's fail a given rank at a given
+step with an event injector.
+
+Fake workers apply steps in order (refusing any step that is not their next, as the real actor
+does), and a ``Faults`` plan makes them die in a step (before or after its all-reduce), die
+while the group re-forms or while a checkpoint is written, stall, run slow, or raise. Peers of a
+worker that died mid-step block in the all-reduce until the driver aborts them, as survivors two
+hops from a dead rank do in gloo. Checkpoint parts are real files with their real sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from orchestrator.config import JobConfig
+from orchestrator.group import Call, CallFailed, FailureKind
+from orchestrator.rendezvous import RendezvousStore
+from policies.work_stealing import StepPlan
+from workers.checkpoint_storage import CheckpointStorage, FileEntry
+from workers.protocol import Phase, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
+
+BLOCKED = float("inf")  # a call that ends only when aborted
+
+
+@dataclass
+class Faults:
+    """What goes wrong, by worker id. ``die_in_step[(w, s)]``: w dies in step s; True if after
+    the all-reduce (its peers apply s). ``die_joining[w]``: w dies in the first re-forming at or
+    after that step. ``die_writing[(w, s)]``: w dies writing the checkpoint of the state after
+    s steps. ``stall[(w, s)]``: w stops that many seconds at the start of s. ``shard_s[w]``: w's
+    measured seconds per shard (default 0.01). ``error_in_step[(w, s)]``: w raises."""
+
+    die_in_step: dict[tuple[int, int], bool] = field(default_factory=dict)
+    die_joining: dict[int, int] = field(default_factory=dict)
+    die_writing: set[tuple[int, int]] = field(default_factory=set)
+    stall: dict[tuple[int, int], float] = field(default_factory=dict)
+    shard_s: dict[int, float] = field(default_factory=dict)
+    error_in_step: dict[tuple[int, int], str] = field(default_factory=dict)
+
+
+@dataclass
+class FakeWorker:
+    info: WorkerInfo
+    alive: bool = True
+    next_step: int = 0
+    joined_before: bool = False
+    applied: list[int] = field(default_factory=list)
+
+    @property
+    def worker(self) -> int:
+        return self.info.worker
+
+
+@dataclass
+class FakeCall:
+    """A call's fate: it ends at ``ends_at`` (monotonic; BLOCKED: only an abort ends it) with
+    ``value`` or ``error``; ``apply`` is the step the worker applies when it ends well."""
+
+    worker: FakeWorker
+    ends_at: float
+    value: Any = None
+    error: CallFailed | None = None
+    apply: int | None = None
+    step: int | None = None
+    expect_step: int | None = None  # a snapshot: the worker must be at this step when it ends
+    ended: bool = False
+
+
+class FakeWorkerGroup:
+    """Implements ``orchestrator.group.WorkerGroup`` in-process. ``replacements``: whether free
+    slots get new workers (each ready ``join_delay_s`` after it is started)."""
+
+    def __init__(self, job: JobConfig, faults: Faults | None = None, *, replacements: bool = True, join_delay_s: float = 0.0) -> None:
+        self.job = job
+        self.faults = faults or Faults()
+        self.replacements = replacements
+        self.join_delay_s = join_delay_s
+        self.members: list[FakeWorker] = []
+        self.joiners: list[tuple[FakeWorker, float]] = []
+        self.retired = 0
+        self.calls: list[FakeCall] = []
+        self.at_shutdown: list[FakeWorker] = []
+        self.generations = 0
+        self._next_id = 0
+        self._num_steps = job.steps or 0
+
+    # Membership
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def workers(self) -> list[int]:
+        return [m.worker for m in self.members]
+
+    @property
+    def info(self) -> list[WorkerInfo]:
+        return [m.info for m in self.members]
+
+    @property
+    def capacity(self) -> int:
+        return (self.job.scaling.max_workers or self.job.scaling.workers) - self.retired
+
+    @property
+    def loading(self) -> int:
+        return len(self.joiners)
+
+    def _new_worker(self) -> FakeWorker:
+        worker = self._next_id
+        self._next_id += 1
+        info = WorkerInfo(worker, 1000, self._num_steps, 10, "cpu", f"node{worker % 2}", "fake", 10_000 + worker)
+        return FakeWorker(info)
+
+    def start(self, count: int) -> list[WorkerInfo]:
+        self.members = [self._new_worker() for _ in range(count)]
+        return self.info
+
+    def fill_slots(self, dead_nodes: set[str]) -> int:
+        if not self.replacements:
+            return 0
+        started = 0
+        while self.size + self.loading < self.capacity:
+            self.joiners.append((self._new_worker(), time.monotonic() + self.join_delay_s))
+            started += 1
+        return started
+
+    def ready_joiners(self, timeout_s: float = 0.0) -> list[FakeWorker]:
+        if self.joiners and timeout_s > 0:
+            first = min(at for _, at in self.joiners)
+            time.sleep(max(0.0, min(timeout_s, first - time.monotonic())))
+        now = time.monotonic()
+        ready = [w for w, at in self.joiners if at <= now]
+        self.joiners = [(w, at) for w, at in self.joiners if at > now]
+        return ready
+
+    def admit(self, members: Sequence[FakeWorker]) -> None:
+        self.members.extend(members)
+
+    def lead_with(self, worker: int) -> None:
+        self.members.sort(key=lambda m: m.worker != worker)
+
+    def remove(self, workers: Sequence[int], retire: bool = False) -> None:
+        gone = [m for m in self.members if m.worker in workers]
+        for member in gone:
+            self._die(member)
+        self.retired += len(gone) if retire else 0
+        self.members = [m for m in self.members if m.worker not in workers]
+
+    def kill(self, worker: int) -> None:
+        for member in self.members:
+            if member.worker == worker:
+                self._die(member)
+
+    def _die(self, member: FakeWorker) -> None:
+        """The worker's pending calls fail at once; its peers' block in their collectives."""
+        member.alive = False
+        for call in self._pending():
+            if call.worker is member:
+                call.ends_at, call.error = time.monotonic(), CallFailed(member.worker, FailureKind.DIED, "ActorDiedError: killed")
+            elif call.step is not None:
+                call.ends_at = BLOCKED
+
+    def form_group(self, store: RendezvousStore) -> float:
+        store.next_prefix()
+        self.generations += 1
+        for member in self.members:
+            at = self.faults.die_joining.get(member.worker)
+            if member.joined_before and at is not None and member.next_step >= at:
+                del self.faults.die_joining[member.worker]
+                member.alive = False
+            if not member.alive:
+                raise CallFailed(member.worker, FailureKind.DIED, "ActorDiedError: died during the rendezvous")
+        root = self.members[0].next_step
+        for member in self.members:
+            member.next_step, member.joined_before = root, True
+        return 0.001
+
+    def restore(self, root: str, name: str, manifest: dict[str, Any]) -> None:
+        self.members[0].next_step = int(manifest["step"])
+
+    # Calls
+
+    def _pending(self) -> list[FakeCall]:
+        return [c for c in self.calls if not c.ended]
+
+    def _call(self, call: FakeCall) -> Call:
+        self.calls.append(call)
+        return Call(call.worker.worker, call)
+
+    def submit_step(self, step: int, plan: StepPlan) -> list[Call]:
+        if len(plan.shards_by_rank) != self.size:
+            raise ValueError(f"plan is for {len(plan.shards_by_rank)} ranks, group has {self.size}")
+        now = time.monotonic()
+        # A step starts once every member's previous call has ended; blocked stays blocked.
+        start = max([now] + [c.ends_at for c in self._pending() if c.step is not None])
+        start += max((self.faults.stall.get((m.worker, step), 0.0) for m in self.members), default=0.0)
+        dying = {m.worker: self.faults.die_in_step.pop((m.worker, step)) for m in self.members if (m.worker, step) in self.faults.die_in_step}
+        calls = []
+        for rank, member in enumerate(self.members):
+            call = FakeCall(member, start, step=step)
+            error = self.faults.error_in_step.pop((member.worker, step), None)
+            if not member.alive or member.worker in dying:
+                call.error = CallFailed(member.worker, FailureKind.DIED, "ActorDiedError: the actor died")
+                call.ends_at, member.alive = now, False
+            elif error is not None:
+                call.error = CallFailed(member.worker, FailureKind.ERROR, f"ValueError: {error}")
+            elif dying and not all(dying.values()) or any(not m.alive for m in self.members if m.worker not in dying):
+                call.ends_at = BLOCKED  # a peer died before the all-reduce finished
+            else:
+                call.value, call.apply = self._report(step, rank, member, plan), step
+            calls.append(self._call(call))
+        return calls
+
+    def _report(self, step: int, rank: int, member: FakeWorker, plan: StepPlan) -> StepTelemetry:
+        shards = tuple(plan.shards_by_rank[rank])
+        shard_s = self.faults.shard_s.get(member.worker, 0.01)
+        samples = len(shards) * (self.job.batch_size // self.job.shards)
+        return StepTelemetry(
+            step=step, rank=rank, worker=member.worker, shards=shards, samples=samples,
+            global_samples=self.job.batch_size, loss=1.0 / (step + 1), compute_s=shard_s * len(shards),
+            comm_s=0.0, optim_s=0.0, step_s=shard_s * max(len(s) for s in plan.shards_by_rank),
+            shards_run=len(shards), shard_s=shard_s,
+        )
+
+    def _settle_calls(self) -> None:
+        """End the calls whose time has come, in order, applying their steps."""
+        now = time.monotonic()
+        for call in sorted(self._pending(), key=lambda c: c.ends_at):
+            if call.ends_at > now:
+                continue
+            call.ended = True
+            if call.error is None and call.expect_step is not None and call.worker.next_step != call.expect_step:
+                call.error = CallFailed(call.worker.worker, FailureKind.ERROR, "RuntimeError: not at the step")
+            if call.error is None and call.apply is not None:
+                if call.worker.next_step != call.apply:
+                    call.error = CallFailed(
+                        call.worker.worker, FailureKind.ERROR,
+                        f"RuntimeError: asked for step {call.apply}, next is {call.worker.next_step}",
+                    )
+                else:
+                    call.worker.next_step = call.apply + 1
+                    call.worker.applied.append(call.apply)
+
+    def wait(self, calls: Sequence[Call], num_returns: int, timeout_s: float) -> tuple[list[Call], list[Call]]:
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            self._settle_calls()
+            ended = [c for c in calls if c.handle.ended]
+            if len(ended) >= min(num_returns, len(calls)) or time.monotonic() >= deadline:
+                return ended, [c for c in calls if not c.handle.ended]
+            soonest = min([c.handle.ends_at for c in calls if not c.handle.ended] + [deadline])
+            time.sleep(max(0.0, min(soonest, deadline) - time.monotonic()) + 0.001)
+
+    def result(self, call: Call) -> Any:
+        fake: FakeCall = call.handle
+        assert fake.ended, "result of a call that has not ended"
+        if fake.error is not None:
+            raise fake.error
+        return fake.value
+
+    def abort_all(self, generation: int, pending: Sequence[Call], timeout_s: float) -> None:
+        self._settle_calls()
+        for call in self._pending():
+            if call.step is not None:
+                call.ends_at, call.apply, call.value = time.monotonic(), None, None
+                kind = FailureKind.PEER_LOST if call.worker.alive else FailureKind.DIED
+                call.error = call.error or CallFailed(call.worker.worker, kind, "CollectiveAborted: aborted by the driver")
+        self._settle_calls()
+
+    def progress(self, timeout_s: float) -> dict[int, Progress | None]:
+        self._settle_calls()
+        now = time.monotonic()
+        out: dict[int, Progress | None] = {}
+        for member in self.members:
+            mine = [c for c in self._pending() if c.worker is member and c.step is not None]
+            if not member.alive:
+                out[member.worker] = None
+            elif not mine:
+                out[member.worker] = Progress(member.next_step - 1, Phase.DONE, 0.0, member.next_step)
+            else:
+                stalled = (member.worker, mine[0].step) in self.faults.stall and mine[0].ends_at > now
+                phase = Phase.STALL if stalled else Phase.REDUCE
+                out[member.worker] = Progress(mine[0].step or 0, phase, 1.0, member.next_step)
+        return out
+
+    def probe(self, timeout_s: float) -> tuple[dict[int, Progress], list[int]]:
+        report = self.progress(timeout_s)
+        return {w: p for w, p in report.items() if p is not None}, [w for w, p in report.items() if p is None]
+
+    # Checkpoints, evaluation, shutdown
+
+    def snapshot(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> tuple[list[Call], list[Call]]:
+        copies, writes = [], []
+        for member, request in zip(self.members, requests):
+            # Queued behind the member's steps in flight, as on the actor's compute thread.
+            after = max([time.monotonic()] + [c.ends_at for c in self._pending() if c.worker is member and c.step is not None])
+            copy = FakeCall(member, after, value=0.001, expect_step=request.step)
+            write = FakeCall(member, after)
+            if (member.worker, request.step) in self.faults.die_writing:
+                self.faults.die_writing.discard((member.worker, request.step))
+                self._die(member)
+                write.error = CallFailed(member.worker, FailureKind.DIED, "ActorDiedError: died writing")
+            else:
+                write.value = [_write_part(request)]
+            copies.append(self._call(copy))
+            writes.append(self._call(write))
+        return copies, writes
+
+    def evaluate(self, timeout_s: float) -> dict[str, float]:
+        return {"loss": 0.0}
+
+    def model_state(self, timeout_s: float) -> dict[str, Any]:
+        return {}
+
+    def shutdown(self) -> None:
+        self.at_shutdown = list(self.members)  # for the tests' checks
+        self.members, self.joiners = [], []
+
+
+def _write_part(request: SnapshotRequest) -> FileEntry:
+    data = f"part {request.index} of {request.count} at step {request.step}".encode()
+    relpath = f"part-{request.index}-of-{request.count}-{request.tag}.pt"
+    CheckpointStorage(request.root).write_bytes(f"{request.name}/{relpath}", data)
+    return FileEntry(relpath, hashlib.sha256(data).hexdigest(), len(data))

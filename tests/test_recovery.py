@@ -1,0 +1,220 @@
+"""The controller and its recovery core, driven through an in-process fake worker group
+(``tests/helpers/fake_group.py``): no Ray, milliseconds per scenario.
+
+Every scenario checks the job's invariant: each step is committed exactly once and in order,
+no replica applies a step twice or skips one, and every member ends at the last step."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.chaos_control import ChaosControl
+from orchestrator.config import JobConfig, load_job
+from orchestrator.controller import JobController
+from orchestrator.recovery import first_uncommitted, state_holders, steps_to_redo
+from orchestrator.rendezvous import RendezvousStore
+from orchestrator.run_dir import RunDirectory
+from orchestrator.pipeline import InFlight, StepOutcome
+from orchestrator.states import (
+    Failed,
+    Finished,
+    IllegalTransition,
+    Recovering,
+    Running,
+    Starting,
+    check_transition,
+)
+from tests.helpers.fake_group import Faults, FakeWorkerGroup
+from tests.helpers.jobs import jsonl
+from workers.checkpoint_storage import MANIFEST, CheckpointStorage, latest_valid
+from workers.protocol import Phase, Progress
+
+STEPS = 20
+
+
+def _job(*overrides: str) -> JobConfig:
+    return load_job(None, [f"steps={STEPS}", "eval=null", "scaling.workers=3", "stragglers.rebalance=false", *overrides], resolve=False)
+
+
+class Ran:
+    """A finished fake run: its summary, events, states and group."""
+
+    def __init__(self, tmp_path: Path, faults: Faults | None, overrides: tuple[str, ...], **group_options: object) -> None:
+        self.job = _job(*overrides)
+        run = RunDirectory(tmp_path / "run")
+        self.group = FakeWorkerGroup(self.job, faults, **group_options)  # type: ignore[arg-type]
+        store = RendezvousStore("127.0.0.1", 10.0)
+        controller = JobController(
+            self.job, run, self.group, store, chaos=ChaosControl(self.job.chaos, None, 0, run.event), launched=time.perf_counter()
+        )
+        started = time.perf_counter()
+        self.summary = controller.execute().summary
+        self.seconds = time.perf_counter() - started
+        self.run_dir = run.path
+        self.events = jsonl(run.path / "events.jsonl")
+        self.states = [e["new"] for e in self.events if e["event"] == "state"]
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["event"] == kind]
+
+    def assert_exact(self) -> None:
+        assert self.summary["status"] == "finished", self.summary.get("error")
+        assert [e["step"] for e in self.of("step")] == list(range(STEPS))
+        assert self.summary["steps"] == STEPS
+        assert len(self.group.at_shutdown) == self.summary["workers"]["end"] > 0
+        for member in self.group.at_shutdown:
+            assert member.next_step == STEPS
+            assert member.applied == sorted(set(member.applied)), f"worker {member.worker} applied {member.applied}"
+
+
+def _run(tmp_path: Path, faults: Faults | None = None, *overrides: str, **group_options: object) -> Ran:
+    return Ran(tmp_path, faults, overrides, **group_options)
+
+
+def test_a_clean_run_goes_starting_running_finished(tmp_path):
+    ran = _run(tmp_path)
+    ran.assert_exact()
+    assert ran.states == ["running", "finished"]
+    assert not any(ran.summary["events"][k] for k in ("failures", "recoveries", "steps_redone", "joins"))
+
+
+def test_one_death_mid_step_is_recovered_and_its_replacement_joins(tmp_path):
+    ran = _run(tmp_path, Faults(die_in_step={(1, 5): False}))
+    ran.assert_exact()
+    assert ran.states == ["running", "recovering", "running", "finished"]
+    (recovery,) = ran.summary["recoveries"]
+    assert recovery["workers"] == [1] and recovery["at_step"] == 5 and recovery["redo_steps"] == [5, 6]
+    assert ran.summary["events"]["failures"] == 1 and ran.summary["events"]["joins"] == 1
+    reformed = ran.of("group_reformed")[0]["workers"]
+    assert reformed[-1] == 3 and reformed[0] != 3  # the replacement joined; it is never the source
+    assert ran.summary["workers"] == {"start": 3, "end": 3}
+
+
+def test_two_deaths_in_one_step_are_one_recovery(tmp_path):
+    ran = _run(tmp_path, Faults(die_in_step={(1, 7): False, (2, 7): False}), "scaling.workers=4")
+    ran.assert_exact()
+    (recovery,) = ran.summary["recoveries"]
+    assert recovery["workers"] == [1, 2] and recovery["at_step"] == 7
+    assert ran.summary["events"]["failures"] == 2 and ran.summary["events"]["recoveries"] == 1
+
+
+def test_a_death_after_the_all_reduce_commits_the_step_and_redoes_only_the_next(tmp_path):
+    ran = _run(tmp_path, Faults(die_in_step={(2, 5): True}))
+    ran.assert_exact()
+    (recovery,) = ran.summary["recoveries"]
+    # The survivors applied step 5: it is committed from their reports, not run again.
+    assert recovery["at_step"] == 6 and recovery["redo_steps"] == [6]
+    step5 = [r for r in jsonl(ran.run_dir / "telemetry.jsonl") if r["step"] == 5]
+    assert sorted(r["worker"] for r in step5) == [0, 1]
+
+
+def test_a_death_during_re_forming_starts_it_over(tmp_path):
+    ran = _run(tmp_path, Faults(die_in_step={(1, 6): False}, die_joining={2: 6}), "scaling.workers=4")
+    ran.assert_exact()
+    assert len(ran.of("reform_failed")) == 1
+    (recovery,) = ran.summary["recoveries"]
+    assert sorted(recovery["workers"]) == [1, 2]
+    assert ran.summary["events"]["failures"] == 2
+
+
+def test_a_silent_worker_is_evicted_and_not_replaced(tmp_path):
+    faults = Faults(stall={(2, 5): 30.0})
+    ran = _run(tmp_path, faults, "stragglers.silent_s=0.3")
+    ran.assert_exact()
+    assert ran.seconds < 10  # nobody waited out the 30 s stall
+    (evict,) = ran.of("evict")
+    assert evict["worker"] == 2 and evict["reason"] == "silent"
+    assert evict["evidence"]["progress"]["phase"] == Phase.STALL.value
+    assert ran.summary["events"]["evictions"] == 1 and ran.summary["events"]["failures"] == 0
+    assert ran.summary["workers"] == {"start": 3, "end": 2} and ran.group.capacity == 2
+
+
+def test_a_persistently_far_slower_worker_is_evicted(tmp_path):
+    ran = _run(tmp_path, Faults(shard_s={1: 0.5}))
+    ran.assert_exact()
+    (evict,) = ran.of("evict")
+    assert evict["worker"] == 1 and evict["reason"] == "slow" and evict["evidence"]["ratio"] > 8
+    assert 1 not in [m.worker for m in ran.group.at_shutdown] and ran.summary["events"]["evictions"] == 1
+
+
+def test_too_few_workers_left_saves_a_checkpoint_then_fails(tmp_path):
+    ran = _run(
+        tmp_path, Faults(die_in_step={(1, 5): False}), "scaling.workers=2", "scaling.min_workers=2",
+        "scaling.wait_for_workers_s=0", replacements=False,
+    )
+    assert ran.summary["status"] == "failed"
+    assert "min_workers" in ran.summary["error"] and "wait_for_workers_s" in ran.summary["error"]
+    assert ran.states == ["running", "recovering", "checkpointing_before_failure", "failed"]
+    (saved,) = ran.of("checkpoint")
+    assert saved["why"] == "before failing" and saved["step"] == ran.summary["steps"] == 5
+    assert latest_valid(CheckpointStorage(str(ran.run_dir / "checkpoints")), print)[0] == saved["name"]
+
+
+def test_a_replacement_that_is_still_loading_is_waited_for_below_min_workers(tmp_path):
+    ran = _run(
+        tmp_path, Faults(die_in_step={(1, 5): False}), "scaling.workers=2", "scaling.min_workers=2",
+        join_delay_s=0.5,
+    )
+    ran.assert_exact()
+    (reformed,) = ran.of("group_reformed")
+    assert reformed["workers"] == [0, 2]  # the replacement joined the re-forming
+    assert ran.summary["events"]["joins"] == 1
+
+
+def test_a_failure_while_a_checkpoint_is_written_abandons_only_that_one(tmp_path):
+    ran = _run(tmp_path, Faults(die_writing={(1, 8)}), "checkpoint.every_steps=4", "checkpoint.keep=10")
+    ran.assert_exact()
+    assert "step-00000008" in [e["name"] for e in ran.of("checkpoint_abandoned")]
+    storage = CheckpointStorage(str(ran.run_dir / "checkpoints"))
+    assert not storage.exists(f"step-00000008/{MANIFEST}")
+    assert 4 in [e["step"] for e in ran.of("checkpoint")] and 12 in [e["step"] for e in ran.of("checkpoint")]
+    assert ran.summary["events"]["failures"] == 1
+
+
+def test_growth_adds_workers_at_a_step_boundary(tmp_path):
+    # The newcomer loads while step 3 is held up, and joins at the next boundary.
+    ran = _run(tmp_path, Faults(stall={(0, 3): 0.5}), "scaling.workers=2", "scaling.max_workers=3", join_delay_s=0.2)
+    ran.assert_exact()
+    (grow,) = ran.of("grow")
+    assert grow["joined"] == [2] and grow["workers"] == [0, 1, 2]
+    assert "growing" in ran.states and ran.summary["workers"] == {"start": 2, "end": 3}
+
+
+def test_a_death_while_the_group_grows_is_recovered_without_the_newcomer_as_source(tmp_path):
+    faults = Faults(die_joining={1: 1}, stall={(0, 3): 0.5})
+    ran = _run(tmp_path, faults, "scaling.workers=2", "scaling.max_workers=3", join_delay_s=0.2)
+    ran.assert_exact()
+    assert "growing" in ran.states and ran.states[ran.states.index("growing") + 1] == "recovering"
+    reformed = ran.of("group_reformed")[0]
+    assert reformed["workers"][0] == 0 and 1 not in reformed["workers"]
+
+
+def test_a_worker_error_fails_the_job_without_retrying(tmp_path):
+    ran = _run(tmp_path, Faults(error_in_step={(2, 4): "bad batch"}))
+    assert ran.summary["status"] == "failed" and "bad batch" in ran.summary["error"]
+    assert ran.summary["events"]["recoveries"] == 0 and ran.summary["steps"] == 4
+
+
+def test_state_transitions_are_checked():
+    check_transition(Starting(), Running(0))
+    with pytest.raises(IllegalTransition):
+        check_transition(Starting(), Recovering(StepOutcome()))
+    with pytest.raises(IllegalTransition):
+        check_transition(Finished(), Failed("late"))
+
+
+def _progress(next_step: int) -> Progress:
+    return Progress(step=next_step - 1, phase=Phase.DONE, since_s=0.0, next_step=next_step)
+
+
+def test_commit_and_redo_decisions():
+    alive = {0: _progress(6), 2: _progress(5), 3: _progress(-1)}
+    assert first_uncommitted(alive, steps_done=5) == 6  # worker 0 applied step 5: committed
+    assert first_uncommitted({}, steps_done=5) == 5
+    assert state_holders(alive, steps_done=5) == {0: 6, 2: 5}  # 3's transfer broke off
+    assert state_holders(alive, steps_done=5, without_state=frozenset({0})) == {2: 5}
+    in_flight = [InFlight(5, ()), InFlight(6, ())]
+    assert steps_to_redo(in_flight, 6) == [6] and steps_to_redo(in_flight, 5) == [5, 6]

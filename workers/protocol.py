@@ -1,0 +1,165 @@
+"""What crosses the actor boundary between the driver and a worker: small frozen dataclasses
+and enums, so neither side indexes a dict the other built (docs/architecture.md, "The worker
+protocol").
+
+Requests the driver sends: ``JoinRequest`` (form a generation's process group) and
+``SnapshotRequest`` (checkpoint a part of the state); ``train_step`` takes a
+``policies.work_stealing.StepPlan``, ``abort`` a generation number. Answers a worker gives:
+``WorkerInfo`` (``describe``), ``Progress`` (``progress``), ``Joined`` (``join_group``),
+``StepTelemetry`` (``train_step``) and ``FileEntry`` lists (``checkpoint_written``).
+
+Pure: no torch, no Ray; the driver's policies read these types too.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class Phase(str, enum.Enum):
+    """Where a worker is within a step (``Progress.phase``).
+
+    ``STALL`` (an injected stall before the step's work), ``COMPUTE`` (forward and backward over
+    its shards), ``IDLE`` (its shards are done, waiting for others' before the all-reduce),
+    ``REDUCE`` (in the all-reduce), ``DONE`` (the step is applied, or none has started)."""
+
+    STALL = "stall"
+    COMPUTE = "compute"
+    IDLE = "idle"
+    REDUCE = "reduce"
+    DONE = "done"
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a worker in this phase is waiting for its peers (its own work is done)."""
+        return self in (Phase.IDLE, Phase.REDUCE, Phase.DONE)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's ``describe()``: facts the driver needs before training.
+
+    ``worker``: its id for life (ranks change when the group re-forms); ``node_id``: the Ray
+    node it runs on (topology for the hierarchical all-reduce, node chaos); ``pid``: its
+    process; ``num_steps``: the job's steps as this worker's sampler counts them."""
+
+    worker: int
+    num_samples: int
+    num_steps: int
+    num_params: int
+    device: str
+    node_id: str
+    hostname: str
+    pid: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A worker's ``progress()``: it is in ``phase`` of ``step`` since ``since_s`` seconds, and
+    ``next_step`` is the next step its replica would apply (the optimizer steps it holds; -1
+    while a state transfer into it is incomplete, so it holds no usable state)."""
+
+    step: int
+    phase: Phase
+    since_s: float
+    next_step: int
+
+    def waiting_in(self, step: int) -> bool:
+        """Whether this worker has done its own work of ``step`` and waits for the others."""
+        return self.step > step or (self.step == step and self.phase.waiting)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "phase": self.phase.value, "since_s": self.since_s, "next_step": self.next_step}
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """Form generation ``generation``'s process group as rank ``rank`` of ``len(nodes)``
+    through the driver's TCPStore at ``store_host:store_port`` under key ``prefix``;
+    ``nodes[r]`` is rank r's Ray node id. ``timeout_s`` bounds the rendezvous."""
+
+    store_host: str
+    store_port: int
+    prefix: str
+    generation: int
+    rank: int
+    nodes: tuple[str, ...]
+    timeout_s: float
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes)
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A finished ``join_group``: ``transfer_s`` seconds took the state broadcast from rank 0,
+    after which the worker holds the state to apply ``next_step``."""
+
+    transfer_s: float
+    next_step: int
+
+
+@dataclass(frozen=True)
+class SnapshotRequest:
+    """Checkpoint the state after ``step`` steps: part ``index`` of ``count`` into checkpoint
+    ``name`` under ``root`` (a path or URI), as attempt ``tag`` (a retaken checkpoint never
+    shares files with an abandoned one)."""
+
+    step: int
+    root: str
+    name: str
+    tag: str
+    index: int
+    count: int
+
+
+@dataclass(frozen=True)
+class StepTelemetry:
+    """One worker's account of one step (``train_step``'s answer). Times are wall-clock
+    seconds on that worker.
+
+    ``compute_s``: forward and backward over its shards, with any injected slowness (with
+    overlap, the all-reduce of early buckets runs inside it), not counting ``idle_s`` (waiting
+    for other workers' shards before the all-reduce) or ``stalled_s`` (an injected stall);
+    ``comm_s``: time spent waiting for the all-reduce after backward, the exposed part of
+    communication; ``optim_s``: the optimizer step. ``loss`` and ``global_samples`` are the whole
+    step's (the same on every rank, read back from the all-reduce); ``samples`` and ``shards``
+    (the shards whose gradient this worker contributed) are this rank's.
+    ``shards_run``: shards computed, including discarded backups and lost races;
+    ``shard_s``: compute seconds per shard run, the inverse of this worker's speed;
+    ``bytes_sent``: by this worker's process group since it was formed (cumulative).
+    ``stolen``/``backups``/``backups_won``/``races_lost``: this step's straggler mitigation.
+    """
+
+    step: int
+    rank: int
+    worker: int
+    shards: tuple[int, ...]
+    samples: int
+    global_samples: int
+    loss: float
+    compute_s: float
+    comm_s: float
+    optim_s: float
+    step_s: float
+    shards_run: int = 0
+    shard_s: float = 0.0
+    samples_per_s: float = 0.0
+    idle_s: float = 0.0
+    stalled_s: float = 0.0
+    bytes_sent: int = 0
+    stolen: int = 0
+    backups: int = 0
+    backups_won: int = 0
+    races_lost: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["shards"] = list(self.shards)
+        return record
