@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 from orchestrator.config import ChaosConfig, KillChaos
 from orchestrator.group import WorkerGroup
 from orchestrator.rendezvous import RendezvousStore
-from workers.actor import death_key
+from workers.chaos import death_key
 from workers.protocol import Phase
 
 if TYPE_CHECKING:

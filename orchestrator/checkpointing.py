@@ -21,15 +21,8 @@ from orchestrator.group import Call, CallFailed, WorkerGroup
 from orchestrator.run_dir import RunDirectory
 from policies.checkpoint_interval import CheckpointInterval
 from workers.protocol import SnapshotRequest
-from workers.checkpoint_storage import (
-    MANIFEST,
-    CheckpointStorage,
-    FileEntry,
-    checkpoint_name,
-    latest_valid,
-    prune,
-    write_manifest,
-)
+from workers.checkpoint_storage import CheckpointStorage, checkpoint_name
+from workers.checkpoint_manifest import MANIFEST, FileEntry, latest_valid, prune, write_manifest
 
 # Fields of a job that decide its trajectory: a checkpoint resumes only a job that agrees on
 # them. Worker counts, timeouts, straggler handling, chaos and ``steps`` (to extend a run) may

@@ -105,7 +105,8 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from orchestrator.config import ConfigError, job_source, load_job
+    from orchestrator.config import ConfigError
+    from orchestrator.job_file import job_source, load_job
     from orchestrator.run_dir import JOB_FILE, RunDirectory
 
     # Like `python -m`: job files may name factories in modules next to where the user runs.

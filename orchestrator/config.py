@@ -2,18 +2,18 @@
 
 The defaults of :class:`JobConfig` are the built-in example (the digits classifier), so
 ``ringleader run`` with no job file trains it; ``examples/digits.yaml`` spells the same job out.
+Reading a job file and ``--set`` overrides into a JobConfig is ``orchestrator/job_file.py``.
 """
 
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from workers.factories import locate_import_path, resolve_import_path
+from workers.factories import locate_import_path
+
 
 class ConfigError(Exception):
     """A job file or override is invalid. ``str(err)`` is the message for the user."""
@@ -119,7 +119,7 @@ class WorkerConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
-    """Coordinated checkpoints (design §4), taken at a step boundary.
+    """Coordinated checkpoints (docs/architecture.md, "Checkpoints"), taken at a step boundary.
 
     ``every_steps``: 0 for none, N for every N steps, or ``auto`` for the Young/Daly interval
     sqrt(2 x cost x MTBF) from the measured checkpoint cost and the observed failure rate (with
@@ -273,7 +273,7 @@ class ChaosConfig(_Strict):
 
 
 class StragglerConfig(_Strict):
-    """Straggler detection and mitigation (design §3).
+    """Straggler detection and mitigation (docs/architecture.md, "The step protocol").
 
     ``mitigation``: master switch; when off, every worker runs exactly its planned shards.
     ``steal``: idle workers take unstarted shards of late workers; ``speculate``: they back up
@@ -371,105 +371,3 @@ class JobConfig(_Strict):
                 f"({self.scaling.max_workers}), or some workers would have nothing to do"
             )
         return self
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``--set a.b=value`` overrides (values parsed as YAML) to a raw job mapping."""
-    result = dict(raw)
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set steps=50")
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"--set {item!r}: value is not valid YAML ({err})") from None
-        node = result
-        parts = key.split(".")
-        for depth, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = {}
-            elif not isinstance(child, dict):
-                where = ".".join(parts[: depth + 1])
-                raise ConfigError(f"--set {item!r}: field '{where}' is not a mapping")
-            node[part] = dict(child)
-            node = node[part]
-        node[parts[-1]] = value
-    return result
-
-
-def _describe(err: ValidationError, source: str) -> str:
-    lines = [f"invalid job ({source}):"]
-    for problem in err.errors():
-        field = ".".join(str(p) for p in problem["loc"]) or "(top level)"
-        if problem["type"] == "extra_forbidden":
-            message = "unknown field"
-        else:
-            message = problem["msg"].removeprefix("Value error, ")
-        got = problem.get("input")
-        shown = "" if problem["type"] in ("missing",) or isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"  field '{field}': {message}{shown}")
-    return "\n".join(lines)
-
-
-def load_job(path: str | Path | None, overrides: list[str] | None = None, *, resolve: bool = True) -> JobConfig:
-    """Read, override and validate a job. ``path=None`` gives the built-in example.
-
-    With ``resolve`` (the default) also runs ``resolve_job``; without it nothing heavy is
-    imported, and the caller must run ``resolve_job`` before any worker starts.
-    Raises ConfigError naming the file and field on any problem.
-    """
-    source = job_source(path)
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as err:
-            raise ConfigError(f"cannot read job file {source}: {err.strerror}") from None
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"job file {source} is not valid YAML: {err}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"job file {source}: expected a mapping at the top level")
-        raw = loaded
-    raw = apply_overrides(raw, overrides or [])
-    try:
-        job = JobConfig.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(_describe(err, source)) from None
-    if resolve:
-        resolve_job(job, source)
-    return job
-
-
-def job_source(path: str | Path | None) -> str:
-    """How messages name where a job came from."""
-    return "built-in example" if path is None else str(path)
-
-
-def resolve_job(job: JobConfig, source: str) -> None:
-    """The checks that import user code and torch: each factory path names a callable, and
-    the optimizer accepts its kwargs (so they fail here, not in a worker). Raises ConfigError
-    naming every bad field.
-    """
-    from workers.flat_optimizer import parse_optimizer  # torch import kept off the light path
-
-    problems: list[str] = []
-    for name in ("model", "dataset", "eval"):
-        spec: FactorySpec | None = getattr(job, name)
-        if spec is None:
-            continue
-        try:
-            resolve_import_path(spec.factory)
-        except ValueError as err:
-            problems.append(f"  field '{name}.factory': {err} (got {spec.factory!r})")
-    try:
-        parse_optimizer(job.optimizer.name, job.optimizer.kwargs)
-    except (TypeError, ValueError) as err:
-        problems.append(f"  field 'optimizer.kwargs': {err}")
-    if problems:
-        raise ConfigError("\n".join([f"invalid job ({source}):", *problems]))

@@ -10,8 +10,6 @@ actors in a job, an in-process fake in ``tests/test_recovery.py``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -50,31 +48,11 @@ from orchestrator.states import (
     is_terminal,
 )
 from orchestrator.straggler_control import StragglerControl
+from orchestrator.summary import EVENT_COUNTERS, JobResult, job_summary
 from policies.elasticity import pick_root
 from policies.work_stealing import StepPlan
 from workers.claims import open_step
 from workers.protocol import StepTelemetry
-
-EVENT_COUNTERS = (
-    "failures",
-    "recoveries",
-    "steps_redone",
-    "stragglers_detected",
-    "speculative_shards",
-    "speculative_won",
-    "stolen_shards",
-    "rebalances",
-    "checkpoints",
-    "evictions",
-    "joins",
-)
-
-
-@dataclass(frozen=True)
-class JobResult:
-    run_dir: Path
-    summary: dict[str, Any]
-
 
 class JobController:
     """Runs one job on ``group`` (not started yet), meeting its workers at ``store``: start,
@@ -107,10 +85,7 @@ class JobController:
         self.checkpoints = CheckpointCoordinator(job, run, self.counters)
         self.recoveries = RecoveryLog()
         self.joiners = JoinerPool(group, job.scaling.max_workers, lambda: chaos.dead_nodes)
-        self.reformer = Reformer(
-            group, store, self.joiners, job.scaling.min_workers, job.scaling.wait_for_workers_s,
-            job.timeouts.collective_s, self._failed_join,
-        )
+        self.reformer = Reformer(group, store, self.joiners, job.scaling, job.timeouts.collective_s, self._failed_join)
         self.state: State = Starting()
         self.stragglers: StragglerControl | None = None
         self.num_steps = 0
@@ -128,17 +103,17 @@ class JobController:
         """Run the job to a terminal state; returns the run directory and its summary (also
         saved there) whatever the outcome."""
         self.run.event("job_start", name=self.job.name, config=self.job.model_dump(mode="json"))
-        workers_start = self.job.scaling.workers
+        workers = {"start": self.job.scaling.workers}
         try:
             while not is_terminal(self.state):
                 self._step()
         finally:
-            workers_end = self.group.size
+            workers["end"] = self.group.size
             self.checkpoints.abandon("the job ended")
             self.group.shutdown()
             if self._bar is not None:
                 self._bar.close()
-        summary = self._summary(workers_start, workers_end)
+        summary = self._summary(workers)
         self.run.event("job_end", status=summary["status"])
         self.run.save_summary(summary)
         self.run.close()
@@ -331,7 +306,7 @@ class JobController:
         redo = steps_to_redo(state.in_flight, next_step)
         reformed = self.reformer.reform(settled.alive, self.ledger.steps_done, state.without_state)
         if isinstance(reformed, GiveUp):
-            return CheckpointingBeforeFailure(reformed.holders, reformed.error)
+            return CheckpointingBeforeFailure(reformed.holders, reformed.reason)
         recovery.workers += list(reformed.lost)
         self.counters["joins"] += len(reformed.joined)
         recovery.transfer_s, recovery.reform_s = reformed.transfer_s, reformed.reform_s
@@ -355,7 +330,7 @@ class JobController:
             root, step = pick_root(dict(state.holders))
             self.group.lead_with(root)
             self.checkpoints.save_now(self.group, step, self._policy_state(), "before failing", ranks=1, force=True)
-        raise JobFailed(state.error)
+        raise JobFailed(state.reason)
 
     # Growing
 
@@ -391,28 +366,12 @@ class JobController:
         own state is added by the coordinator)."""
         return {"stragglers": {"expected_shard_s": self._stragglers().expected_shard_s}}
 
-    def _summary(self, workers_start: int, workers_end: int) -> dict[str, Any]:
-        ledger = self.ledger
-        summary: dict[str, Any] = {
-            "name": self.job.name,
-            "status": self.state.kind.value,
-            "steps": ledger.steps_done,
-            "steps_planned": self.num_steps,
-            "samples": ledger.samples,
-            "wall_s": time.perf_counter() - self.launched,
-            "train_s": self.train_s,
-            "first_step_s": self.startup_s.get("first_step"),
-            "startup_s": dict(self.startup_s),
-            "samples_per_s": ledger.samples / self.train_s if self.train_s else 0.0,
-            "final_loss": ledger.final_loss,
-            "eval": dict(self.state.metrics) if isinstance(self.state, Finished) else {},
-            "workers": {"start": workers_start, "end": workers_end},
-            "shards_expected": ledger.steps_done * self.job.shards,
-            "shards_committed": ledger.shards_committed,
-            "events": dict(self.counters),
-            "recoveries": [r.to_json() for r in self.recoveries.done],
-            "checkpoints": self.checkpoints.summary(),
-        }
-        if isinstance(self.state, (Failed, Stopped)):
-            summary["error"] = self.state.reason
-        return summary
+    def _summary(self, workers: dict[str, int]) -> dict[str, Any]:
+        state = self.state
+        return job_summary(
+            self.job, state.kind.value, self.ledger, self.num_steps,
+            started=self.launched, train_s=self.train_s, startup_s=self.startup_s,
+            metrics=dict(state.metrics) if isinstance(state, Finished) else {}, workers=workers,
+            counters=self.counters, recoveries=self.recoveries.done, checkpoints=self.checkpoints.summary(),
+            error=state.reason if isinstance(state, (Failed, Stopped)) else None,
+        )

@@ -15,11 +15,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from orchestrator.config import ConfigError, JobConfig, resolve_job
+from orchestrator.config import ConfigError, JobConfig
+from orchestrator.job_file import resolve_job
 from orchestrator.run_dir import RunDirectory
 
 if TYPE_CHECKING:
-    from orchestrator.controller import JobResult
+    from orchestrator.summary import JobResult
 
 # Imports cannot hang, but a wedged file system could; never wait forever.
 PRELOAD_TIMEOUT_S = 300.0

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from orchestrator.config import ScalingConfig
 from orchestrator.errors import JobFailed
 from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.membership import JoinerPool
@@ -89,8 +90,9 @@ class RecoveryLog:
 
 def first_uncommitted(alive: Mapping[int, Progress], steps_done: int) -> int:
     """The first step no survivor applied. A step is committed once any survivor applied it:
-    its all-reduce completed and that survivor's census proved every shard counted once."""
-    return max((p.next_step for p in alive.values()), default=steps_done)
+    its all-reduce completed and that survivor's census proved every shard counted once. Never
+    before ``steps_done`` (a survivor whose state transfer broke off reports -1)."""
+    return max([steps_done, *(p.next_step for p in alive.values())])
 
 
 def state_holders(alive: Mapping[int, Progress], steps_done: int, without_state: frozenset[int] = frozenset()) -> dict[int, int]:
@@ -143,34 +145,26 @@ class Reformed:
 
 @dataclass(frozen=True)
 class GiveUp:
-    """Too few workers: the job ends with ``error`` after saving ``holders``' state (worker id
-    -> next step; may be empty)."""
+    """Too few workers: the job ends with ``reason`` after saving ``holders``' state (worker
+    id -> next step; may be empty)."""
 
     holders: dict[int, int]
-    error: str
+    reason: str
 
 
+@dataclass(frozen=True)
 class Reformer:
-    """Forms the group again after its membership changed. ``on_failure(workers, error)`` is
-    told of each failed attempt (events, counters)."""
+    """Forms ``group`` again after its membership changed, meeting at ``store``, with
+    ``joiners`` joining; ``scaling`` gives min_workers and how long to wait for them;
+    ``collective_s`` bounds an abort. ``on_failed_join(lost, error)`` is told of each failed
+    attempt (events, counters)."""
 
-    def __init__(
-        self,
-        group: WorkerGroup,
-        store: RendezvousStore,
-        joiners: JoinerPool,
-        min_workers: int,
-        wait_for_workers_s: float,
-        collective_s: float,
-        on_failed_join: Callable[[list[int], str], None],
-    ) -> None:
-        self.group = group
-        self.store = store
-        self.joiners = joiners
-        self.min_workers = min_workers
-        self.wait_for_workers_s = wait_for_workers_s
-        self.collective_s = collective_s
-        self._on_failed_join = on_failed_join
+    group: WorkerGroup
+    store: RendezvousStore
+    joiners: JoinerPool
+    scaling: ScalingConfig
+    collective_s: float
+    on_failed_join: Callable[[list[int], str], None]
 
     def reform(
         self, alive: Mapping[int, Progress], steps_done: int, without_state: frozenset[int] = frozenset()
@@ -189,7 +183,8 @@ class Reformer:
                 self.joiners.collect()
                 newcomers = self.group.size - len(holders) + len(self.joiners.ready)
                 decision = after_failure(
-                    len(holders), newcomers, self.min_workers, time.monotonic() - waited_since, self.wait_for_workers_s
+                    len(holders), newcomers, self.scaling.min_workers, time.monotonic() - waited_since,
+                    self.scaling.wait_for_workers_s,
                 )
                 if decision.action == "continue":
                     break
@@ -217,6 +212,6 @@ class Reformer:
         remove whoever does not answer; returns the others' progress and the removed ids."""
         self.group.abort_all(self.store.generation, [], self.collective_s)
         alive, silent = self.group.probe(PROBE_S)
-        self._on_failed_join(silent, str(err))
+        self.on_failed_join(silent, str(err))
         self.group.remove(silent)
         return alive, silent

@@ -106,15 +106,11 @@ class Growing:
 @dataclass(frozen=True)
 class CheckpointingBeforeFailure:
     """Too few workers are left: save the state of the survivor that applied the most steps
-    (``holders``: worker id -> next step), then fail with ``error``."""
+    (``holders``: worker id -> next step), then fail with ``reason``."""
 
     holders: Mapping[int, int]
-    error: str
+    reason: str
     kind = JobState.CHECKPOINTING_BEFORE_FAILURE
-
-    @property
-    def reason(self) -> str:
-        return self.error
 
 
 @dataclass(frozen=True)
@@ -128,12 +124,10 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    error: str
-    kind = JobState.FAILED
+    """The job ended early; ``reason`` is the error for the summary."""
 
-    @property
-    def reason(self) -> str:
-        return self.error
+    reason: str
+    kind = JobState.FAILED
 
 
 @dataclass(frozen=True)

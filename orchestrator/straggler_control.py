@@ -43,7 +43,7 @@ class StragglerControl:
         return self.config.mitigation and self.config.evict
 
     def set_workers(self, workers: list[int]) -> None:
-        """The group changed (evictions): start the split and the estimates over."""
+        """The group changed (re-formed or grown): start the split and the estimates over."""
         for gone in set(self.workers) - set(workers):
             self.detector.forget(gone)
         self.workers = list(workers)

@@ -1,7 +1,7 @@
 """Which worker runs which shards of a step. Pure: no Ray, no torch.
 
 An assignment must cover every shard exactly once; that, not who gets what, is what the
-training result depends on (design.md §1).
+training result depends on (docs/architecture.md, "Commit and census").
 """
 
 from __future__ import annotations

@@ -14,18 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.checkpoint_storage import (
-    MANIFEST,
-    CheckpointCorrupt,
-    CheckpointStorage,
-    FileEntry,
-    checkpoint_name,
-    latest_valid,
-    prune,
-    step_of,
-    verify_checkpoint,
-    write_manifest,
-)
+from workers.checkpoint_storage import CheckpointStorage, checkpoint_name, step_of
+from workers.checkpoint_manifest import MANIFEST, CheckpointCorrupt, FileEntry, latest_valid, prune, verify_checkpoint, write_manifest
 
 
 @pytest.fixture(params=["local", "file-uri", "mock"])

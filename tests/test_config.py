@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from orchestrator.cli import main
-from orchestrator.config import ConfigError, JobConfig, KillChaos, SlowChaos, StallChaos, load_job
+from orchestrator.config import ConfigError, JobConfig, KillChaos, SlowChaos, StallChaos
+from orchestrator.job_file import load_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,7 +108,7 @@ def test_load_job_resolves_by_default(tmp_path, mapping, expected):
 def test_light_validation_imports_no_torch():
     # The launch path relies on it: torch loads in a thread while Ray starts.
     code = (
-        "import sys; from orchestrator.config import load_job; "
+        "import sys; from orchestrator.job_file import load_job; "
         "load_job(None, resolve=False); import orchestrator.launch; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )

@@ -11,7 +11,7 @@ import yaml
 from ray.runtime_env import RuntimeEnv
 
 from orchestrator.cli import _parser
-from orchestrator.config import load_job
+from orchestrator.job_file import load_job
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 

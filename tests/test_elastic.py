@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
-from workers.checkpoint_storage import MANIFEST, CheckpointStorage, latest_valid, verify_checkpoint
+from workers.checkpoint_storage import CheckpointStorage
+from workers.checkpoint_manifest import MANIFEST, latest_valid, verify_checkpoint
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -91,7 +92,7 @@ def test_a_death_during_a_checkpoint_write_leaves_no_manifest_and_loses_nothing(
 
 
 def test_too_few_workers_left_fails_after_saving_a_checkpoint(tmp_path):
-    from orchestrator.config import load_job
+    from orchestrator.job_file import load_job
     from orchestrator.launch import run_job
 
     job = load_job(None, [

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from orchestrator.cli import main
-from orchestrator.config import load_job
-from orchestrator.controller import EVENT_COUNTERS
+from orchestrator.job_file import load_job
+from orchestrator.summary import EVENT_COUNTERS
 from orchestrator.launch import run_job
 from tests.helpers.jobs import assert_same_params, params, run
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
 def test_parameters_do_not_depend_on_worker_count_or_assignment(tmp_path):
-    """design.md §1: any assignment of shards to workers gives the same update."""
+    """docs/architecture.md, "Commit and census": any assignment of shards to workers gives the same update."""
     reference = params(run(tmp_path, "w1", "scaling.workers=1").run_dir)
     variants = {
         "w3": run(tmp_path, "w3", "scaling.workers=3"),

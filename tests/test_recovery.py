@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.chaos_control import ChaosControl
-from orchestrator.config import JobConfig, load_job
+from orchestrator.config import JobConfig
+from orchestrator.job_file import load_job
 from orchestrator.controller import JobController
 from orchestrator.recovery import first_uncommitted, state_holders, steps_to_redo
 from orchestrator.rendezvous import RendezvousStore
@@ -29,7 +30,8 @@ from orchestrator.states import (
 )
 from tests.helpers.fake_group import Faults, FakeWorkerGroup
 from tests.helpers.jobs import jsonl
-from workers.checkpoint_storage import MANIFEST, CheckpointStorage, latest_valid
+from workers.checkpoint_storage import CheckpointStorage
+from workers.checkpoint_manifest import MANIFEST, latest_valid
 from workers.protocol import Phase, Progress
 
 STEPS = 20
@@ -214,6 +216,7 @@ def test_commit_and_redo_decisions():
     alive = {0: _progress(6), 2: _progress(5), 3: _progress(-1)}
     assert first_uncommitted(alive, steps_done=5) == 6  # worker 0 applied step 5: committed
     assert first_uncommitted({}, steps_done=5) == 5
+    assert first_uncommitted({3: _progress(-1)}, steps_done=5) == 5
     assert state_holders(alive, steps_done=5) == {0: 6, 2: 5}  # 3's transfer broke off
     assert state_holders(alive, steps_done=5, without_state=frozenset({0})) == {2: 5}
     in_flight = [InFlight(5, ()), InFlight(6, ())]

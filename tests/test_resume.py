@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.config import ConfigError, load_job
+from orchestrator.config import ConfigError
+from orchestrator.job_file import load_job
 from orchestrator.launch import run_job
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
 

@@ -22,9 +22,18 @@ import torch.distributed as dist
 from orchestrator.config import JobConfig
 from policies.work_stealing import StepPlan
 from workers import factories
-from workers.chaos import ChaosSchedule, kill_self
-from workers.checkpoint_storage import CheckpointStorage, FileEntry
-from workers.checkpointing import PartSnapshot, load_residuals, load_state, take_snapshot, write_snapshot
+from workers.chaos import ChaosSchedule, death_key, kill_self
+from workers.checkpoint_storage import CheckpointStorage
+from workers.checkpoint_manifest import FileEntry
+from workers.checkpointing import (
+    PartSnapshot,
+    chain_future,
+    load_residuals,
+    load_state,
+    lowest_priority,
+    take_snapshot,
+    write_snapshot,
+)
 from workers.claims import ShardClaims
 from workers.comm_group import (
     CollectiveAborted,
@@ -53,12 +62,6 @@ from workers.training import FlatParameters, evaluate_model
 
 class ShardCensusError(RuntimeError):
     """After the all-reduce some shard was counted zero or several times: the step is invalid."""
-
-
-#: Key in the driver's store where a worker chaos-killing itself leaves its time of death
-#: (``time.time()``), so the driver can split a recovery into detection and the rest.
-def death_key(worker_id: int) -> str:
-    return f"chaos/killed/{worker_id}"
 
 
 class TrainWorker:
@@ -94,7 +97,7 @@ class TrainWorker:
         self.generation = 0  # the generation this worker last joined
         self._reducing_step = -1  # the step whose reduction last started (top-k stages its residuals)
         # Checkpoint files are written here while training goes on.
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ringleader-checkpoint", initializer=_lowest_priority)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ringleader-checkpoint", initializer=lowest_priority)
         self._writes: dict[str, Future[list[FileEntry]]] = {}
         self._writes_lock = threading.Lock()
         self._restored_residuals: dict[tuple[int, int], torch.Tensor] = {}
@@ -320,7 +323,7 @@ class TrainWorker:
             written.set_exception(err)
             raise
         writing = self._writer.submit(self._write, CheckpointStorage(request.root), name, request.tag, part, self.rank)
-        writing.add_done_callback(lambda done: _chain(done, written))
+        writing.add_done_callback(lambda done: chain_future(done, written))
         return part.copy_s
 
     def _checkpointed_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -397,24 +400,6 @@ class TrainWorker:
         """The replica's parameters and buffers, on the CPU."""
         # Copies: the parameters are views into one flat buffer, which must not travel whole.
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-
-
-def _lowest_priority() -> None:
-    """Run this thread at the lowest CPU priority: a checkpoint write (serialising, hashing)
-    should take the CPU training leaves idle, not slow the steps down (Linux sets niceness per
-    thread; elsewhere this is a no-op)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
-
-
-def _chain(done: Future[Any], into: Future[Any]) -> None:
-    error = done.exception()
-    if error is not None:
-        into.set_exception(error)
-    else:
-        into.set_result(done.result())
 
 
 __all__ = ["CollectiveAborted", "CollectiveTimeout", "ShardCensusError", "TrainWorker"]

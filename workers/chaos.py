@@ -111,3 +111,9 @@ class ChaosSchedule:
                 del self.kills[index]
                 return True
         return False
+
+
+def death_key(worker_id: int) -> str:
+    """Key in the driver's store where a worker chaos-killing itself leaves its time of death
+    (``time.time()``), so the driver can split a recovery into detection and the rest."""
+    return f"chaos/killed/{worker_id}"

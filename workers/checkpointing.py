@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +30,8 @@ import torch
 from torch.utils.serialization import config as serialization_config
 
 from policies.split import even_bounds
-from workers.checkpoint_storage import CheckpointCorrupt, CheckpointStorage, FileEntry
+from workers.checkpoint_storage import CheckpointStorage
+from workers.checkpoint_manifest import CheckpointCorrupt, FileEntry
 
 FORMAT = 1
 
@@ -180,3 +184,22 @@ def load_residuals(
         if entry["path"].startswith(mine):
             return {_residual_bucket(k): v for k, v in _load(storage, name, entry)["residuals"].items()}
     return {}
+
+
+def lowest_priority() -> None:
+    """Run this thread at the lowest CPU priority: a checkpoint write (serialising, hashing)
+    should take the CPU training leaves idle, not slow the steps down (Linux sets niceness per
+    thread; elsewhere this is a no-op)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
+def chain_future(done: Future[Any], into: Future[Any]) -> None:
+    """Settle ``into`` with ``done``'s result or error."""
+    error = done.exception()
+    if error is not None:
+        into.set_exception(error)
+    else:
+        into.set_result(done.result())

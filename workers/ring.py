@@ -1,6 +1,6 @@
 """Our all-reduce algorithms over point-to-point sends and receives: ring and hierarchical.
 
-Ring (design §5): the buffer is cut into one chunk per rank; n−1 reduce-scatter steps leave
+Ring (docs/architecture.md, "The step protocol"): the buffer is cut into one chunk per rank; n−1 reduce-scatter steps leave
 each rank with one fully summed chunk, n−1 all-gather steps hand those around, so every rank
 sends 2(n−1)/n of the buffer. Each step's chunk is further cut into segments, all posted at
 once, so summing one segment overlaps receiving the next.

@@ -20,7 +20,8 @@ from orchestrator.config import JobConfig
 from orchestrator.group import Call, CallFailed, FailureKind
 from orchestrator.rendezvous import RendezvousStore
 from policies.work_stealing import StepPlan
-from workers.checkpoint_storage import CheckpointStorage, FileEntry
+from workers.checkpoint_storage import CheckpointStorage
+from workers.checkpoint_manifest import FileEntry
 from workers.protocol import Phase, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
 
 BLOCKED = float("inf")  # a call that ends only when aborted

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.config import load_job
+from orchestrator.job_file import load_job
 from orchestrator.launch import run_job
 
 

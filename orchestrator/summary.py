@@ -1,0 +1,79 @@
+"""What a run leaves in ``summary.json``: the outcome, counts and timings of one job."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import JobConfig
+from orchestrator.ledger import CommitLedger
+from orchestrator.recovery import Recovery
+
+#: Counters of what happened during a job (``summary["events"]``).
+EVENT_COUNTERS = (
+    "failures",
+    "recoveries",
+    "steps_redone",
+    "stragglers_detected",
+    "speculative_shards",
+    "speculative_won",
+    "stolen_shards",
+    "rebalances",
+    "checkpoints",
+    "evictions",
+    "joins",
+)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """A finished job's run directory and its summary (also saved there)."""
+
+    run_dir: Path
+    summary: dict[str, Any]
+
+
+def job_summary(
+    job: JobConfig,
+    status: str,
+    ledger: CommitLedger,
+    num_steps: int,
+    *,
+    started: float,
+    train_s: float,
+    startup_s: dict[str, float],
+    metrics: dict[str, float],
+    workers: dict[str, int],
+    counters: dict[str, int],
+    recoveries: list[Recovery],
+    checkpoints: dict[str, Any],
+    error: str | None,
+) -> dict[str, Any]:
+    """The summary of a job that ended in ``status``; ``started`` is ``perf_counter()`` at launch,
+    ``train_s`` the seconds from the first step to the last, ``workers`` the group's size at
+    ``start`` and ``end``."""
+    summary: dict[str, Any] = {
+        "name": job.name,
+        "status": status,
+        "steps": ledger.steps_done,
+        "steps_planned": num_steps,
+        "samples": ledger.samples,
+        "wall_s": time.perf_counter() - started,
+        "train_s": train_s,
+        "first_step_s": startup_s.get("first_step"),
+        "startup_s": dict(startup_s),
+        "samples_per_s": ledger.samples / train_s if train_s else 0.0,
+        "final_loss": ledger.final_loss,
+        "eval": metrics,
+        "workers": workers,
+        "shards_expected": ledger.steps_done * job.shards,
+        "shards_committed": ledger.shards_committed,
+        "events": dict(counters),
+        "recoveries": [r.to_json() for r in recoveries],
+        "checkpoints": checkpoints,
+    }
+    if error:
+        summary["error"] = error
+    return summary
