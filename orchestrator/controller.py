@@ -18,7 +18,7 @@ from orchestrator.chaos_control import ChaosControl, ChaosError
 from orchestrator.checkpointing import CheckpointCoordinator, ResumePoint
 from orchestrator.config import JobConfig
 from orchestrator.errors import JobFailed
-from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
+from orchestrator.group import CallFailed, FailureKind, WorkerGroup, WorkerGroupError
 from orchestrator.ledger import CommitLedger
 from orchestrator.membership import JoinerPool
 from orchestrator.pipeline import StepOutcome, StepPipeline, await_step, ended_reports
@@ -127,8 +127,9 @@ class JobController:
         except KeyboardInterrupt:
             following = Stopped("interrupted")
         except (JobFailed, CallFailed, WorkerGroupError, ChaosError) as err:
-            self.run.event("error", message=str(err))
-            following = Failed(str(err))
+            message = err.reason if isinstance(err, CallFailed) else f"{type(err).__name__}: {err}"
+            self.run.event("error", message=message)
+            following = Failed(message)
         check_transition(previous, following)
         if following.kind is not previous.kind:
             self.run.event("state", old=previous.kind.value, new=following.kind.value, reason=following.reason)
@@ -344,9 +345,13 @@ class JobController:
             transfer_s = self.group.form_group(self.store)
         except (CallFailed, WorkerGroupError) as err:
             self.run.event("reform_failed", error=str(err))
+            # Whatever a join raised, its cure is re-forming (as after a failed join in a
+            # recovery), not failing the job: record who died, never a "user error".
             outcome = StepOutcome()
             if isinstance(err, CallFailed):
-                outcome.record(err)
+                outcome.errors[err.worker] = err.reason
+                if err.kind is FailureKind.DIED:
+                    outcome.dead.add(err.worker)
             return Recovering(outcome, without_state=frozenset(joined), cause=f"growing: {err}")
         self._stragglers().set_workers(self.group.workers)
         self.run.event(

@@ -66,6 +66,10 @@ class RecoveryLog:
         self.open: Recovery | None = None
 
     def opened(self, recovery: Recovery) -> None:
+        """``recovery`` re-formed the group; its redone steps start. One still open was cut
+        short by this failure: it is kept, with no ``redo_s``."""
+        if self.open is not None:
+            self.done.append(self.open)
         recovery.reformed_at = time.time()
         self.open = recovery
 
@@ -134,8 +138,8 @@ def settle(group: WorkerGroup, generation: int, in_flight: Sequence[InFlight], l
 @dataclass(frozen=True)
 class Reformed:
     """The group formed again: ``transfer_s`` of state broadcast, ``reform_s`` the rest;
-    ``joined``: new workers that joined it; ``lost``: workers that died while it re-formed
-    (removed)."""
+    ``joined``: new workers admitted to it (those that died in a failed attempt included);
+    ``lost``: workers that died while it re-formed (removed)."""
 
     transfer_s: float
     reform_s: float
@@ -199,8 +203,7 @@ class Reformer:
             started = time.time()
             try:
                 transfer_s = self.group.form_group(self.store)
-                stayed = tuple(w for w in joined if w not in lost)
-                return Reformed(transfer_s, time.time() - started - transfer_s, stayed, tuple(lost))
+                return Reformed(transfer_s, time.time() - started - transfer_s, tuple(joined), tuple(lost))
             except (CallFailed, WorkerGroupError) as err:
                 alive, silent = self.after_failed_join(err)
                 lost += silent

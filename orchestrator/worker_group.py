@@ -3,9 +3,10 @@ placement-group bundles, driven through Ray calls whose failures are classified 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import ray
 from ray.util.placement_group import (
@@ -42,6 +43,23 @@ def failure_of(worker: int, err: BaseException) -> CallFailed:
     if isinstance(cause, (CollectiveAborted, CollectiveTimeout)):
         return CallFailed(worker, FailureKind.PEER_LOST, reason)
     return CallFailed(worker, FailureKind.ERROR, reason)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _ray_errors_as_group_errors(method: F) -> F:
+    """Turn a Ray error raised by a group method (GCS trouble placing or killing actors) into a
+    WorkerGroupError, so the controller fails the job with a summary instead of crashing."""
+
+    @functools.wraps(method)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except ray.exceptions.RayError as err:
+            raise WorkerGroupError(f"{method.__name__}: {failure_of(-1, err).reason}") from err
+
+    return wrapped  # type: ignore[return-value]
 
 
 def actor_options(scaling: ScalingConfig) -> dict[str, Any]:
@@ -172,6 +190,7 @@ class RayWorkerGroup:
         ).remote(self.job, worker)
         return actor, worker
 
+    @_ray_errors_as_group_errors
     def form_group(self, store: RendezvousStore) -> float:
         """All members join one torch.distributed group through the driver's store (a new
         generation) and take rank 0's training state. Returns the state transfer's seconds (the
@@ -187,6 +206,7 @@ class RayWorkerGroup:
         joined = self._gather(calls, self.timeouts.rendezvous_s, "rendezvous")
         return max(j.transfer_s for j in joined)
 
+    @_ray_errors_as_group_errors
     def submit_step(self, step: int, plan: StepPlan) -> list[Call]:
         if len(plan.shards_by_rank) != self.size:
             raise ValueError(f"plan is for {len(plan.shards_by_rank)} ranks, group has {self.size}")
@@ -241,6 +261,7 @@ class RayWorkerGroup:
         refs = [actor.abort.remote(generation) for actor in self.actors] + [c.handle for c in pending]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
+    @_ray_errors_as_group_errors
     def remove(self, workers: Sequence[int], retire: bool = False) -> None:
         """Kill the actors of these worker ids and drop them from the group (ranks close up).
         Their slots are free for replacements, unless ``retire``: an evicted worker's slot is
@@ -258,6 +279,7 @@ class RayWorkerGroup:
                         self.placements.remove(placement)
         self.members = [m for m in self.members if m.info.worker not in workers]
 
+    @_ray_errors_as_group_errors
     def kill(self, worker: int) -> None:
         """``ray.kill`` one member, leaving it in the group (chaos: the driver must notice)."""
         for member in self.members:
@@ -268,6 +290,7 @@ class RayWorkerGroup:
         """Make ``worker`` rank 0 of the next generation (the state every rank takes)."""
         self.members.sort(key=lambda m: m.info.worker != worker)
 
+    @_ray_errors_as_group_errors
     def fill_slots(self, dead_nodes: set[str]) -> int:
         """Start an actor in every free slot (up to ``scaling.max_workers`` slots less retired
         ones, reserving new ones as single-bundle placement groups), except slots whose bundle
@@ -310,6 +333,7 @@ class RayWorkerGroup:
         """Add ready joiners at the end of the rank order (they join at the next form_group)."""
         self.members.extend(members)
 
+    @_ray_errors_as_group_errors
     def restore(self, root: str, name: str, manifest: dict[str, Any]) -> None:
         """Load checkpoint ``name``: rank 0 the training state (the others take it from rank 0
         when the group forms), every rank its saved top-k residuals."""
@@ -319,6 +343,7 @@ class RayWorkerGroup:
             "restore",
         )
 
+    @_ray_errors_as_group_errors
     def snapshot(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> tuple[list[Call], list[Call]]:
         members = self.members[: len(requests)]
         copies = [Call(m.info.worker, m.actor.snapshot.remote(r)) for m, r in zip(members, requests)]

@@ -95,6 +95,16 @@ def test_one_death_mid_step_is_recovered_and_its_replacement_joins(tmp_path):
     assert ran.summary["workers"] == {"start": 3, "end": 3}
 
 
+def test_a_death_while_steps_are_redone_keeps_both_recoveries(tmp_path):
+    # Worker 3 replaces worker 1 and dies in step 6, which the first recovery is redoing.
+    ran = _run(tmp_path, Faults(die_in_step={(1, 5): False, (3, 6): False}))
+    ran.assert_exact()
+    first, second = ran.summary["recoveries"]
+    assert first["workers"] == [1] and first["redo_s"] is None  # cut short by the second failure
+    assert second["workers"] == [3] and second["redo_s"] is not None
+    assert ran.summary["events"]["recoveries"] == 2 and [e["workers"] for e in ran.of("recovered")] == [[3]]
+
+
 def test_two_deaths_in_one_step_are_one_recovery(tmp_path):
     ran = _run(tmp_path, Faults(die_in_step={(1, 7): False, (2, 7): False}), "scaling.workers=4")
     ran.assert_exact()
@@ -192,6 +202,14 @@ def test_a_death_while_the_group_grows_is_recovered_without_the_newcomer_as_sour
     assert "growing" in ran.states and ran.states[ran.states.index("growing") + 1] == "recovering"
     reformed = ran.of("group_reformed")[0]
     assert reformed["workers"][0] == 0 and 1 not in reformed["workers"]
+
+
+def test_a_rendezvous_error_while_growing_is_retried_not_fatal(tmp_path):
+    faults = Faults(error_joining={2}, stall={(0, 3): 0.5})
+    ran = _run(tmp_path, faults, "scaling.workers=2", "scaling.max_workers=3", join_delay_s=0.2)
+    ran.assert_exact()
+    assert ran.states[ran.states.index("growing") + 1] == "recovering"
+    assert ran.summary["events"]["failures"] == 0 and ran.summary["workers"]["end"] == 3
 
 
 def test_a_worker_error_fails_the_job_without_retrying(tmp_path):

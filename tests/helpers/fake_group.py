@@ -33,7 +33,8 @@ class Faults:
     the all-reduce (its peers apply s). ``die_joining[w]``: w dies in the first re-forming at or
     after that step. ``die_writing[(w, s)]``: w dies writing the checkpoint of the state after
     s steps. ``stall[(w, s)]``: w stops that many seconds at the start of s. ``shard_s[w]``: w's
-    measured seconds per shard (default 0.01). ``error_in_step[(w, s)]``: w raises."""
+    measured seconds per shard (default 0.01). ``error_in_step[(w, s)]``: w raises.
+    ``error_joining``: these workers' next rendezvous raises (e.g. a store error); they live."""
 
     die_in_step: dict[tuple[int, int], bool] = field(default_factory=dict)
     die_joining: dict[int, int] = field(default_factory=dict)
@@ -41,6 +42,7 @@ class Faults:
     stall: dict[tuple[int, int], float] = field(default_factory=dict)
     shard_s: dict[int, float] = field(default_factory=dict)
     error_in_step: dict[tuple[int, int], str] = field(default_factory=dict)
+    error_joining: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -176,6 +178,9 @@ class FakeWorkerGroup:
                 member.alive = False
             if not member.alive:
                 raise CallFailed(member.worker, FailureKind.DIED, "ActorDiedError: died during the rendezvous")
+            if member.worker in self.faults.error_joining:
+                self.faults.error_joining.discard(member.worker)
+                raise CallFailed(member.worker, FailureKind.ERROR, "DistStoreError: connection reset")
         root = self.members[0].next_step
         for member in self.members:
             member.next_step, member.joined_before = root, True
