@@ -20,9 +20,9 @@ from orchestrator.config import ConfigError, JobConfig
 from orchestrator.group import Call, CallFailed, WorkerGroup
 from orchestrator.run_dir import RunDirectory
 from policies.checkpoint_interval import CheckpointInterval
-from workers.protocol import SnapshotRequest
-from workers.checkpoint_storage import CheckpointStorage, checkpoint_name
 from workers.checkpoint_manifest import MANIFEST, FileEntry, latest_valid, prune, write_manifest
+from workers.checkpoint_storage import CheckpointStorage, absolute_root, checkpoint_name
+from workers.protocol import SnapshotRequest
 
 # Fields of a job that decide its trajectory: a checkpoint resumes only a job that agrees on
 # them. Worker counts, timeouts, straggler handling, chaos and ``steps`` (to extend a run) may
@@ -41,7 +41,8 @@ def config_hash(job: JobConfig) -> str:
 
 
 def checkpoint_root(job: JobConfig, run_dir: Path) -> str:
-    return job.checkpoint.path or str(run_dir / "checkpoints")
+    """Where the job's checkpoints go, absolute: ``checkpoint.path`` or ``<run dir>/checkpoints``."""
+    return absolute_root(job.checkpoint.path or str(run_dir / "checkpoints"))
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,10 @@ class CheckpointCoordinator:
         except CallFailed as err:
             self.abandon(f"a part failed: {err}")
             return
+        missing = self._missing(pending.name, files)
+        if missing is not None:
+            self.abandon(missing)
+            return
         self.pending = None
         # Storage trouble (a full disk, a bucket error) must not end the training.
         try:
@@ -223,6 +228,25 @@ class CheckpointCoordinator:
         self.counters["checkpoints"] += 1
         self.policy.observe_checkpoint(copy_s)
         self.run.event("checkpoint", **vars(record), location=self.storage.location(pending.name), pruned=deleted)
+
+    def _missing(self, name: str, files: list[FileEntry]) -> str | None:
+        """Why the files the workers reported are not all where the manifest will say (each
+        must exist with its reported size, looked up through the same storage layer), or None.
+        A worker that wrote to a disk the driver cannot see (a local path on a multi-node
+        cluster) shows here, at the first checkpoint, not at resume."""
+        for entry in files:
+            relpath = f"{name}/{entry.path}"
+            try:
+                size = self.storage.size(relpath)
+            except OSError as err:
+                return f"cannot check {self.storage.location(relpath)}: {type(err).__name__}: {err}"
+            if size != entry.bytes:
+                found = "missing" if size is None else f"{size} bytes"
+                return (
+                    f"{self.storage.location(relpath)} is {found}, a worker reported {entry.bytes} bytes: "
+                    "checkpoint.path must be storage that every worker and the driver share"
+                )
+        return None
 
     def save_now(
         self, group: WorkerGroup, step: int, meta: dict[str, Any], why: str, ranks: int | None = None, force: bool = False

@@ -129,7 +129,8 @@ def run_job(
     ``source`` names the job in that message.
     """
     launched = time.perf_counter()
-    path = run_dir or default_run_dir(job)
+    # Absolute here, once: workers may run in another working directory than the driver.
+    path = (run_dir or default_run_dir(job)).absolute()
     if job.chaos.needs_local_nodes and not local_nodes:
         raise ConfigError(f"invalid job ({source}): chaos.kill with how: remove_node and chaos.add_node need --local-nodes N")
     resuming = RunDirectory.is_run(path)

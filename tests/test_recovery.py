@@ -186,6 +186,18 @@ def test_a_failure_while_a_checkpoint_is_written_abandons_only_that_one(tmp_path
     assert ran.summary["events"]["failures"] == 1
 
 
+def test_parts_not_where_the_manifest_would_say_abandon_the_checkpoint(tmp_path):
+    # Worker 1 "wrote" its part of step 8 to a disk the driver does not see.
+    ran = _run(tmp_path, Faults(unwritten={(1, 8)}), "checkpoint.every_steps=4", "checkpoint.keep=10")
+    ran.assert_exact()
+    (abandoned,) = ran.of("checkpoint_abandoned")
+    assert abandoned["name"] == "step-00000008" and "is missing" in abandoned["reason"]
+    assert "checkpoint.path must be storage that every worker and the driver share" in abandoned["reason"]
+    storage = CheckpointStorage(str(ran.run_dir / "checkpoints"))
+    assert not storage.exists(f"step-00000008/{MANIFEST}")
+    assert [e["step"] for e in ran.of("checkpoint")] == [4, 12, 16, 20]
+
+
 def test_growth_adds_workers_at_a_step_boundary(tmp_path):
     # The newcomer loads while step 3 is held up, and joins at the next boundary.
     ran = _run(tmp_path, Faults(stall={(0, 3): 0.5}), "scaling.workers=2", "scaling.max_workers=3", join_delay_s=0.2)

@@ -4,6 +4,8 @@ bad file, and a checkpoint of another job is refused."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from orchestrator.cli import main
@@ -49,3 +51,18 @@ def test_a_checkpoint_of_another_job_is_refused(tmp_path):
     other = load_job(None, ["steps=8", "eval=null", "seed=1", "scaling.workers=1"])
     with pytest.raises(ConfigError, match="seed"):
         run_job(other, run_dir=first.run_dir)
+
+
+def test_a_relative_run_dir_holds_every_part_when_workers_run_elsewhere(tmp_path, monkeypatch, reference):
+    """The run directory is relative to the driver; workers run in other directories. Parts
+    must land where the manifest is, and the run resumes from them."""
+    monkeypatch.chdir(tmp_path)
+    elsewhere = ("model.factory=tests.helpers.factories:make_model_elsewhere", "checkpoint.every_steps=5")
+    job = load_job(None, ["steps=12", "eval=null", "scaling.workers=2", *elsewhere])
+    first = run_job(job, run_dir=Path("relative-run"))
+    assert first.summary["status"] == "finished"
+    assert [e["step"] for e in jsonl(tmp_path / "relative-run" / "events.jsonl") if e["event"] == "checkpoint"] == [5, 10, 12]
+    resumed = run_job(load_job(None, ["steps=25", "eval=null", "scaling.workers=2", *elsewhere]), run_dir=Path("relative-run"))
+    assert resumed.summary["status"] == "finished"
+    assert [e["checkpoint"] for e in _resumes(tmp_path / "relative-run")] == ["step-00000012"]
+    assert_same_params(params(tmp_path / "relative-run"), reference, "relative run dir")

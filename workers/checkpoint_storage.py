@@ -25,6 +25,13 @@ _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _NAME = re.compile(r"step-(\d+)")
 
 
+def absolute_root(root: str) -> str:
+    """``root`` with a local path made absolute (in this process's working directory); URIs as
+    they are. The driver resolves the root once, so every worker writes where the manifest is
+    (a worker's working directory need not be the driver's)."""
+    return root if _URI.match(root) else os.path.abspath(root)
+
+
 def checkpoint_name(step: int) -> str:
     """The directory name of the checkpoint taken after ``step`` (>= 0) completed steps."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:

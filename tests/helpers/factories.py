@@ -22,3 +22,15 @@ def make_sleepy_model(seconds: float = 5.0) -> torch.nn.Module:
 
 def make_broken_dataset() -> torch.utils.data.Dataset:
     raise FileNotFoundError("training data not found at /nowhere/data.bin")
+
+
+def make_model_elsewhere(hidden: int = 128) -> torch.nn.Module:
+    """The digits model, built by a worker that first moves to another working directory (as a
+    worker on a cluster node runs elsewhere than the driver)."""
+    import os
+    import tempfile
+
+    from ringleader_examples.digits import make_model
+
+    os.chdir(tempfile.mkdtemp(prefix="rl-elsewhere-"))
+    return make_model(hidden=hidden)

@@ -34,7 +34,9 @@ class Faults:
     after that step. ``die_writing[(w, s)]``: w dies writing the checkpoint of the state after
     s steps. ``stall[(w, s)]``: w stops that many seconds at the start of s. ``shard_s[w]``: w's
     measured seconds per shard (default 0.01). ``error_in_step[(w, s)]``: w raises.
-    ``error_joining``: these workers' next rendezvous raises (e.g. a store error); they live."""
+    ``error_joining``: these workers' next rendezvous raises (e.g. a store error); they live.
+    ``unwritten``: (w, s): w reports its part of the checkpoint after s steps written, but it is
+    not where the driver looks (a disk of another node)."""
 
     die_in_step: dict[tuple[int, int], bool] = field(default_factory=dict)
     die_joining: dict[int, int] = field(default_factory=dict)
@@ -43,6 +45,7 @@ class Faults:
     shard_s: dict[int, float] = field(default_factory=dict)
     error_in_step: dict[tuple[int, int], str] = field(default_factory=dict)
     error_joining: set[int] = field(default_factory=set)
+    unwritten: set[tuple[int, int]] = field(default_factory=set)
 
 
 @dataclass
@@ -312,7 +315,7 @@ class FakeWorkerGroup:
                 self._die(member)
                 write.error = CallFailed(member.worker, FailureKind.DIED, "ActorDiedError: died writing")
             else:
-                write.value = [_write_part(request)]
+                write.value = [_write_part(request, written=(member.worker, request.step) not in self.faults.unwritten)]
             copies.append(self._call(copy))
             writes.append(self._call(write))
         return copies, writes
@@ -328,8 +331,9 @@ class FakeWorkerGroup:
         self.members, self.joiners = [], []
 
 
-def _write_part(request: SnapshotRequest) -> FileEntry:
+def _write_part(request: SnapshotRequest, written: bool = True) -> FileEntry:
     data = f"part {request.index} of {request.count} at step {request.step}".encode()
     relpath = f"part-{request.index}-of-{request.count}-{request.tag}.pt"
-    CheckpointStorage(request.root).write_bytes(f"{request.name}/{relpath}", data)
+    if written:
+        CheckpointStorage(request.root).write_bytes(f"{request.name}/{relpath}", data)
     return FileEntry(relpath, hashlib.sha256(data).hexdigest(), len(data))
