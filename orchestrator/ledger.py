@@ -12,19 +12,21 @@ class CommitLedger:
 
     A step is committed once some worker applied it: its all-reduce completed, and that
     worker's census (a count per shard, reduced with the gradient) proved every shard counted
-    exactly once. The driver checks again from the reports it has: all of them together must
-    cover each shard exactly once; when some are missing (a rank died after the all-reduce)
-    the ones it has must at least not overlap."""
+    exactly once. The driver checks again from the reports it has: every report's census
+    total must be the step's shard count, all of them together must cover each shard exactly
+    once; when some are missing (a rank died after the all-reduce) the ones it has must at
+    least not overlap. ``shards_committed`` and ``samples`` add up what the census counted."""
 
-    def __init__(self, num_shards: int, steps_done: int = 0) -> None:
+    def __init__(self, num_shards: int) -> None:
         self.num_shards = num_shards
-        self.steps_done = steps_done
+        self.steps_done = 0
         self.samples = 0
-        self.shards_committed = steps_done * num_shards
+        self.shards_committed = 0
         self.final_loss: float | None = None
 
     def resume_at(self, step: int) -> None:
-        """Go on from a checkpoint after ``step`` steps."""
+        """Go on from a checkpoint after ``step`` steps (a verified checkpoint: its run's census
+        counted every shard of them)."""
         self.steps_done = step
         self.shards_committed = step * self.num_shards
 
@@ -34,13 +36,18 @@ class CommitLedger:
         once."""
         if step != self.steps_done:
             raise JobFailed(f"step {step} committed out of order (next is {self.steps_done})")
+        counted = {r.shards_counted for r in reports}
+        if counted - {self.num_shards}:
+            raise JobFailed(f"step {step}: the census counted {sorted(counted)} shards, expected {self.num_shards}")
         committed = sorted(s for r in reports for s in r.shards)
         if complete and committed != list(range(self.num_shards)):
             raise JobFailed(f"step {step}: committed shards {committed} are not each shard exactly once")
         if len(set(committed)) != len(committed):
             raise JobFailed(f"step {step}: shards {committed} were committed more than once")
-        self.shards_committed += self.num_shards
         self.steps_done += 1
         if reports:
+            # Counted by the workers' census in the reduced gradient, not computed here: a lost
+            # or doubled shard shows in the summary.
+            self.shards_committed += reports[0].shards_counted
             self.samples += reports[0].global_samples
             self.final_loss = reports[0].loss

@@ -224,6 +224,18 @@ def test_a_rendezvous_error_while_growing_is_retried_not_fatal(tmp_path):
     assert ran.summary["events"]["failures"] == 0 and ran.summary["workers"]["end"] == 3
 
 
+def test_a_census_that_miscounts_fails_the_job_and_is_not_committed(tmp_path):
+    ran = _run(tmp_path, Faults(miscount={6: 1}))
+    assert ran.summary["status"] == "failed" and "census counted [17] shards, expected 16" in ran.summary["error"]
+    assert ran.summary["steps"] == 6 and ran.summary["shards_committed"] == 6 * 16
+
+
+def test_shards_committed_are_what_the_census_counted(tmp_path):
+    ran = _run(tmp_path)
+    per_step = {r["step"]: r["shards_counted"] for r in jsonl(ran.run_dir / "telemetry.jsonl")}
+    assert ran.summary["shards_committed"] == sum(per_step.values()) == STEPS * 16
+
+
 def test_a_worker_error_fails_the_job_without_retrying(tmp_path):
     ran = _run(tmp_path, Faults(error_in_step={(2, 4): "bad batch"}))
     assert ran.summary["status"] == "failed" and "bad batch" in ran.summary["error"]

@@ -284,6 +284,7 @@ class TrainWorker:
             shards=tuple(sorted(work.committed)),
             samples=work.samples,
             global_samples=int(self.flat.extra[plan.num_shards + 1].item()),
+            shards_counted=int(counts.sum().item()),
             loss=float(self.flat.extra[plan.num_shards].item()),
             compute_s=computed - started - work.idle_s - stalled_s,
             comm_s=comm_s,

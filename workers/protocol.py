@@ -128,8 +128,9 @@ class StepTelemetry:
     overlap, the all-reduce of early buckets runs inside it), not counting ``idle_s`` (waiting
     for other workers' shards before the all-reduce) or ``stalled_s`` (an injected stall);
     ``comm_s``: time spent waiting for the all-reduce after backward, the exposed part of
-    communication; ``optim_s``: the optimizer step. ``loss`` and ``global_samples`` are the whole
-    step's (the same on every rank, read back from the all-reduce); ``samples`` and ``shards``
+    communication; ``optim_s``: the optimizer step. ``loss``, ``global_samples`` and
+    ``shards_counted`` (the census total: shards counted in the reduced gradient) are the whole
+    step's, the same on every rank, read back from the all-reduce; ``samples`` and ``shards``
     (the shards whose gradient this worker contributed) are this rank's.
     ``shards_run``: shards computed, including discarded backups and lost races;
     ``shard_s``: compute seconds per shard run, the inverse of this worker's speed;
@@ -148,6 +149,7 @@ class StepTelemetry:
     comm_s: float
     optim_s: float
     step_s: float
+    shards_counted: int = 0
     shards_run: int = 0
     shard_s: float = 0.0
     samples_per_s: float = 0.0

@@ -36,7 +36,8 @@ class Faults:
     measured seconds per shard (default 0.01). ``error_in_step[(w, s)]``: w raises.
     ``error_joining``: these workers' next rendezvous raises (e.g. a store error); they live.
     ``unwritten``: (w, s): w reports its part of the checkpoint after s steps written, but it is
-    not where the driver looks (a disk of another node)."""
+    not where the driver looks (a disk of another node). ``miscount[s]``: the census of step s
+    counts that many shards too many (a bug that lost the worker-side check)."""
 
     die_in_step: dict[tuple[int, int], bool] = field(default_factory=dict)
     die_joining: dict[int, int] = field(default_factory=dict)
@@ -46,6 +47,7 @@ class Faults:
     error_in_step: dict[tuple[int, int], str] = field(default_factory=dict)
     error_joining: set[int] = field(default_factory=set)
     unwritten: set[tuple[int, int]] = field(default_factory=set)
+    miscount: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -233,7 +235,7 @@ class FakeWorkerGroup:
             step=step, rank=rank, worker=member.worker, shards=shards, samples=samples,
             global_samples=self.job.batch_size, loss=1.0 / (step + 1), compute_s=shard_s * len(shards),
             comm_s=0.0, optim_s=0.0, step_s=shard_s * max(len(s) for s in plan.shards_by_rank),
-            shards_run=len(shards), shard_s=shard_s,
+            shards_counted=plan.num_shards + self.faults.miscount.get(step, 0), shards_run=len(shards), shard_s=shard_s,
         )
 
     def _settle_calls(self) -> None:
