@@ -10,7 +10,7 @@ actors in a job, an in-process fake in ``tests/test_recovery.py``.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from tqdm import tqdm
 
@@ -21,7 +21,7 @@ from orchestrator.errors import JobFailed
 from orchestrator.group import CallFailed, FailureKind, WorkerGroup, WorkerGroupError
 from orchestrator.ledger import CommitLedger
 from orchestrator.membership import JoinerPool
-from orchestrator.pipeline import StepOutcome, StepPipeline, await_step, ended_reports
+from orchestrator.pipeline import InFlight, StepOutcome, StepPipeline, await_step, ended_reports
 from orchestrator.recovery import (
     MAX_REFORMS,
     GiveUp,
@@ -283,15 +283,11 @@ class JobController:
             self._failed_in_a_row += 1
             if self._failed_in_a_row > MAX_REFORMS:
                 raise JobFailed(f"step {failed_step} failed {MAX_REFORMS} times in a row: {outcome.errors}")
-        next_step = first_uncommitted(settled.alive, self.ledger.steps_done)
-        for step in state.in_flight:
-            if step.step >= next_step:
-                break
-            known = outcome.reports if step is state.in_flight[0] else {}
-            self._commit(step.step, ended_reports(self.group, step, known), complete=False)
+        # Where the furthest survivor is; committed only once the re-formed group holds it.
+        furthest = first_uncommitted(settled.alive, self.ledger.steps_done)
         died_at = [t for w in dead if (t := self.chaos.death_time(self.store, w)) is not None]
         recovery = Recovery(
-            at_step=next_step,
+            at_step=furthest,
             workers=dead + evicted,
             reasons={**{w: outcome.errors.get(w, "did not answer") for w in dead}, **{w: "evicted" for w in evicted}},
             started=min(died_at) if died_at else noticed,
@@ -299,15 +295,18 @@ class JobController:
         recovery.detect_s = time.time() - recovery.started
         if dead:
             self.counters["failures"] += len(dead)
-            self.run.event("failure", at_step=next_step, workers=dead, reasons=recovery.reasons, detect_s=recovery.detect_s)
+            self.run.event("failure", at_step=furthest, workers=dead, reasons=recovery.reasons, detect_s=recovery.detect_s)
             self.checkpoints.observe_failure()
         self.group.remove(dead)
         self.group.remove(evicted, retire=True)
         self.checkpoints.abandon(f"worker(s) {dead + evicted} left the group")
-        redo = steps_to_redo(state.in_flight, next_step)
         reformed = self.reformer.reform(settled.alive, self.ledger.steps_done, state.without_state)
         if isinstance(reformed, GiveUp):
-            return CheckpointingBeforeFailure(reformed.holders, reformed.reason)
+            return CheckpointingBeforeFailure(reformed.holders, reformed.reason, state.in_flight, outcome.reports)
+        next_step = reformed.next_step
+        self._commit_held(state.in_flight, outcome.reports, next_step)
+        redo = steps_to_redo(state.in_flight, next_step)
+        recovery.at_step = next_step
         recovery.workers += list(reformed.lost)
         self.counters["joins"] += len(reformed.joined)
         recovery.transfer_s, recovery.reform_s = reformed.transfer_s, reformed.reform_s
@@ -320,6 +319,15 @@ class JobController:
         self.run.event("group_reformed", workers=self.group.workers, redo=redo, transfer_s=recovery.transfer_s)
         return Running(next_step, f"{self.group.size} workers")
 
+    def _commit_held(self, in_flight: tuple[InFlight, ...], known: Mapping[int, StepTelemetry], through: int) -> None:
+        """Commit the steps in flight before ``through``, the next step of the state the group
+        (or the checkpoint) now holds: a survivor applied them and the census proved each.
+        ``known``: the reports of the first step in flight that came in, by rank."""
+        for step in in_flight:
+            if step.step >= through:
+                break
+            self._commit(step.step, ended_reports(self.group, step, dict(known) if step is in_flight[0] else {}), complete=False)
+
     def _failed_join(self, lost: list[int], error: str) -> None:
         self.run.event("reform_failed", error=error)
         self.counters["failures"] += len(lost)
@@ -329,6 +337,7 @@ class JobController:
     def _checkpointing_before_failure(self, state: CheckpointingBeforeFailure) -> State:
         if state.holders:
             root, step = pick_root(dict(state.holders))
+            self._commit_held(state.in_flight, state.reports, step)
             self.group.lead_with(root)
             self.checkpoints.save_now(self.group, step, self._policy_state(), "before failing", ranks=1, force=True)
         raise JobFailed(state.reason)

@@ -137,12 +137,15 @@ def settle(group: WorkerGroup, generation: int, in_flight: Sequence[InFlight], l
 
 @dataclass(frozen=True)
 class Reformed:
-    """The group formed again: ``transfer_s`` of state broadcast, ``reform_s`` the rest;
+    """The group formed again, holding the state to apply ``next_step`` (its root's: steps
+    before it are committed, the rest of those in flight are redone); ``transfer_s`` of state
+    broadcast, ``reform_s`` the rest;
     ``joined``: new workers admitted to it (those that died in a failed attempt included);
     ``lost``: workers that died while it re-formed (removed)."""
 
     transfer_s: float
     reform_s: float
+    next_step: int
     joined: tuple[int, ...] = ()
     lost: tuple[int, ...] = ()
 
@@ -196,14 +199,14 @@ class Reformer:
                     return GiveUp(holders, decision.reason)
                 self.joiners.collect(timeout_s=1.0)
                 self.joiners.fill()
-            root, _ = pick_root(holders)
+            root, next_step = pick_root(holders)
             self.group.lead_with(root)
             admitted = self.joiners.admit()
             joined += admitted
             started = time.time()
             try:
                 transfer_s = self.group.form_group(self.store)
-                return Reformed(transfer_s, time.time() - started - transfer_s, tuple(joined), tuple(lost))
+                return Reformed(transfer_s, time.time() - started - transfer_s, next_step, tuple(joined), tuple(lost))
             except (CallFailed, WorkerGroupError) as err:
                 alive, silent = self.after_failed_join(err)
                 lost += silent

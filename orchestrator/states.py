@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Union
 
 from orchestrator.pipeline import InFlight, StepOutcome
+from workers.protocol import StepTelemetry
 
 
 class JobState(str, enum.Enum):
@@ -106,10 +107,14 @@ class Growing:
 @dataclass(frozen=True)
 class CheckpointingBeforeFailure:
     """Too few workers are left: save the state of the survivor that applied the most steps
-    (``holders``: worker id -> next step), then fail with ``reason``."""
+    (``holders``: worker id -> next step), then fail with ``reason``. ``in_flight`` and
+    ``reports`` (the first step's reports that came in, by rank) are the steps the failure
+    caught: those the saved state holds are committed first."""
 
     holders: Mapping[int, int]
     reason: str
+    in_flight: tuple[InFlight, ...] = ()
+    reports: Mapping[int, StepTelemetry] = field(default_factory=dict)
     kind = JobState.CHECKPOINTING_BEFORE_FAILURE
 
 

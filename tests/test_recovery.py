@@ -123,6 +123,17 @@ def test_a_death_after_the_all_reduce_commits_the_step_and_redoes_only_the_next(
     assert sorted(r["worker"] for r in step5) == [0, 1]
 
 
+def test_a_step_only_a_lost_leader_held_is_redone_not_committed(tmp_path):
+    # Worker 3 dies after step 5's all-reduce; only worker 1 applied it, and worker 1 dies while
+    # the group re-forms around it. Nobody holds step 5: it is redone from the others' state.
+    faults = Faults(die_in_step={(3, 5): True}, applied_only_by={5: {1}}, die_joining={1: 5})
+    ran = _run(tmp_path, faults, "scaling.workers=4", replacements=False)
+    ran.assert_exact()
+    (recovery,) = ran.summary["recoveries"]
+    assert recovery["at_step"] == 5 and recovery["redo_steps"] == [5, 6]
+    assert sorted(recovery["workers"]) == [1, 3] and ran.summary["workers"]["end"] == 2
+
+
 def test_a_death_during_re_forming_starts_it_over(tmp_path):
     ran = _run(tmp_path, Faults(die_in_step={(1, 6): False}, die_joining={2: 6}), "scaling.workers=4")
     ran.assert_exact()
@@ -163,6 +174,16 @@ def test_too_few_workers_left_saves_a_checkpoint_then_fails(tmp_path):
     (saved,) = ran.of("checkpoint")
     assert saved["why"] == "before failing" and saved["step"] == ran.summary["steps"] == 5
     assert latest_valid(CheckpointStorage(str(ran.run_dir / "checkpoints")), print)[0] == saved["name"]
+
+
+def test_a_step_the_saved_survivor_applied_is_committed_before_failing(tmp_path):
+    ran = _run(
+        tmp_path, Faults(die_in_step={(1, 5): True}), "scaling.workers=2", "scaling.min_workers=2",
+        "scaling.wait_for_workers_s=0", replacements=False,
+    )
+    assert ran.summary["status"] == "failed"
+    (saved,) = ran.of("checkpoint")
+    assert saved["step"] == ran.summary["steps"] == 6 and [e["step"] for e in ran.of("step")][-1] == 5
 
 
 def test_a_replacement_that_is_still_loading_is_waited_for_below_min_workers(tmp_path):

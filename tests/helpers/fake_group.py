@@ -37,7 +37,9 @@ class Faults:
     ``error_joining``: these workers' next rendezvous raises (e.g. a store error); they live.
     ``unwritten``: (w, s): w reports its part of the checkpoint after s steps written, but it is
     not where the driver looks (a disk of another node). ``miscount[s]``: the census of step s
-    counts that many shards too many (a bug that lost the worker-side check)."""
+    counts that many shards too many (a bug that lost the worker-side check).
+    ``applied_only_by[s]``: after a death past step s's all-reduce, only these workers finish
+    applying s (the others are aborted first)."""
 
     die_in_step: dict[tuple[int, int], bool] = field(default_factory=dict)
     die_joining: dict[int, int] = field(default_factory=dict)
@@ -48,6 +50,7 @@ class Faults:
     error_joining: set[int] = field(default_factory=set)
     unwritten: set[tuple[int, int]] = field(default_factory=set)
     miscount: dict[int, int] = field(default_factory=dict)
+    applied_only_by: dict[int, set[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -220,8 +223,12 @@ class FakeWorkerGroup:
                 call.ends_at, member.alive = now, False
             elif error is not None:
                 call.error = CallFailed(member.worker, FailureKind.ERROR, f"ValueError: {error}")
-            elif dying and not all(dying.values()) or any(not m.alive for m in self.members if m.worker not in dying):
-                call.ends_at = BLOCKED  # a peer died before the all-reduce finished
+            elif (
+                dying and not all(dying.values())
+                or any(not m.alive for m in self.members if m.worker not in dying)
+                or dying and member.worker not in self.faults.applied_only_by.get(step, {member.worker})
+            ):
+                call.ends_at = BLOCKED  # a peer died before the all-reduce finished (here)
             else:
                 call.value, call.apply = self._report(step, rank, member, plan), step
             calls.append(self._call(call))
