@@ -274,6 +274,9 @@ class JobController:
             )
         settled = settle(self.group, self.store.generation, state.in_flight, frozenset(evicted), self.job.timeouts.collective_s)
         dead = sorted((outcome.dead | set(settled.lost)) - set(evicted))
+        # A worker judged dead never carries the state on, even if it still answers (Ray's
+        # ActorUnavailableError: it may or may not have run); it is removed below.
+        alive = {w: p for w, p in settled.alive.items() if w not in dead}
         failed_step = state.in_flight[0].step if state.in_flight else self.ledger.steps_done
         if not dead and not evicted:
             if outcome.user_error is not None:
@@ -284,7 +287,7 @@ class JobController:
             if self._failed_in_a_row > MAX_REFORMS:
                 raise JobFailed(f"step {failed_step} failed {MAX_REFORMS} times in a row: {outcome.errors}")
         # Where the furthest survivor is; committed only once the re-formed group holds it.
-        furthest = first_uncommitted(settled.alive, self.ledger.steps_done)
+        furthest = first_uncommitted(alive, self.ledger.steps_done)
         died_at = [t for w in dead if (t := self.chaos.death_time(self.store, w)) is not None]
         recovery = Recovery(
             at_step=furthest,
@@ -300,7 +303,7 @@ class JobController:
         self.group.remove(dead)
         self.group.remove(evicted, retire=True)
         self.checkpoints.abandon(f"worker(s) {dead + evicted} left the group")
-        reformed = self.reformer.reform(settled.alive, self.ledger.steps_done, state.without_state)
+        reformed = self.reformer.reform(alive, self.ledger.steps_done, state.without_state)
         if isinstance(reformed, GiveUp):
             return CheckpointingBeforeFailure(reformed.holders, reformed.reason, state.in_flight, outcome.reports)
         next_step = reformed.next_step

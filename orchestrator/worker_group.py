@@ -288,6 +288,8 @@ class RayWorkerGroup:
 
     def lead_with(self, worker: int) -> None:
         """Make ``worker`` rank 0 of the next generation (the state every rank takes)."""
+        if worker not in self.workers:
+            raise WorkerGroupError(f"worker {worker} is not a member (members: {self.workers}); it cannot lead")
         self.members.sort(key=lambda m: m.info.worker != worker)
 
     @_ray_errors_as_group_errors

@@ -15,6 +15,7 @@ from orchestrator.chaos_control import ChaosControl
 from orchestrator.config import JobConfig
 from orchestrator.job_file import load_job
 from orchestrator.controller import JobController
+from orchestrator.group import WorkerGroupError
 from orchestrator.recovery import first_uncommitted, state_holders, steps_to_redo
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.run_dir import RunDirectory
@@ -132,6 +133,23 @@ def test_a_step_only_a_lost_leader_held_is_redone_not_committed(tmp_path):
     (recovery,) = ran.summary["recoveries"]
     assert recovery["at_step"] == 5 and recovery["redo_steps"] == [5, 6]
     assert sorted(recovery["workers"]) == [1, 3] and ran.summary["workers"]["end"] == 2
+
+
+def test_a_worker_judged_dead_never_leads_even_if_it_answers(tmp_path):
+    # Worker 0's step-5 call fails as unavailable after it applied step 5; it still answers
+    # probes and is the furthest: it must not be taken as the state's source.
+    ran = _run(tmp_path, Faults(unavailable={(0, 5)}), replacements=False)
+    ran.assert_exact()
+    (recovery,) = ran.summary["recoveries"]
+    assert recovery["workers"] == [0] and recovery["at_step"] == 5 and recovery["redo_steps"] == [5, 6]
+    assert ran.of("group_reformed")[0]["workers"] == [1, 2]
+
+
+def test_leading_with_a_worker_that_is_not_a_member_is_an_error():
+    from orchestrator.worker_group import RayWorkerGroup  # its constructor starts nothing
+
+    with pytest.raises(WorkerGroupError, match="worker 7 is not a member"):
+        RayWorkerGroup(_job()).lead_with(7)
 
 
 def test_a_death_during_re_forming_starts_it_over(tmp_path):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from orchestrator.config import JobConfig
-from orchestrator.group import Call, CallFailed, FailureKind
+from orchestrator.group import Call, CallFailed, FailureKind, WorkerGroupError
 from orchestrator.rendezvous import RendezvousStore
 from policies.work_stealing import StepPlan
 from workers.checkpoint_storage import CheckpointStorage
@@ -39,7 +39,9 @@ class Faults:
     not where the driver looks (a disk of another node). ``miscount[s]``: the census of step s
     counts that many shards too many (a bug that lost the worker-side check).
     ``applied_only_by[s]``: after a death past step s's all-reduce, only these workers finish
-    applying s (the others are aborted first)."""
+    applying s (the others are aborted first). ``unavailable``: (w, s): w applies s but its call
+    fails as if it died (Ray's ActorUnavailableError), while it still answers probes; the
+    others never finish s."""
 
     die_in_step: dict[tuple[int, int], bool] = field(default_factory=dict)
     die_joining: dict[int, int] = field(default_factory=dict)
@@ -51,6 +53,7 @@ class Faults:
     unwritten: set[tuple[int, int]] = field(default_factory=set)
     miscount: dict[int, int] = field(default_factory=dict)
     applied_only_by: dict[int, set[int]] = field(default_factory=dict)
+    unavailable: set[tuple[int, int]] = field(default_factory=set)
 
 
 @dataclass
@@ -78,6 +81,7 @@ class FakeCall:
     apply: int | None = None
     step: int | None = None
     expect_step: int | None = None  # a snapshot: the worker must be at this step when it ends
+    applies_on_error: bool = False  # the step is applied although the call reports a failure
     ended: bool = False
 
 
@@ -153,6 +157,8 @@ class FakeWorkerGroup:
         self.members.extend(members)
 
     def lead_with(self, worker: int) -> None:
+        if worker not in self.workers:
+            raise WorkerGroupError(f"worker {worker} is not a member (members: {self.workers}); it cannot lead")
         self.members.sort(key=lambda m: m.worker != worker)
 
     def remove(self, workers: Sequence[int], retire: bool = False) -> None:
@@ -214,11 +220,16 @@ class FakeWorkerGroup:
         start = max([now] + [c.ends_at for c in self._pending() if c.step is not None])
         start += max((self.faults.stall.get((m.worker, step), 0.0) for m in self.members), default=0.0)
         dying = {m.worker: self.faults.die_in_step.pop((m.worker, step)) for m in self.members if (m.worker, step) in self.faults.die_in_step}
+        unavailable = {m.worker for m in self.members if (m.worker, step) in self.faults.unavailable}
+        self.faults.unavailable -= {(w, step) for w in unavailable}
         calls = []
         for rank, member in enumerate(self.members):
             call = FakeCall(member, start, step=step)
             error = self.faults.error_in_step.pop((member.worker, step), None)
-            if not member.alive or member.worker in dying:
+            if member.worker in unavailable:
+                call.error = CallFailed(member.worker, FailureKind.DIED, "ActorUnavailableError: may or may not have run")
+                call.apply, call.applies_on_error, call.ends_at = step, True, now
+            elif not member.alive or member.worker in dying:
                 call.error = CallFailed(member.worker, FailureKind.DIED, "ActorDiedError: the actor died")
                 call.ends_at, member.alive = now, False
             elif error is not None:
@@ -227,6 +238,7 @@ class FakeWorkerGroup:
                 dying and not all(dying.values())
                 or any(not m.alive for m in self.members if m.worker not in dying)
                 or dying and member.worker not in self.faults.applied_only_by.get(step, {member.worker})
+                or unavailable
             ):
                 call.ends_at = BLOCKED  # a peer died before the all-reduce finished (here)
             else:
@@ -254,7 +266,7 @@ class FakeWorkerGroup:
             call.ended = True
             if call.error is None and call.expect_step is not None and call.worker.next_step != call.expect_step:
                 call.error = CallFailed(call.worker.worker, FailureKind.ERROR, "RuntimeError: not at the step")
-            if call.error is None and call.apply is not None:
+            if (call.error is None or call.applies_on_error) and call.apply is not None:
                 if call.worker.next_step != call.apply:
                     call.error = CallFailed(
                         call.worker.worker, FailureKind.ERROR,
