@@ -20,7 +20,15 @@ from orchestrator.config import ConfigError, JobConfig
 from orchestrator.group import Call, CallFailed, WorkerGroup
 from orchestrator.run_dir import RunDirectory
 from policies.checkpoint_interval import CheckpointInterval
-from workers.checkpoint_manifest import MANIFEST, FileEntry, latest_valid, prune, write_manifest
+from workers.checkpoint_manifest import (
+    MANIFEST,
+    CheckpointCorrupt,
+    FileEntry,
+    latest_valid,
+    prune,
+    verify_checkpoint,
+    write_manifest,
+)
 from workers.checkpoint_storage import CheckpointStorage, absolute_root, checkpoint_name
 from workers.protocol import SnapshotRequest
 
@@ -126,13 +134,14 @@ class CheckpointCoordinator:
             mtbf_prior_s=config.mtbf_prior_s,
             max_steps=config.max_every_steps,
         )
-        self.last_step = 0
+        self.last_step = 0  # the step of the newest checkpoint taken (pending or written)
+        self.committed_step = 0  # ... of the newest written one (or resumed from)
         self.attempts = 0  # checkpoints started by this run; tags their files
         self.pending: PendingCheckpoint | None = None
         self.group: WorkerGroup | None = None  # the group the pending checkpoint was queued on
 
     def resumed(self, point: ResumePoint) -> None:
-        self.last_step = point.step
+        self.last_step = self.committed_step = point.step
         saved = point.meta.get("policy")
         if saved:
             self.policy.restore(saved)
@@ -217,7 +226,7 @@ class CheckpointCoordinator:
             self.run.event("checkpoint_abandoned", name=pending.name, reason=f"manifest: {type(err).__name__}: {err}")
             return
         try:
-            deleted = prune(self.storage, self.job.checkpoint.keep)
+            deleted = prune(self.storage, self.job.checkpoint.keep, newest_good=pending.name)
         except OSError as err:
             deleted = []
             self.run.event("checkpoint_prune_failed", reason=f"{type(err).__name__}: {err}")
@@ -225,6 +234,7 @@ class CheckpointCoordinator:
             pending.name, pending.step, pending.why, copy_s, time.perf_counter() - pending.started, sum(f.bytes for f in files)
         )
         self.written.append(record)
+        self.committed_step = pending.step
         self.counters["checkpoints"] += 1
         self.policy.observe_checkpoint(copy_s)
         self.run.event("checkpoint", **vars(record), location=self.storage.location(pending.name), pruned=deleted)
@@ -255,14 +265,29 @@ class CheckpointCoordinator:
         before failing). Skipped when checkpoints are off, unless ``force``."""
         if not (self.enabled or force) or group.size == 0:
             return
-        if self.storage.exists(f"{checkpoint_name(step)}/{MANIFEST}"):
+        if self._saved(step):
             return  # already saved (e.g. a run resumed from its final checkpoint)
         self.abandon("superseded")
         self.start(group, step, meta, why, ranks)
         self.poll(wait_s=self.job.timeouts.checkpoint_s)
 
+    def _saved(self, step: int) -> bool:
+        """Whether this job's checkpoint of ``step`` exists and verifies (a partial manifest, a
+        corrupt file or another job's checkpoint on a shared path does not count)."""
+        name = checkpoint_name(step)
+        if not self.storage.exists(f"{name}/{MANIFEST}"):
+            return False
+        try:
+            manifest = verify_checkpoint(self.storage, name)
+        except (CheckpointCorrupt, OSError) as err:
+            self.run.event("checkpoint_replaced", name=name, reason=str(err))
+            return False
+        return manifest["meta"].get("config_hash") == config_hash(self.job)
+
     def abandon(self, reason: str) -> None:
-        """Drop the pending checkpoint (its files, without a manifest, are pruned later)."""
+        """Drop the pending checkpoint (its files, without a manifest, are pruned later). The
+        interval counts again from the last checkpoint written, not from the abandoned one."""
+        self.last_step = self.committed_step
         if self.pending is not None:
             self.run.event("checkpoint_abandoned", name=self.pending.name, reason=reason)
             self.pending = None

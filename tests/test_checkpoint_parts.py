@@ -51,3 +51,15 @@ def test_a_part_changed_after_verification_is_refused(tmp_path):
     part.write_bytes(part.read_bytes()[:-10])
     with pytest.raises(CheckpointCorrupt, match="part-00001-of-00002-a1.pt"):
         load_state(storage, "step-00000007", manifest)
+
+
+def test_a_manifest_listing_one_part_twice_is_refused(tmp_path):
+    storage = CheckpointStorage(str(tmp_path))
+    flat = {"params": torch.randn(1000)}
+    files = []
+    for tag in ("a1", "a2"):  # part 0 of 2, twice (two attempts); part 1 missing
+        files += write_snapshot(storage, "step-00000007", tag, 0, take_snapshot(7, 0, 2, flat, {}, {}))
+    write_manifest(storage, 7, files, {})
+    manifest = verify_checkpoint(storage, "step-00000007")
+    with pytest.raises(CheckpointCorrupt, match="part 0 is listed twice"):
+        load_state(storage, "step-00000007", manifest)

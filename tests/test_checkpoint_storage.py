@@ -251,3 +251,12 @@ def test_prune_without_complete_checkpoints_deletes_nothing(storage: CheckpointS
     storage.write_bytes("step-00000005/model.pt", b"partial")
     assert prune(storage, keep=1) == []
     assert storage.list_dirs() == ["step-00000005"]
+
+
+def test_prune_never_deletes_the_last_good_checkpoint_for_a_broken_newer_one(storage: CheckpointStorage):
+    save_checkpoint(storage, 10, {"model.pt": b"good"})
+    broken = save_checkpoint(storage, 20, {"model.pt": b"newer"})
+    storage.write_bytes(f"{broken}/model.pt", b"NEWER")  # same size, other bytes: sha256 fails
+    assert prune(storage, keep=1) == []
+    assert storage.list_dirs() == ["step-00000010", "step-00000020"]
+    assert prune(storage, keep=1, newest_good="step-00000020") == ["step-00000010"]

@@ -73,7 +73,7 @@ def test_a_death_during_recovery_starts_the_reforming_over(tmp_path, reference):
     assert_same_params(params(result.run_dir), reference, "during-recovery")
 
 
-def test_a_death_during_a_checkpoint_write_leaves_no_manifest_and_loses_nothing(tmp_path, reference):
+def test_a_death_during_a_checkpoint_write_abandons_that_attempt_and_loses_nothing(tmp_path, reference):
     result = run(
         tmp_path, "ckpt-death", "scaling.workers=3", "checkpoint.every_steps=4", "checkpoint.keep=10",
         _kills("{at_step: 7, worker: 1, how: sigkill, during: checkpoint}"),
@@ -83,9 +83,13 @@ def test_a_death_during_a_checkpoint_write_leaves_no_manifest_and_loses_nothing(
     abandoned = [e["name"] for e in jsonl(run_dir / "events.jsonl") if e["event"] == "checkpoint_abandoned"]
     assert "step-00000008" in abandoned
     storage = CheckpointStorage(str(run_dir / "checkpoints"))
-    assert not storage.exists(f"step-00000008/{MANIFEST}")
     written = [e["step"] for e in jsonl(run_dir / "events.jsonl") if e["event"] == "checkpoint"]
-    assert 4 in written and 25 in written and 8 not in written
+    assert 4 in written and 25 in written
+    # The interval counts from the last written checkpoint, so step 8 may be taken again after
+    # the recovery: as a new attempt, sharing no file with the one the death abandoned.
+    abandoned_tag = "-a2.pt"
+    for name in [n for n in storage.list_dirs() if storage.exists(f"{n}/{MANIFEST}")]:
+        assert not any(f["path"].endswith(abandoned_tag) for f in verify_checkpoint(storage, name)["files"])
     warnings: list[str] = []
     assert latest_valid(storage, warnings.append)[0] == "step-00000025"
     assert_same_params(params(run_dir), reference, "ckpt-death")

@@ -6,6 +6,7 @@ no replica applies a step twice or skips one, and every member ends at the last 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from orchestrator.states import (
 from tests.helpers.fake_group import Faults, FakeWorkerGroup
 from tests.helpers.jobs import jsonl
 from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpoint_manifest import MANIFEST, latest_valid
+from workers.checkpoint_manifest import MANIFEST, FileEntry, latest_valid, verify_checkpoint, write_manifest
 from workers.protocol import Phase, Progress
 
 STEPS = 20
@@ -219,9 +220,12 @@ def test_a_failure_while_a_checkpoint_is_written_abandons_only_that_one(tmp_path
     ran = _run(tmp_path, Faults(die_writing={(1, 8)}), "checkpoint.every_steps=4", "checkpoint.keep=10")
     ran.assert_exact()
     assert "step-00000008" in [e["name"] for e in ran.of("checkpoint_abandoned")]
-    storage = CheckpointStorage(str(ran.run_dir / "checkpoints"))
-    assert not storage.exists(f"step-00000008/{MANIFEST}")
-    assert 4 in [e["step"] for e in ran.of("checkpoint")] and 12 in [e["step"] for e in ran.of("checkpoint")]
+    # The interval counts from the last written checkpoint (4): step 8 is taken again after the
+    # recovery, as a new attempt that shares no file with the abandoned one (a2).
+    steps = [e["step"] for e in ran.of("checkpoint")]
+    assert steps[:2] == [4, 8] and steps[-1] == 20
+    manifest = verify_checkpoint(CheckpointStorage(str(ran.run_dir / "checkpoints")), "step-00000008")
+    assert manifest["files"] and not any(f["path"].endswith("-a2.pt") for f in manifest["files"])
     assert ran.summary["events"]["failures"] == 1
 
 
@@ -234,7 +238,24 @@ def test_parts_not_where_the_manifest_would_say_abandon_the_checkpoint(tmp_path)
     assert "checkpoint.path must be storage that every worker and the driver share" in abandoned["reason"]
     storage = CheckpointStorage(str(ran.run_dir / "checkpoints"))
     assert not storage.exists(f"step-00000008/{MANIFEST}")
-    assert [e["step"] for e in ran.of("checkpoint")] == [4, 12, 16, 20]
+    steps = [e["step"] for e in ran.of("checkpoint")]
+    # The interval counts from the last written checkpoint (4), not from the abandoned one.
+    assert steps[0] == 4 and 8 < steps[1] <= 10 and steps[-1] == 20
+
+
+@pytest.mark.parametrize("kind", ["broken", "another job"])
+def test_a_final_save_replaces_a_manifest_that_does_not_verify_or_is_another_jobs(tmp_path, kind):
+    shared = CheckpointStorage(str(tmp_path / "shared"))
+    if kind == "broken":  # a manifest listing a part that never arrived (a partial upload)
+        write_manifest(shared, STEPS, [FileEntry("part-00000-of-00001-a9.pt", "0" * 64, 10)], {})
+    else:
+        shared.write_bytes(f"step-{STEPS:08d}/model.pt", b"theirs")
+        write_manifest(shared, STEPS, [FileEntry("model.pt", hashlib.sha256(b"theirs").hexdigest(), 6)], {"config_hash": "x"})
+    ran = _run(tmp_path, None, "checkpoint.every_steps=50", f"checkpoint.path={tmp_path / 'shared'}")
+    ran.assert_exact()
+    (final,) = ran.of("checkpoint")
+    assert final["step"] == STEPS and final["why"] == "final"
+    assert verify_checkpoint(shared, f"step-{STEPS:08d}")["meta"]["config_hash"] != "x"
 
 
 def test_growth_adds_workers_at_a_step_boundary(tmp_path):

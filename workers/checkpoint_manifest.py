@@ -135,27 +135,41 @@ def latest_valid(storage: CheckpointStorage, warn: Callable[[str], None]) -> tup
     return None
 
 
-def prune(storage: CheckpointStorage, keep: int) -> list[str]:
+def prune(storage: CheckpointStorage, keep: int, newest_good: str | None = None) -> list[str]:
     """Delete old checkpoints; returns the deleted names, oldest first.
 
-    Keeps the newest ``keep`` (>= 1) checkpoints that have a manifest and deletes the older
-    ones, and any manifest-less directory older than the newest complete checkpoint (an
-    abandoned write). A manifest-less directory newer than that may be being written right
-    now and is never touched. Only manifest presence is checked, not contents: keep at least 2
-    so that a corrupt newest checkpoint still leaves one to fall back to.
+    Only checkpoints older than ``newest_good`` are candidates: the newest checkpoint known to
+    verify (None: found by verifying from the newest down; nothing is deleted if none does).
+    Of them, the newest ``keep - 1`` with a manifest stay (``newest_good`` makes ``keep``), the
+    older ones go, with any manifest-less directory older than ``newest_good`` (an abandoned
+    write). Anything newer than ``newest_good`` (a broken checkpoint, a write in progress) is
+    never touched, so a corrupt newest checkpoint cannot cost the last good one.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
     dirs = _checkpoint_dirs(storage)
     complete = [(step, n) for step, n in dirs if storage.exists(f"{n}/{MANIFEST}")]
-    if not complete:
-        return []
-    newest_complete = complete[0][0]
-    doomed = complete[keep:] + [(step, n) for step, n in dirs if step < newest_complete and (step, n) not in complete]
+    if newest_good is None:
+        newest_good = next((n for _, n in complete if _verifies(storage, n)), None)
+        if newest_good is None:
+            return []
+    good_step = step_of(newest_good)
+    if good_step is None:
+        raise ValueError(f"newest_good must be a checkpoint name, got {newest_good!r}")
+    older = [(step, n) for step, n in complete if step < good_step]
+    doomed = older[keep - 1 :] + [(step, n) for step, n in dirs if step < good_step and (step, n) not in complete]
     deleted = [n for _, n in sorted(doomed)]
     for name in deleted:
         storage.delete_tree(name)
     return deleted
+
+
+def _verifies(storage: CheckpointStorage, name: str) -> bool:
+    try:
+        verify_checkpoint(storage, name)
+    except CheckpointCorrupt:
+        return False
+    return True
 
 
 def _checkpoint_dirs(storage: CheckpointStorage) -> list[tuple[int, str]]:

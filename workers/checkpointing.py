@@ -160,10 +160,16 @@ def load_state(
     flat: dict[str, torch.Tensor] = {}
     whole: dict[str, torch.Tensor] = {}
     covered = 0
+    seen: set[int] = set()
     for entry in parts:
         payload = _load(storage, name, entry)
+        where = storage.location(f"{name}/{entry['path']}")
         if payload.get("format") != FORMAT or payload["count"] != len(parts):
-            raise CheckpointCorrupt(name, storage.location(f"{name}/{entry['path']}"), "not a part of this checkpoint")
+            raise CheckpointCorrupt(name, where, "not a part of this checkpoint")
+        if payload["index"] in seen:
+            # Two copies of one slice would leave another slice unwritten (uninitialised memory).
+            raise CheckpointCorrupt(name, where, f"part {payload['index']} is listed twice")
+        seen.add(payload["index"])
         lo, hi = part_range(payload["numel"], payload["index"], payload["count"])
         for key, piece in payload["slices"].items():
             target = flat.setdefault(key, torch.empty(payload["numel"], dtype=piece.dtype))
