@@ -117,6 +117,10 @@ class CheckpointRecord:
     bytes: int
 
 
+#: Tries of a checkpoint that is waited for (final, before failing) when storage fails it.
+SAVE_ATTEMPTS = 3
+
+
 class CheckpointCoordinator:
     """Takes a job's checkpoints (see the module doc). ``counters`` gets ``checkpoints``."""
 
@@ -262,22 +266,31 @@ class CheckpointCoordinator:
         self, group: WorkerGroup, step: int, meta: dict[str, Any], why: str, ranks: int | None = None, force: bool = False
     ) -> None:
         """A checkpoint of the state after ``step`` steps, waited for (the final one, or one
-        before failing). Skipped when checkpoints are off, unless ``force``."""
+        before failing), tried up to ``SAVE_ATTEMPTS`` times within ``timeouts.checkpoint_s``. Skipped when checkpoints are off,
+        unless ``force``. Never raises for storage trouble: a save that cannot be made is
+        reported (``checkpoint_abandoned`` events) and the job goes on to its model and summary."""
         if not (self.enabled or force) or group.size == 0:
             return
         if self._saved(step):
             return  # already saved (e.g. a run resumed from its final checkpoint)
         self.abandon("superseded")
-        self.start(group, step, meta, why, ranks)
-        self.poll(wait_s=self.job.timeouts.checkpoint_s)
+        deadline = time.perf_counter() + self.job.timeouts.checkpoint_s  # for all attempts together
+        for _ in range(SAVE_ATTEMPTS):
+            self.start(group, step, meta, why, ranks)
+            self.poll(wait_s=max(0.0, deadline - time.perf_counter()))
+            if self.written and self.written[-1].step == step:
+                return
+            self.abandon(f"not written within timeouts.checkpoint_s ({self.job.timeouts.checkpoint_s:.0f}s)")
+            if time.perf_counter() >= deadline:
+                return
 
     def _saved(self, step: int) -> bool:
         """Whether this job's checkpoint of ``step`` exists and verifies (a partial manifest, a
         corrupt file or another job's checkpoint on a shared path does not count)."""
         name = checkpoint_name(step)
-        if not self.storage.exists(f"{name}/{MANIFEST}"):
-            return False
         try:
+            if not self.storage.exists(f"{name}/{MANIFEST}"):
+                return False
             manifest = verify_checkpoint(self.storage, name)
         except (CheckpointCorrupt, OSError) as err:
             self.run.event("checkpoint_replaced", name=name, reason=str(err))

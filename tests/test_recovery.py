@@ -258,6 +258,32 @@ def test_a_final_save_replaces_a_manifest_that_does_not_verify_or_is_another_job
     assert verify_checkpoint(shared, f"step-{STEPS:08d}")["meta"]["config_hash"] != "x"
 
 
+def test_storage_errors_in_the_final_save_cost_neither_model_nor_summary(tmp_path, monkeypatch):
+    """An object-store blip (OSError) while the final checkpoint is checked and written: that
+    attempt is abandoned and retried; the job still finishes with its model and summary."""
+    blips = {"exists": 1, "size": 1}
+
+    def flaky(method):
+        real = getattr(CheckpointStorage, method)
+
+        def call(self, relpath):
+            if blips[method]:
+                blips[method] -= 1
+                raise OSError(f"{method}: connection reset by the object store")
+            return real(self, relpath)
+
+        return call
+
+    for method in blips:
+        monkeypatch.setattr(CheckpointStorage, method, flaky(method))
+    ran = _run(tmp_path, None, "checkpoint.every_steps=50")
+    ran.assert_exact()
+    assert blips == {"exists": 0, "size": 0}
+    assert any("connection reset" in e["reason"] for e in ran.of("checkpoint_abandoned"))
+    (final,) = ran.of("checkpoint")
+    assert final["step"] == STEPS and (ran.run_dir / "model.pt").exists() and (ran.run_dir / "summary.json").exists()
+
+
 def test_growth_adds_workers_at_a_step_boundary(tmp_path):
     # The newcomer loads while step 3 is held up, and joins at the next boundary.
     ran = _run(tmp_path, Faults(stall={(0, 3): 0.5}), "scaling.workers=2", "scaling.max_workers=3", join_delay_s=0.2)
