@@ -265,15 +265,20 @@ class JobController:
         were in flight. Fails if the failure is not a lost worker."""
         noticed = time.time()
         outcome = state.outcome
-        evicted = [e.worker for e in outcome.evict]
+        # A silent worker (stalled, hung, partitioned) is a failure: replaced, its slot kept.
+        # One persistently far slower is evicted: its slot is retired (a replacement there
+        # would likely be as slow).
+        silent = {e.worker: f"silent for {e.evidence.get('silent_s')}s (stalled or hung)" for e in outcome.evict if e.reason == "silent"}
+        evicted = [e.worker for e in outcome.evict if e.worker not in silent]
         for eviction in outcome.evict:
-            self.counters["evictions"] += 1
+            self.counters["evictions"] += eviction.worker not in silent
             self.run.event(
                 "evict", at_step=self.ledger.steps_done, worker=eviction.worker, reason=eviction.reason,
                 evidence=eviction.evidence,
             )
-        settled = settle(self.group, self.store.generation, state.in_flight, frozenset(evicted), self.job.timeouts.collective_s)
-        dead = sorted((outcome.dead | set(settled.lost)) - set(evicted))
+        leaving = frozenset(evicted) | frozenset(silent)
+        settled = settle(self.group, self.store.generation, state.in_flight, leaving, self.job.timeouts.collective_s)
+        dead = sorted((outcome.dead | set(settled.lost) | set(silent)) - set(evicted))
         # A worker judged dead never carries the state on, even if it still answers (Ray's
         # ActorUnavailableError: it may or may not have run); it is removed below.
         alive = {w: p for w, p in settled.alive.items() if w not in dead}
@@ -292,7 +297,10 @@ class JobController:
         recovery = Recovery(
             at_step=furthest,
             workers=dead + evicted,
-            reasons={**{w: outcome.errors.get(w, "did not answer") for w in dead}, **{w: "evicted" for w in evicted}},
+            reasons={
+                **{w: silent.get(w) or outcome.errors.get(w, "did not answer") for w in dead},
+                **{w: "evicted" for w in evicted},
+            },
             started=min(died_at) if died_at else noticed,
         )
         recovery.detect_s = time.time() - recovery.started

@@ -162,7 +162,7 @@ def test_a_death_during_re_forming_starts_it_over(tmp_path):
     assert ran.summary["events"]["failures"] == 2
 
 
-def test_a_silent_worker_is_evicted_and_not_replaced(tmp_path):
+def test_a_silent_worker_is_a_failure_and_replaced(tmp_path):
     faults = Faults(stall={(2, 5): 30.0})
     ran = _run(tmp_path, faults, "stragglers.silent_s=0.3")
     ran.assert_exact()
@@ -170,8 +170,12 @@ def test_a_silent_worker_is_evicted_and_not_replaced(tmp_path):
     (evict,) = ran.of("evict")
     assert evict["worker"] == 2 and evict["reason"] == "silent"
     assert evict["evidence"]["progress"]["phase"] == Phase.STALL.value
-    assert ran.summary["events"]["evictions"] == 1 and ran.summary["events"]["failures"] == 0
-    assert ran.summary["workers"] == {"start": 3, "end": 2} and ran.group.capacity == 2
+    assert ran.summary["events"]["failures"] == 1 and ran.summary["events"]["evictions"] == 0
+    (failure,) = ran.of("failure")
+    assert failure["workers"] == [2] and "silent" in failure["reasons"]["2"]
+    # Its slot stays: a replacement (worker 3) joins and the group is back to full size.
+    assert ran.summary["workers"] == {"start": 3, "end": 3} and ran.group.capacity == 3
+    assert ran.of("group_reformed")[0]["workers"][-1] == 3
 
 
 def test_a_persistently_far_slower_worker_is_evicted(tmp_path):

@@ -74,21 +74,24 @@ def test_without_mitigation_the_plan_is_kept(tmp_path):
     assert all(len(r["shards"]) == 8 for r in jsonl(result.run_dir / "telemetry.jsonl"))
 
 
-def test_a_stalled_worker_is_evicted_and_the_job_finishes_without_it(tmp_path, reference):
+def test_a_stalled_worker_is_removed_as_a_failure_and_the_job_finishes_without_waiting(tmp_path, reference):
     result = run(
         tmp_path, "stall", "scaling.workers=4",
         "chaos.stall=[{worker: 2, at_step: 6, seconds: 120}]", "stragglers.silent_s=2",
     )
     assert_same_params(params(result.run_dir), reference, "stall")
     summary = result.summary
-    assert summary["workers"] == {"start": 4, "end": 3}
-    assert summary["events"]["evictions"] == 1 and summary["events"]["steps_redone"] >= 1
+    # Silence is a failure: counted as one, and its slot stays for a replacement (which may
+    # still be loading when this short job ends).
+    assert summary["workers"]["start"] == 4 and summary["workers"]["end"] in (3, 4)
+    assert summary["events"]["failures"] == 1 and summary["events"]["evictions"] == 0
+    assert summary["events"]["steps_redone"] >= 1
     assert summary["wall_s"] < 60  # nowhere near the 120 s stall
     events = jsonl(result.run_dir / "events.jsonl")
     evicted = [e for e in events if e["event"] == "evict"]
     assert evicted[0]["worker"] == 2 and evicted[0]["reason"] == "silent"
     assert evicted[0]["evidence"]["progress"]["phase"] == "stall"
-    assert {r["worker"] for r in jsonl(result.run_dir / "telemetry.jsonl") if r["step"] == 24} == {0, 1, 3}
+    assert {r["worker"] for r in jsonl(result.run_dir / "telemetry.jsonl") if r["step"] == 24} - {4} == {0, 1, 3}
 
 
 def test_a_persistently_far_slower_worker_is_evicted_at_a_step_boundary(tmp_path, reference):
