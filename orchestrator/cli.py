@@ -128,7 +128,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"ringleader: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
-    from orchestrator.launch import default_run_dir, run_job
+    from orchestrator.launch import LaunchTimeout, default_run_dir, run_job
 
     if args.local_nodes < 0 or (args.local_nodes and (args.address or os.environ.get("RAY_ADDRESS"))):
         print(
@@ -150,6 +150,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except (ConfigError, FileExistsError) as err:
         print(f"ringleader: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except LaunchTimeout as err:
+        print(f"ringleader: job failed: {err}", file=sys.stderr)
+        return EXIT_FAILED
     summary = result.summary
     accuracy = summary["eval"].get("accuracy")
     shown = f", eval accuracy {accuracy:.4f}" if accuracy is not None else ""

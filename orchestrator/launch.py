@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -24,6 +26,10 @@ if TYPE_CHECKING:
 
 # Imports cannot hang, but a wedged file system could; never wait forever.
 PRELOAD_TIMEOUT_S = 300.0
+
+
+class LaunchTimeout(RuntimeError):
+    """Launching did not finish in time (nothing was started that outlives it)."""
 
 
 @contextlib.contextmanager
@@ -96,6 +102,21 @@ def default_run_dir(job: JobConfig) -> Path:
     return Path("runs") / f"{job.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
+def _in_background(function: Callable[..., None], *args: Any) -> Future[None]:
+    """Run ``function`` on a daemon thread. Not a ThreadPoolExecutor: its exit (and the
+    interpreter's) would wait for a wedged import, so no timeout could bound it."""
+    future: Future[None] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args))
+        except BaseException as err:  # handed to whoever waits on the future
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="ringleader-preload", daemon=True).start()
+    return future
+
+
 def _preload(job: JobConfig, source: str) -> None:
     """Import torch, the user's factories and the driver's modules; raises ConfigError for bad
     factories."""
@@ -141,27 +162,31 @@ def run_job(
         from orchestrator.checkpointing import find_resume_point
 
         resume = find_resume_point(job, path, warn)
-    with ThreadPoolExecutor(1, thread_name_prefix="ringleader-preload") as pool:
-        preload = pool.submit(_preload, job, source)
-        with ray_session(address, local_nodes) as cluster:
-            ray_ready = time.perf_counter() - launched
+    preload = _in_background(_preload, job, source)
+    with ray_session(address, local_nodes) as cluster:
+        ray_ready = time.perf_counter() - launched
+        try:
             preload.result(timeout=PRELOAD_TIMEOUT_S)
-            from orchestrator.chaos_control import ChaosControl
-            from orchestrator.controller import JobController
-            from orchestrator.worker_group import RayWorkerGroup, driver_store
+        except FutureTimeout:
+            raise LaunchTimeout(
+                f"importing torch and the job's code ({source}) did not finish within {PRELOAD_TIMEOUT_S:.0f}s"
+            ) from None
+        from orchestrator.chaos_control import ChaosControl
+        from orchestrator.controller import JobController
+        from orchestrator.worker_group import RayWorkerGroup, driver_store
 
-            run = RunDirectory(path, resume=resuming)
-            run.save_job(job.model_dump(mode="json", exclude_unset=True))
-            node_cpus = local_node_cpus(local_nodes) if local_nodes else 0
-            controller = JobController(
-                job,
-                run,
-                RayWorkerGroup(job),
-                driver_store(job.timeouts.rendezvous_s),
-                chaos=ChaosControl(job.chaos, cluster, node_cpus, run.event),
-                launched=launched,
-                progress=progress,
-                resume=resume,
-            )
-            controller.mark("ray_ready", ray_ready)
-            return controller.execute()
+        run = RunDirectory(path, resume=resuming)
+        run.save_job(job.model_dump(mode="json", exclude_unset=True))
+        node_cpus = local_node_cpus(local_nodes) if local_nodes else 0
+        controller = JobController(
+            job,
+            run,
+            RayWorkerGroup(job),
+            driver_store(job.timeouts.rendezvous_s),
+            chaos=ChaosControl(job.chaos, cluster, node_cpus, run.event),
+            launched=launched,
+            progress=progress,
+            resume=resume,
+        )
+        controller.mark("ray_ready", ray_ready)
+        return controller.execute()

@@ -35,7 +35,12 @@ class JoinerPool:
             self.group.fill_slots(self._dead_nodes())
 
     def collect(self, timeout_s: float = 0.0) -> None:
-        """Move workers that have loaded (waiting up to ``timeout_s`` for one) to ``ready``."""
+        """Move workers that have loaded (waiting up to ``timeout_s`` for one) to ``ready``.
+        With nobody loading it still waits ``timeout_s``: callers loop on it while they wait
+        for resources, and must not spin a core the workers need."""
+        if timeout_s > 0 and not self.group.loading:
+            time.sleep(timeout_s)
+            return
         self.ready += self.group.ready_joiners(timeout_s=timeout_s)
 
     def want_to_join(self) -> bool:

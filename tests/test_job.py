@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,22 @@ def test_topk_compression_with_error_feedback_keeps_digits_accuracy(tmp_path):
     assert summary["eval"]["accuracy"] >= 0.93
     # The shard census rides outside the compressed sum: still exact.
     assert summary["shards_committed"] == summary["shards_expected"] == job.steps * job.shards
+
+
+def test_a_wedged_preload_fails_the_launch_in_time(tmp_path, monkeypatch, capsys, ray_cluster):
+    """The import thread (torch, the job's code) is bounded: a wedged one fails the launch with a
+    clear message after the timeout instead of holding it (or the process's exit) forever."""
+    import threading
+
+    import orchestrator.launch as launch
+
+    release = threading.Event()
+    monkeypatch.setattr(launch, "PRELOAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(launch, "_preload", lambda job, source: release.wait(60))
+    started = time.perf_counter()
+    try:
+        code = main(["run", "--run-dir", str(tmp_path / "wedged"), "--no-progress", "--set", "steps=5"])
+    finally:
+        release.set()
+    assert code == 1 and time.perf_counter() - started < 10
+    assert "importing torch and the job's code (built-in example) did not finish within" in capsys.readouterr().err

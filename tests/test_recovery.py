@@ -209,6 +209,16 @@ def test_a_step_the_saved_survivor_applied_is_committed_before_failing(tmp_path)
     assert saved["step"] == ran.summary["steps"] == 6 and [e["step"] for e in ran.of("step")][-1] == 5
 
 
+def test_waiting_for_workers_that_never_come_does_not_spin(tmp_path):
+    cpu = time.process_time()
+    ran = _run(
+        tmp_path, Faults(die_in_step={(1, 5): False}), "scaling.workers=2", "scaling.min_workers=2",
+        "scaling.wait_for_workers_s=2", replacements=False,
+    )
+    assert ran.summary["status"] == "failed" and ran.seconds >= 2
+    assert time.process_time() - cpu < 1.0  # a busy loop would burn the whole 2 s
+
+
 def test_a_replacement_that_is_still_loading_is_waited_for_below_min_workers(tmp_path):
     ran = _run(
         tmp_path, Faults(die_in_step={(1, 5): False}), "scaling.workers=2", "scaling.min_workers=2",
