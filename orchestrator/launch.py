@@ -12,6 +12,7 @@ import os
 import time
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime
 from pathlib import Path
@@ -32,29 +33,38 @@ class LaunchTimeout(RuntimeError):
     """Launching did not finish in time (nothing was started that outlives it)."""
 
 
+@dataclass(frozen=True)
+class RaySession:
+    """The Ray a job runs on: ``cluster``, the local ``ray.cluster_utils.Cluster`` (for chaos
+    that adds and removes nodes) or None; ``started_here``: this process started it, so its
+    resources are all it will ever have (no autoscaler behind it)."""
+
+    cluster: Any
+    started_here: bool
+
+
 @contextlib.contextmanager
-def ray_session(address: str | None, local_nodes: int = 0) -> Iterator[Any]:
+def ray_session(address: str | None, local_nodes: int = 0) -> Iterator[RaySession]:
     """Use the Ray already initialised in this process, else connect or start one.
 
     No ``address`` and no ``RAY_ADDRESS`` (set by ``ray job submit``) starts a fresh local Ray,
     which is shut down on exit; a given address joins that cluster. ``local_nodes`` > 0 starts
     that many simulated Ray nodes on this machine instead (``ray.cluster_utils.Cluster``, each
     with an equal share of its CPUs), for trying node loss and the hierarchical all-reduce.
-    Yields the local ``ray.cluster_utils.Cluster`` (for chaos that adds and removes nodes) or
-    None. Raises ValueError if ``local_nodes`` is combined with an address.
+    Yields a RaySession. Raises ValueError if ``local_nodes`` is combined with an address.
     """
     import ray
 
     if local_nodes and (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
         raise ValueError("local_nodes starts its own cluster; it cannot join one (address, RAY_ADDRESS, or this process's Ray)")
     if ray.is_initialized():
-        yield None
+        yield RaySession(None, started_here=False)
         return
     if local_nodes:
         with _local_cluster(local_nodes) as cluster:
             ray.init(address=cluster.address, logging_level="WARNING")
             try:
-                yield cluster
+                yield RaySession(cluster, started_here=True)
             finally:
                 ray.shutdown()
         return
@@ -65,7 +75,7 @@ def ray_session(address: str | None, local_nodes: int = 0) -> Iterator[Any]:
     else:
         ray.init(address="local", include_dashboard=False, logging_level="WARNING")
     try:
-        yield None
+        yield RaySession(None, started_here=not address and not os.environ.get("RAY_ADDRESS"))
     finally:
         ray.shutdown()
 
@@ -124,7 +134,7 @@ def _preload(job: JobConfig, source: str) -> None:
 
     resolve_job(job, source)
     import orchestrator.controller  # noqa: F401
-    import orchestrator.worker_group  # noqa: F401
+    import orchestrator.worker_group  # noqa: F401 - imports Ray's actor machinery and torch
 
 
 def run_job(
@@ -163,7 +173,7 @@ def run_job(
 
         resume = find_resume_point(job, path, warn)
     preload = _in_background(_preload, job, source)
-    with ray_session(address, local_nodes) as cluster:
+    with ray_session(address, local_nodes) as session:
         ray_ready = time.perf_counter() - launched
         try:
             preload.result(timeout=PRELOAD_TIMEOUT_S)
@@ -173,17 +183,25 @@ def run_job(
             ) from None
         from orchestrator.chaos_control import ChaosControl
         from orchestrator.controller import JobController
-        from orchestrator.worker_group import RayWorkerGroup, driver_store
+        from orchestrator.ray_calls import driver_store
+        from orchestrator.worker_group import RayWorkerGroup
 
         run = RunDirectory(path, resume=resuming)
         run.save_job(job.model_dump(mode="json", exclude_unset=True))
         node_cpus = local_node_cpus(local_nodes) if local_nodes else 0
+
+        def waiting(message: str) -> None:
+            run.event("waiting_for_resources", message=message)
+            warn(message)
+
+        # Chaos that adds nodes makes even a local cluster grow.
+        fixed = session.started_here and not job.chaos.add_node
         controller = JobController(
             job,
             run,
-            RayWorkerGroup(job),
+            RayWorkerGroup(job, fixed_cluster=fixed, on_wait=waiting),
             driver_store(job.timeouts.rendezvous_s),
-            chaos=ChaosControl(job.chaos, cluster, node_cpus, run.event),
+            chaos=ChaosControl(job.chaos, session.cluster, node_cpus, run.event),
             launched=launched,
             progress=progress,
             resume=resume,

@@ -3,10 +3,9 @@ placement-group bundles, driven through Ray calls whose failures are classified 
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.util.placement_group import (
@@ -18,48 +17,15 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import JobConfig, ScalingConfig
-from orchestrator.group import Call, CallFailed, FailureKind, WorkerGroupError
+from orchestrator.group import Call, WorkerGroupError
+from orchestrator.ray_calls import failure_of, ray_errors_as_group_errors
 from orchestrator.rendezvous import RendezvousStore
+from policies.placement import unplaceable
 from policies.work_stealing import StepPlan
 from workers.actor import TrainWorker
-from workers.comm_group import CollectiveAborted, CollectiveTimeout
 from workers.protocol import JoinRequest, Progress, SnapshotRequest, WorkerInfo
 
 RemoteTrainWorker = ray.remote(concurrency_groups={"compute": 1, "control": 1, "io": 1})(TrainWorker)
-
-
-def driver_store(timeout_s: float) -> RendezvousStore:
-    """The job's rendezvous store, on this (the driver's) Ray node's address."""
-    return RendezvousStore(ray.util.get_node_ip_address(), timeout_s)
-
-
-def failure_of(worker: int, err: BaseException) -> CallFailed:
-    """Classify a Ray call's error: the actor died, a collective failed on a lost peer, or the
-    call raised an error of its own."""
-    cause = getattr(err, "cause", None) or err
-    reason = f"{type(cause).__name__}: {cause}".strip()
-    if isinstance(err, ray.exceptions.RayActorError):
-        return CallFailed(worker, FailureKind.DIED, reason)
-    if isinstance(cause, (CollectiveAborted, CollectiveTimeout)):
-        return CallFailed(worker, FailureKind.PEER_LOST, reason)
-    return CallFailed(worker, FailureKind.ERROR, reason)
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _ray_errors_as_group_errors(method: F) -> F:
-    """Turn a Ray error raised by a group method (GCS trouble placing or killing actors) into a
-    WorkerGroupError, so the controller fails the job with a summary instead of crashing."""
-
-    @functools.wraps(method)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except ray.exceptions.RayError as err:
-            raise WorkerGroupError(f"{method.__name__}: {failure_of(-1, err).reason}") from err
-
-    return wrapped  # type: ignore[return-value]
 
 
 def actor_options(scaling: ScalingConfig) -> dict[str, Any]:
@@ -114,8 +80,15 @@ class RayWorkerGroup:
     #: After a replacement failed to start in a slot, wait this long before trying it again.
     RETRY_S = 5.0
 
-    def __init__(self, job: JobConfig) -> None:
+    #: While workers wait for resources, ``on_wait`` is told what is pending this often.
+    WAIT_REPORT_S = 10.0
+
+    def __init__(
+        self, job: JobConfig, fixed_cluster: bool = False, on_wait: Callable[[str], None] = lambda message: None
+    ) -> None:
         self.job = job
+        self.fixed_cluster = fixed_cluster  # its resources are all it will have: refuse the impossible at once
+        self._on_wait = on_wait
         self.scaling = job.scaling
         self.timeouts = job.timeouts
         self.members: list[Member] = []
@@ -158,15 +131,22 @@ class RayWorkerGroup:
 
         Actors are created at once and wait in Ray for their bundles, so reserving resources
         overlaps their start. Returns each actor's ``describe()``. Raises WorkerGroupError on
-        a timeout (naming the resources if they could not be reserved) or a worker error.
+        a timeout (naming the resources if they could not be reserved) or a worker error; on a
+        ``fixed_cluster`` at once if the workers can never fit. While resources are pending,
+        ``on_wait`` is told every WAIT_REPORT_S.
         """
+        if self.fixed_cluster:
+            nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+            problem = unplaceable(self._bundle, count, nodes)
+            if problem is not None:
+                raise WorkerGroupError(problem)
         placement = placement_group([self._bundle] * count, strategy=self.scaling.placement_strategy)
         self.placements.append(placement)
         slots = [Slot(placement, i) for i in range(count)]
         self.slots.extend(slots)
         actors = [self._new_actor(slot) for slot in slots]
         try:
-            infos = ray.get([a.describe.remote() for a, _ in actors], timeout=self.timeouts.start_s)
+            infos = self._await_start([a.describe.remote() for a, _ in actors], placement, count)
         except ray.exceptions.GetTimeoutError:
             ready, _ = ray.wait([placement.ready()], timeout=0)
             if not ready:
@@ -181,6 +161,24 @@ class RayWorkerGroup:
         self.members = [Member(actor, info, slot) for (actor, _), info, slot in zip(actors, infos, slots)]
         return self.info
 
+    def _await_start(self, refs: list[ray.ObjectRef], placement: PlacementGroup, count: int) -> list[WorkerInfo]:
+        """The actors' describe() within ``timeouts.start_s``, saying what is pending meanwhile;
+        raises GetTimeoutError after it."""
+        deadline = time.monotonic() + self.timeouts.start_s
+        while True:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(self.WAIT_REPORT_S, left)))
+            if len(ready) == len(refs):
+                return ray.get(refs, timeout=0)
+            if left <= self.WAIT_REPORT_S:
+                raise ray.exceptions.GetTimeoutError("start")
+            placed, _ = ray.wait([placement.ready()], timeout=0)
+            if not placed:
+                self._on_wait(
+                    f"waiting for {count} x {self._bundle} (available now: {ray.available_resources()}; "
+                    f"giving up after timeouts.start_s = {self.timeouts.start_s:.0f}s)"
+                )
+
     def _new_actor(self, slot: Slot) -> tuple[Any, int]:
         worker = self._next_worker
         self._next_worker += 1
@@ -190,7 +188,7 @@ class RayWorkerGroup:
         ).remote(self.job, worker)
         return actor, worker
 
-    @_ray_errors_as_group_errors
+    @ray_errors_as_group_errors
     def form_group(self, store: RendezvousStore) -> float:
         """All members join one torch.distributed group through the driver's store (a new
         generation) and take rank 0's training state. Returns the state transfer's seconds (the
@@ -206,7 +204,7 @@ class RayWorkerGroup:
         joined = self._gather(calls, self.timeouts.rendezvous_s, "rendezvous")
         return max(j.transfer_s for j in joined)
 
-    @_ray_errors_as_group_errors
+    @ray_errors_as_group_errors
     def submit_step(self, step: int, plan: StepPlan) -> list[Call]:
         if len(plan.shards_by_rank) != self.size:
             raise ValueError(f"plan is for {len(plan.shards_by_rank)} ranks, group has {self.size}")
@@ -261,7 +259,7 @@ class RayWorkerGroup:
         refs = [actor.abort.remote(generation) for actor in self.actors] + [c.handle for c in pending]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
-    @_ray_errors_as_group_errors
+    @ray_errors_as_group_errors
     def remove(self, workers: Sequence[int], retire: bool = False) -> None:
         """Kill the actors of these worker ids and drop them from the group (ranks close up).
         Their slots are free for replacements, unless ``retire``: an evicted worker's slot is
@@ -279,7 +277,7 @@ class RayWorkerGroup:
                         self.placements.remove(placement)
         self.members = [m for m in self.members if m.info.worker not in workers]
 
-    @_ray_errors_as_group_errors
+    @ray_errors_as_group_errors
     def kill(self, worker: int) -> None:
         """``ray.kill`` one member, leaving it in the group (chaos: the driver must notice)."""
         for member in self.members:
@@ -292,7 +290,7 @@ class RayWorkerGroup:
             raise WorkerGroupError(f"worker {worker} is not a member (members: {self.workers}); it cannot lead")
         self.members.sort(key=lambda m: m.info.worker != worker)
 
-    @_ray_errors_as_group_errors
+    @ray_errors_as_group_errors
     def fill_slots(self, dead_nodes: set[str]) -> int:
         """Start an actor in every free slot (up to ``scaling.max_workers`` slots less retired
         ones, reserving new ones as single-bundle placement groups), except slots whose bundle
@@ -335,7 +333,7 @@ class RayWorkerGroup:
         """Add ready joiners at the end of the rank order (they join at the next form_group)."""
         self.members.extend(members)
 
-    @_ray_errors_as_group_errors
+    @ray_errors_as_group_errors
     def restore(self, root: str, name: str, manifest: dict[str, Any]) -> None:
         """Load checkpoint ``name``: rank 0 the training state (the others take it from rank 0
         when the group forms), every rank its saved top-k residuals."""
@@ -345,7 +343,7 @@ class RayWorkerGroup:
             "restore",
         )
 
-    @_ray_errors_as_group_errors
+    @ray_errors_as_group_errors
     def snapshot(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> tuple[list[Call], list[Call]]:
         members = self.members[: len(requests)]
         copies = [Call(m.info.worker, m.actor.snapshot.remote(r)) for m, r in zip(members, requests)]

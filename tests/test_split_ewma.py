@@ -129,3 +129,4 @@ def test_ewma_equals_the_previous_ones_bit_for_bit():
 def test_ewma_refuses_an_alpha_outside_0_1(alpha):
     with pytest.raises(ValueError, match="alpha must be in"):
         ewma(1.0, 2.0, alpha)
+
