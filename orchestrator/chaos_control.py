@@ -48,6 +48,7 @@ class ChaosControl:
         self.killed_at: dict[int, float] = {}
         self.dead_nodes: set[str] = set()
         self._kills = [k for k in chaos.kill if k.how != "sigkill"]
+        self._self_kills = [k for k in chaos.kill if k.how == "sigkill"]
         self._adds = list(chaos.add_node)
 
     def at_boundary(self, step: int) -> None:
@@ -65,6 +66,9 @@ class ChaosControl:
         for kill in [k for k in self._kills if k.at_step == step]:
             self._kills.remove(kill)
             victim = kill.worker
+            if victim is not None and victim not in group.workers:
+                self._skipped(kill, f"worker {victim} is not in the group at step {step} (dead, evicted or not started)")
+                continue
             if victim is not None:
                 self._wait_until_in_step(group, victim, step)
             if kill.how == "ray_kill":
@@ -74,6 +78,22 @@ class ChaosControl:
                 self.event("chaos", action="ray_kill", at_step=step, worker=victim)
             else:
                 self._remove_node(group, kill, step)
+
+    def _skipped(self, kill: KillChaos, reason: str) -> None:
+        """A fault test must not pass by its fault not happening: say so."""
+        self.event("chaos_skipped", kill=kill.model_dump(mode="json"), reason=reason)
+
+    def finish(self, store: RendezvousStore) -> None:
+        """At the job's end: report every kill that never struck (its step never ran; a worker
+        that never reached its kill point, e.g. ``during: checkpoint`` with no checkpoint
+        after ``at_step``)."""
+        for kill in self._kills:
+            self._skipped(kill, f"step {kill.at_step} never ran")
+        for kill in self._self_kills:
+            assert kill.worker is not None  # validated: sigkill names a worker
+            if kill.worker not in self.killed_at and store.read(death_key(kill.worker)) is None:
+                self._skipped(kill, f"worker {kill.worker} never reached its kill point ({kill.during} at or after step {kill.at_step})")
+        self._kills, self._self_kills = [], []
 
     def _wait_until_in_step(self, group: WorkerGroup, worker: int, step: int) -> None:
         deadline = time.monotonic() + STRIKE_WAIT_S
@@ -92,8 +112,6 @@ class ChaosControl:
             node = nodes[kill.node]
         else:
             where = {info.worker: info.node_id for info in group.info}
-            if kill.worker not in where:
-                raise ChaosError(f"chaos.kill: worker {kill.worker} is not in the group at step {step}")
             node = next(n for n in nodes if n.node_id == where[kill.worker])
         if node.head:
             raise ChaosError("chaos.kill: the head node holds the driver and cannot be removed; name another node")
@@ -101,6 +119,9 @@ class ChaosControl:
         # but its workers would linger for seconds, still answering: kill them first.
         now = time.time()
         victims = [info for info in group.info if info.node_id == node.node_id]
+        if not victims:
+            self._skipped(kill, f"node {kill.node} holds no worker of this job at step {step}")
+            return
         for info in victims:
             self.killed_at[info.worker] = now
             _kill_pid(info.pid)

@@ -220,9 +220,10 @@ class KillChaos(_WorkerChaos):
     ``how``: ``sigkill`` (the worker SIGKILLs itself, like a crash or the OOM killer),
     ``ray_kill`` (the driver calls ``ray.kill`` while the step runs) or ``remove_node`` (the
     driver takes the whole simulated node away, with every worker on it; needs local nodes).
-    ``during`` (``sigkill`` only): in the step's all-reduce (``step``), while writing the
+    ``during`` (``sigkill`` only): in the step's all-reduce (``step``), while writing the first
     checkpoint taken after ``at_step`` (``checkpoint``), or in the first re-forming of the
-    group at or after ``at_step`` (``rejoin``: a failure during recovery).
+    group at or after ``at_step`` (``rejoin``: a failure during recovery). A kill that never
+    strikes (its worker gone, its point never reached) is reported as ``chaos_skipped``.
     """
 
     _kind = "kill"

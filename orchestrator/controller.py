@@ -109,6 +109,7 @@ class JobController:
                 self._step()
         finally:
             workers["end"] = self.group.size
+            self.chaos.finish(self.store)
             self.checkpoints.abandon("the job ended")
             self.group.shutdown()
             if self._bar is not None:

@@ -342,6 +342,30 @@ def test_a_worker_error_fails_the_job_without_retrying(tmp_path):
     assert ran.summary["events"]["recoveries"] == 0 and ran.summary["steps"] == 4
 
 
+def test_chaos_that_hits_nothing_says_so(tmp_path):
+    # Worker 1 dies in step 3, so the ray_kill aimed at it in step 8 has no target; the fake
+    # carries out no worker-side sigkill, so that entry never strikes either.
+    kills = "chaos.kill=[{at_step: 8, worker: 1, how: ray_kill}, {at_step: 2, worker: 2, during: checkpoint}]"
+    ran = _run(tmp_path, Faults(die_in_step={(1, 3): False}), kills)
+    ran.assert_exact()
+    skipped = {e["kill"]["worker"]: e["reason"] for e in ran.of("chaos_skipped")}
+    assert "worker 1 is not in the group at step 8" in skipped[1]
+    assert "worker 2 never reached its kill point (checkpoint at or after step 2)" in skipped[2]
+
+
+def test_a_checkpoint_kill_strikes_at_the_first_checkpoint_after_its_step():
+    import threading
+
+    from orchestrator.config import ChaosConfig
+    from workers.chaos import ChaosSchedule
+
+    chaos = ChaosConfig.model_validate({"kill": [{"at_step": 420, "worker": 0, "during": "checkpoint"}]})
+    schedule = ChaosSchedule.for_worker(chaos, 0, threading.Event())
+    assert not schedule.kill_due("checkpoint", 399)  # the checkpoint of step 400
+    assert schedule.kill_due("checkpoint", 424)  # of step 425: the first after 420
+    assert not schedule.kill_due("checkpoint", 449)  # once
+
+
 def test_state_transitions_are_checked():
     check_transition(Starting(), Running(0))
     with pytest.raises(IllegalTransition):

@@ -104,10 +104,12 @@ class ChaosSchedule:
         return time.perf_counter() - started
 
     def kill_due(self, during: str, step: int) -> bool:
-        """Whether this worker dies now, at ``during`` of ``step`` (``rejoin``: any re-forming
-        at or after its step). A kill happens once."""
+        """Whether this worker dies now, at ``during`` of ``step``: in ``step`` itself, or for
+        ``rejoin`` and ``checkpoint`` the first re-forming or checkpoint at or after its step
+        (``step`` is then the worker's next step, or the last step the checkpoint holds). A
+        kill happens once."""
         for index, kill in enumerate(self.kills):
-            if kill.during == during and (kill.at_step == step or (during == "rejoin" and step >= kill.at_step)):
+            if kill.during == during and (kill.at_step == step or (during != "step" and step >= kill.at_step)):
                 del self.kills[index]
                 return True
         return False
