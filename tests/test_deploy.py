@@ -47,3 +47,24 @@ def test_rayjob_entrypoint_is_a_valid_ringleader_run():
     job = _job_from(argv[4:])
     assert job.checkpoint.enabled and job.checkpoint.path.startswith("s3://")
     RuntimeEnv(**yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"]))
+
+
+def test_submit_quotes_every_value_before_it_reaches_the_heads_shell(tmp_path):
+    """Ray joins the entrypoint's words with spaces and runs them in a shell on the head node:
+    a value like `$(touch ...)` must arrive as text, not run."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    recorded = tmp_path / "argv"
+    (fake_bin / "ray").write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" > {recorded}\n')
+    (fake_bin / "ray").chmod(0o755)
+    marker = tmp_path / "pwned"
+    evil = f"checkpoint.path=s3://b/$(touch {marker})"
+    env = {"PATH": f"{fake_bin}:/usr/bin:/bin", "RAY_ADDRESS": "http://127.0.0.1:1"}
+    subprocess.run(["bash", str(DEPLOY / "submit.sh"), "examples/digits.yaml", "--set", evil], check=True, env=env)
+    argv = recorded.read_text().split("\0")[:-1]
+    entrypoint = " ".join(argv[argv.index("--") + 1 :])  # what Ray hands its shell
+    assert shlex.split(entrypoint) == [
+        "python", "-m", "orchestrator.cli", "run", "--no-progress", "examples/digits.yaml", "--set", evil,
+    ]
+    echoed = subprocess.run(["sh", "-c", f"printf '%s\\n' {entrypoint.split(' ', 1)[1]}"], capture_output=True, text=True)
+    assert evil in echoed.stdout.splitlines() and not marker.exists()
