@@ -104,6 +104,13 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def _err(message: str) -> None:
+    """A one-line message for the user on stderr, credentials in URIs masked."""
+    from orchestrator.redaction import redact
+
+    print(redact(f"ringleader: {message}"), file=sys.stderr)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from orchestrator.config import ConfigError
     from orchestrator.job_file import job_source, load_job
@@ -116,7 +123,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides.append(f"scaling.workers={args.workers}")
     if args.command == "resume":
         if not RunDirectory.is_run(Path(args.run_dir)):
-            print(f"ringleader: {args.run_dir} is not a run directory (no {JOB_FILE})", file=sys.stderr)
+            _err(f"{args.run_dir} is not a run directory (no {JOB_FILE})")
             return EXIT_BAD_INPUT
         args.job = str(Path(args.run_dir) / JOB_FILE)
     if args.run_dir is not None:
@@ -125,17 +132,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         # Checks that import torch and user code run in run_job, while Ray starts.
         job = load_job(args.job, overrides, resolve=False)
     except ConfigError as err:
-        print(f"ringleader: {err}", file=sys.stderr)
+        _err(f"{err}")
         return EXIT_BAD_INPUT
 
     from orchestrator.launch import LaunchTimeout, default_run_dir, run_job
+    from orchestrator.redaction import redact
 
     if args.local_nodes < 0 or (args.local_nodes and (args.address or os.environ.get("RAY_ADDRESS"))):
-        print(
-            "ringleader: --local-nodes N starts its own N-node cluster: N must be >= 1, and it cannot "
-            "join one (--address or RAY_ADDRESS)",
-            file=sys.stderr,
-        )
+        _err("--local-nodes N starts its own N-node cluster: N must be >= 1, and it cannot join one (--address or RAY_ADDRESS)")
         return EXIT_BAD_INPUT
     try:
         result = run_job(
@@ -145,27 +149,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
             run_dir=default_run_dir(job),
             progress=not args.no_progress,
             source=job_source(args.job),
-            warn=lambda message: print(f"ringleader: warning: {message}", file=sys.stderr),
+            warn=lambda message: _err(f"warning: {message}"),
         )
     except (ConfigError, FileExistsError) as err:
-        print(f"ringleader: {err}", file=sys.stderr)
+        _err(f"{err}")
         return EXIT_BAD_INPUT
     except LaunchTimeout as err:
-        print(f"ringleader: job failed: {err}", file=sys.stderr)
+        _err(f"job failed: {err}")
         return EXIT_FAILED
     summary = result.summary
     accuracy = summary["eval"].get("accuracy")
     shown = f", eval accuracy {accuracy:.4f}" if accuracy is not None else ""
     print(
-        f"ringleader: {summary['status']}: {summary['steps']} steps, "
+        redact(f"ringleader: {summary['status']}: {summary['steps']} steps, "
         f"{summary['samples_per_s']:.0f} samples/s, final loss {summary['final_loss']}"
-        f"{shown}, wall {summary['wall_s']:.1f}s; run dir {result.run_dir}"
+        f"{shown}, wall {summary['wall_s']:.1f}s; run dir {result.run_dir}")
     )
     if summary["status"] == "finished":
         return 0
     if summary["status"] == "stopped":
         return EXIT_INTERRUPTED
-    print(f"ringleader: job failed: {summary.get('error')}", file=sys.stderr)
+    _err(f"job failed: {summary.get('error')}")
     return EXIT_FAILED
 
 

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, IO
 
+from orchestrator.redaction import redact_all
+
 if TYPE_CHECKING:
     import torch
 
@@ -69,12 +71,12 @@ class RunDirectory:
     def save_job(self, job: dict[str, Any]) -> Path:
         """The job as run (validated, defaults filled in), so ``ringleader resume`` can rerun it."""
         target = self.path / JOB_FILE
-        text = json.dumps(job, indent=2, sort_keys=True).encode()
+        text = json.dumps(redact_all(job), indent=2, sort_keys=True).encode()
         write_atomic(target, lambda handle: handle.write(text))
         return target
 
     def event(self, kind: str, **fields: Any) -> None:
-        record = {"time": time.time(), "event": kind, **fields}
+        record = redact_all({"time": time.time(), "event": kind, **fields})
         with self._lock:  # background threads (chaos adding a node) record events too
             self._events.write(json.dumps(record) + "\n")
             self._events.flush()
@@ -92,7 +94,7 @@ class RunDirectory:
 
     def save_summary(self, summary: dict[str, Any]) -> Path:
         target = self.path / "summary.json"
-        text = json.dumps(summary, indent=2, sort_keys=True).encode()
+        text = json.dumps(redact_all(summary), indent=2, sort_keys=True).encode()
         write_atomic(target, lambda handle: handle.write(text))
         return target
 

@@ -17,6 +17,8 @@ import urllib.parse
 
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
+from orchestrator.redaction import redact
+
 if TYPE_CHECKING:
     import pyarrow.fs
 
@@ -88,11 +90,11 @@ class CheckpointStorage:
         return self._local is not None
 
     def location(self, relpath: str) -> str:
-        """The full local path or URI of ``relpath``, for messages."""
+        """The full local path or URI of ``relpath``, for messages (credentials masked)."""
         parts = split_relpath(relpath)
         if self._local is not None:
             return os.path.join(self._local, *parts)
-        return self.root.rstrip("/") + "/" + "/".join(parts)
+        return redact(self.root.rstrip("/") + "/" + "/".join(parts))
 
     def write_bytes(self, relpath: str, data: bytes) -> str:
         """Write ``data`` to ``relpath`` atomically, creating parent directories; returns its sha256 hex."""
