@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -10,17 +12,32 @@ import torch.distributed as dist
 class RendezvousStore:
     """A TCPStore in the driver process, so no worker is a single point of failure.
 
-    Each process group formed through it uses a fresh key prefix (its generation); shard claims
-    live under the current generation's prefix (``claims``). ``host`` is the address workers
-    reach the driver at (the driver's Ray node IP on a cluster)."""
+    It listens on ``host`` only, the address workers reach the driver at (the driver's Ray node
+    IP on a cluster), not on every interface. Every key lives under ``namespace``, a random
+    secret per job that workers receive through Ray (``JoinRequest``): a stray client that
+    reaches the port can neither read nor forge a shard claim. Each process group formed
+    through it uses a fresh key prefix (its generation); shard claims live under the current
+    generation's prefix (``claims``)."""
 
     #: The current generation's view of the store, where shard claims live (set by next_prefix).
     claims: dist.Store
 
     def __init__(self, host: str, timeout_s: float) -> None:
         self.host = host
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-        self.port = self._store.port
+        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+        # Bound here and handed to the store: TCPStore alone would listen on every interface.
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, 0))
+        self._listener.listen(1024)
+        self.port = self._listener.getsockname()[1]
+        server = dist.TCPStore(
+            host, self.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=self._listener.fileno(),
+        )
+        self.namespace = f"{secrets.token_hex(16)}/"
+        self._server = server  # the server lives as long as this object
+        self._store = dist.PrefixStore(self.namespace, server)
         self.generation = 0
 
     def read(self, key: str) -> str | None:

@@ -197,7 +197,9 @@ class RayWorkerGroup:
         prefix = store.next_prefix()
         nodes = tuple(info.node_id for info in self.info)  # topology for the hierarchical all-reduce
         requests = [
-            JoinRequest(store.host, store.port, prefix, store.generation, rank, nodes, self.timeouts.rendezvous_s)
+            JoinRequest(
+                store.host, store.port, prefix, store.generation, rank, nodes, self.timeouts.rendezvous_s, store.namespace
+            )
             for rank in range(self.size)
         ]
         calls = [Call(m.info.worker, m.actor.join_group.remote(r)) for m, r in zip(self.members, requests)]

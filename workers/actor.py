@@ -145,9 +145,11 @@ class TrainWorker:
             self.abort_flag.clear()
         collective = self.job.collective
         timeout_s = self.job.timeouts.collective_s
-        store = dist.TCPStore(
+        store: dist.Store = dist.TCPStore(
             request.store_host, request.store_port, is_master=False, timeout=timedelta(seconds=request.timeout_s)
         )
+        if request.namespace:
+            store = dist.PrefixStore(request.namespace, store)
         self.store = store
         self.claims_store = dist.PrefixStore(request.prefix, store)
         pg = call_abortable(

@@ -81,7 +81,9 @@ class Progress:
 class JoinRequest:
     """Form generation ``generation``'s process group as rank ``rank`` of ``len(nodes)``
     through the driver's TCPStore at ``store_host:store_port`` under key ``prefix``;
-    ``nodes[r]`` is rank r's Ray node id. ``timeout_s`` bounds the rendezvous."""
+    ``nodes[r]`` is rank r's Ray node id. ``timeout_s`` bounds the rendezvous. ``namespace``:
+    the job's secret key prefix in that store (every key carries it, so a stray client that
+    reaches the port cannot read or forge one); ``prefix`` is under it."""
 
     store_host: str
     store_port: int
@@ -90,6 +92,7 @@ class JoinRequest:
     rank: int
     nodes: tuple[str, ...]
     timeout_s: float
+    namespace: str = ""
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,30 @@
+"""The driver's rendezvous store: bound to the workers' interface only, keys under a per-job secret."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from orchestrator.rendezvous import RendezvousStore
+
+
+def test_the_store_listens_on_the_given_address_only():
+    store = RendezvousStore("127.0.0.1", 5.0)
+    with socket.create_connection(("127.0.0.1", store.port), timeout=2):
+        pass
+    with pytest.raises(OSError):  # another loopback address: nothing listens there
+        socket.create_connection(("127.0.0.2", store.port), timeout=2).close()
+
+
+def test_a_stray_client_cannot_read_or_forge_a_claim():
+    store = RendezvousStore("127.0.0.1", 5.0)
+    prefix = store.next_prefix()
+    store.claims.set("claim/0/0", "free")
+    stray = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=2))
+    assert not stray.check([f"{prefix}claim/0/0"])  # the real key is under the job's secret
+    stray.set(f"{prefix}claim/0/0", "done:9")  # a forged claim lands outside the namespace
+    assert store.claims.get("claim/0/0") == b"free"
+    assert len(store.namespace) == 33 and store.namespace != RendezvousStore("127.0.0.1", 5.0).namespace
