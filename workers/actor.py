@@ -152,10 +152,10 @@ class TrainWorker:
             store = dist.PrefixStore(request.namespace, store)
         self.store = store
         self.claims_store = dist.PrefixStore(request.prefix, store)
+        backend = pick_backend(self.device)
         pg = call_abortable(
             lambda: new_process_group(
-                pick_backend(self.device), dist.PrefixStore(request.prefix, store), request.rank, request.world_size,
-                timeout_s,
+                backend, dist.PrefixStore(request.prefix, store), request.rank, request.world_size, timeout_s
             ),
             self.abort_flag,
             request.timeout_s,
@@ -164,7 +164,9 @@ class TrainWorker:
         previous = self.reducer_comm
         residuals = getattr(previous, "residuals", None) or self._restored_residuals
         self._restored_residuals = {}
-        self.group = CommGroup(pg, request.rank, request.world_size, timeout_s, self.abort_flag)
+        self.group = CommGroup(
+            pg, request.rank, request.world_size, timeout_s, self.abort_flag, poll_completion=backend == "nccl"
+        )
         self.rank, self.world_size = request.rank, request.world_size
         exact = make_communicator(collective.algorithm, self.group, request.nodes)
         compressed = compress(collective.compression, exact, self.group, collective.topk_ratio)

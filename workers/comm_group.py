@@ -15,6 +15,7 @@ stuck in it, and the next one formed beside it.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +28,11 @@ import torch.distributed as dist
 
 # How often a waiting caller looks at the abort flag: the bound on how late an abort is seen.
 ABORT_POLL_S = 0.02
+# How often the communication thread looks whether an NCCL op has completed (short: it is
+# latency added to every op of a ring).
+COMPLETION_POLL_S = 0.0002
+# TORCH_NCCL_ASYNC_ERROR_HANDLING's CleanUpOnly: abort communicators, do not kill the process.
+NCCL_CLEAN_UP_ONLY = "2"
 
 T = TypeVar("T")
 
@@ -114,11 +120,17 @@ def call_abortable(operation: Callable[[], T], abort_flag: threading.Event, time
 def new_process_group(
     backend: str, store: dist.Store, rank: int, size: int, timeout_s: float
 ) -> dist.ProcessGroup:
-    """A standalone gloo or NCCL process group over ``store`` (not torch's default group)."""
+    """A standalone gloo or NCCL process group over ``store`` (not torch's default group).
+
+    For NCCL, asynchronous error handling is set to clean up only (abort the communicators, keep
+    the process) unless the user chose otherwise: torch's default tears the whole process down
+    when a collective times out, which would turn one dead peer into the death of every
+    survivor instead of an in-place recovery."""
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_CLEAN_UP_ONLY)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
@@ -129,13 +141,24 @@ class CommGroup:
     """``size`` ranks, this one being ``rank``, over the process group ``pg``.
 
     ``timeout_s`` bounds every wait; ``abort_flag`` is shared with whoever may abort (the actor's
-    control thread). Operations queued with ``submit`` run on the communication thread.
+    control thread). Operations queued with ``submit`` run on the communication thread and wait
+    for each torch ``Work`` with ``complete``. ``poll_completion`` (NCCL): ``Work.wait()`` does
+    not block the CPU there (it only orders the current CUDA stream), so completion is polled
+    with ``is_completed()`` against the abort flag and the deadline, and a broken group's
+    communicators are aborted when it closes.
     """
 
     def __init__(
-        self, pg: dist.ProcessGroup, rank: int, size: int, timeout_s: float, abort_flag: threading.Event
+        self,
+        pg: dist.ProcessGroup,
+        rank: int,
+        size: int,
+        timeout_s: float,
+        abort_flag: threading.Event,
+        poll_completion: bool = False,
     ) -> None:
         self.pg = pg
+        self.poll_completion = poll_completion
         self.rank = rank
         self.size = size
         self.timeout_s = timeout_s
@@ -161,14 +184,34 @@ class CommGroup:
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> dist.Work:
         return self.pg.recv([tensor], src, tag)
 
+    def complete(self, work: dist.Work) -> None:
+        """Block (on the communication thread) until ``work`` has finished. Gloo's ``wait()``
+        blocks until then (a caller's PendingOp.wait polls the abort flag meanwhile). NCCL's
+        returns at once, and a dead peer would surface later in a CUDA sync that never ends
+        (reading the census): its work is polled until done, raising CollectiveAborted or
+        CollectiveTimeout, so nothing reads a reduced value before the op has completed."""
+        if not self.poll_completion:
+            work.wait()
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            if self.abort_flag.is_set():
+                raise CollectiveAborted("a collective was aborted by the driver")
+            if time.monotonic() > deadline:
+                raise CollectiveTimeout(f"a collective did not finish within {self.timeout_s:.0f}s (rank {self.rank})")
+            time.sleep(COMPLETION_POLL_S)
+
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Blocking broadcast from ``root`` (queued behind pending operations)."""
         options = dist.BroadcastOptions()
         options.rootRank = root
-        self.submit(lambda: self.pg.broadcast([tensor], options).wait(), "broadcast").wait()
+        self.submit(lambda: self.complete(self.pg.broadcast([tensor], options)), "broadcast").wait()
 
     def close(self) -> None:
         """Stop taking work. A healthy group's thread finishes what is queued; a broken group's
         thread may stay blocked in gloo until the process-group timeout or the peer's death,
-        so it is abandoned rather than joined."""
+        so it is abandoned rather than joined. A broken polled (NCCL) group's communicators are
+        aborted, which ends its kernels still waiting on a dead peer."""
         self._thread.shutdown(wait=self.broken is None, cancel_futures=self.broken is not None)
+        if self.broken is not None and self.poll_completion and hasattr(self.pg, "abort"):
+            self.pg.abort()

@@ -38,7 +38,7 @@ class NativeAllReduce:
         options.reduceOp = dist.ReduceOp.SUM
         size = self.group.size
         self.group.bytes_sent += tensor.numel() * tensor.element_size() * 2 * (size - 1) // size
-        return self.group.submit(lambda: self.group.pg.allreduce([tensor], options).wait(), "native all-reduce")
+        return self.group.submit(lambda: self.group.complete(self.group.pg.allreduce([tensor], options)), "native all-reduce")
 
 
 ALGORITHMS = ("ring", "hierarchical", "native")

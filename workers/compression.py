@@ -84,7 +84,7 @@ def int8_ring_sum(group: CommGroup, flat: torch.Tensor) -> None:
         if rhi > rlo:
             works += [group.recv(r_codes, left, 0), group.recv(r_scales, left, 1)]
         for work in works:
-            work.wait()
+            group.complete(work)
         if rhi > rlo:
             flat[rlo:rhi].add_(dequantize_int8(r_codes, r_scales).to(flat.dtype))
     # Finished chunks travel quantized once; every rank (the owner too) keeps the decoded values.

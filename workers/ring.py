@@ -99,7 +99,7 @@ def ring_sum(group: CommGroup, flat: torch.Tensor, ranks: Sequence[int], scratch
         if not receives and t + 1 < steps:  # nothing arrives this step (a chunk of length 0)
             next_receives = post_receives(t + 1)
         for j, (work, lo, hi) in enumerate(receives):
-            work.wait()
+            group.complete(work)
             if t < n - 1:
                 flat[lo:hi].add_(buffers[(t % 2) * longest + lo - lo0 :][: hi - lo])
             if t + 1 < steps:
@@ -107,7 +107,7 @@ def ring_sum(group: CommGroup, flat: torch.Tensor, ranks: Sequence[int], scratch
                     next_receives = post_receives(t + 1)
                 next_sends.append(group.send(flat[lo:hi], right, tag(t + 1, j)))
         for work in sends:  # each send (and the view it reads) stays alive until done
-            work.wait()
+            group.complete(work)
         sends, receives = next_sends, next_receives
 
 
@@ -127,7 +127,7 @@ def ring_all_gather(
         sends = [group.send(t, right, tag) for tag, t in enumerate(outgoing) if t.numel()]
         receives = [group.recv(t, left, tag) for tag, t in enumerate(incoming) if t.numel()]
         for work in receives + sends:
-            work.wait()
+            group.complete(work)
 
 
 class RingAllReduce:
@@ -157,17 +157,17 @@ def hierarchical_sum(group: CommGroup, flat: torch.Tensor, nodes: list[list[int]
     mine = next(ranks for ranks in nodes if group.rank in ranks)
     leader = mine[0]
     if group.rank != leader:
-        group.send(flat, leader).wait()
-        group.recv(flat, leader).wait()
+        group.complete(group.send(flat, leader))
+        group.complete(group.recv(flat, leader))
         return
     incoming = scratch.get(flat, flat.numel())
     for member in mine[1:]:
-        group.recv(incoming, member).wait()
+        group.complete(group.recv(incoming, member))
         flat.add_(incoming)
     ring_sum(group, flat, [ranks[0] for ranks in nodes], scratch)
     sends = [group.send(flat, member) for member in mine[1:]]
     for work in sends:
-        work.wait()
+        group.complete(work)
 
 
 class HierarchicalAllReduce:
