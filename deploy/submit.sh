@@ -8,12 +8,12 @@
 # Everything after the script name is passed to `ringleader run`. Inside the job, RAY_ADDRESS is
 # set by Ray, so `ringleader run` joins the cluster instead of starting a local Ray.
 #
-# Ray runs the entrypoint through a shell on the head node, joining its words with spaces: each
-# argument is quoted here (shlex.quote), so no value (a --set with `$(...)` in it) reaches that
-# shell unquoted.
+# Ray runs the entrypoint through a shell on the head node. Each word after `--` is passed as
+# its own argument, and `ray job submit` (2.60) joins them with shlex.join, so a value such as
+# `--set checkpoint.path='s3://b/$(id)'` arrives as text (tests/test_deploy.py checks this
+# against Ray's own CLI). Do not pre-join the words into one string: Ray would quote it again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${RAY_ADDRESS:=http://127.0.0.1:8265}"
-entrypoint=$(python3 -c 'import shlex, sys; print(shlex.join(sys.argv[1:]))' \
-    python -m orchestrator.cli run --no-progress "$@")
-exec ray job submit --address "$RAY_ADDRESS" --runtime-env deploy/runtime_env.yaml -- "$entrypoint"
+exec ray job submit --address "$RAY_ADDRESS" --runtime-env deploy/runtime_env.yaml \
+    -- python -m orchestrator.cli run --no-progress "$@"

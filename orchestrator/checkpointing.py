@@ -271,7 +271,7 @@ class CheckpointCoordinator:
         reported (``checkpoint_abandoned`` events) and the job goes on to its model and summary."""
         if not (self.enabled or force) or group.size == 0:
             return
-        if self._saved(step):
+        if self.saved(step):
             return  # already saved (e.g. a run resumed from its final checkpoint)
         self.abandon("superseded")
         deadline = time.perf_counter() + self.job.timeouts.checkpoint_s  # for all attempts together
@@ -284,7 +284,7 @@ class CheckpointCoordinator:
             if time.perf_counter() >= deadline:
                 return
 
-    def _saved(self, step: int) -> bool:
+    def saved(self, step: int) -> bool:
         """Whether this job's checkpoint of ``step`` exists and verifies (a partial manifest, a
         corrupt file or another job's checkpoint on a shared path does not count)."""
         name = checkpoint_name(step)

@@ -109,9 +109,12 @@ class JobController:
                 self._step()
         finally:
             workers["end"] = self.group.size
-            self.chaos.finish(self.store)
             self.checkpoints.abandon("the job ended")
             self.group.shutdown()
+            try:
+                self.chaos.finish(self.store)
+            except (RuntimeError, OSError) as err:  # the summary matters more than the report
+                self.run.event("error", message=f"chaos report: {type(err).__name__}: {err}")
             if self._bar is not None:
                 self._bar.close()
         summary = self._summary(workers)
@@ -349,9 +352,10 @@ class JobController:
     def _checkpointing_before_failure(self, state: CheckpointingBeforeFailure) -> State:
         if state.holders:
             root, step = pick_root(dict(state.holders))
-            self._commit_held(state.in_flight, state.reports, step)
             self.group.lead_with(root)
             self.checkpoints.save_now(self.group, step, self._policy_state(), "before failing", ranks=1, force=True)
+            if self.checkpoints.saved(step):
+                self._commit_held(state.in_flight, state.reports, step)  # held by the checkpoint now
         raise JobFailed(state.reason)
 
     # Growing

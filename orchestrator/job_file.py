@@ -10,6 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator.config import ConfigError, FactorySpec, JobConfig
+from orchestrator.redaction import masked
 from workers.factories import resolve_import_path
 
 
@@ -77,6 +78,12 @@ def load_job(path: str | Path | None, overrides: list[str] | None = None, *, res
             raise ConfigError(f"job file {source}: expected a mapping at the top level")
         raw = loaded
     raw = apply_overrides(raw, overrides or [])
+    hidden = _masked_fields(raw)
+    if hidden:
+        raise ConfigError(
+            f"invalid job ({source}): field(s) {', '.join(repr(f) for f in hidden)} hold a credential that was masked "
+            "when the run was saved; give each again, e.g. --set " + f"{hidden[0]}=s3://KEY:SECRET@bucket/..."
+        )
     try:
         job = JobConfig.model_validate(raw)
     except ValidationError as err:
@@ -84,6 +91,15 @@ def load_job(path: str | Path | None, overrides: list[str] | None = None, *, res
     if resolve:
         resolve_job(job, source)
     return job
+
+
+def _masked_fields(raw: Any, where: str = "") -> list[str]:
+    """Dotted names of the fields whose values ``orchestrator.redaction`` masked."""
+    if isinstance(raw, dict):
+        return [f for key, value in raw.items() for f in _masked_fields(value, f"{where}.{key}" if where else str(key))]
+    if isinstance(raw, list):
+        return [f for index, value in enumerate(raw) for f in _masked_fields(value, f"{where}.{index}")]
+    return [where] if isinstance(raw, str) and masked(raw) else []
 
 
 def job_source(path: str | Path | None) -> str:

@@ -26,14 +26,16 @@ class RendezvousStore:
         self.host = host
         family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
         # Bound here and handed to the store: TCPStore alone would listen on every interface.
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((host, 0))
-        self._listener.listen(1024)
-        self.port = self._listener.getsockname()[1]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen(1024)
+        self.port = listener.getsockname()[1]
         server = dist.TCPStore(
             host, self.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
-            master_listen_fd=self._listener.fileno(),
+            # The store owns the descriptor from here on (and closes it): detach it from the
+            # Python socket, or both would close the same number.
+            master_listen_fd=listener.detach(),
         )
         self.namespace = f"{secrets.token_hex(16)}/"
         self._server = server  # the server lives as long as this object

@@ -50,21 +50,33 @@ def test_rayjob_entrypoint_is_a_valid_ringleader_run():
 
 
 def test_submit_quotes_every_value_before_it_reaches_the_heads_shell(tmp_path):
-    """Ray joins the entrypoint's words with spaces and runs them in a shell on the head node:
-    a value like `$(touch ...)` must arrive as text, not run."""
+    """Ray runs the entrypoint in a shell on the head node: a value like `$(touch ...)` must
+    arrive as text. The submission goes through Ray's real `ray job submit` command (only its
+    HTTP client is replaced, to record the entrypoint it would send)."""
+    import sys
+
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
-    recorded = tmp_path / "argv"
-    (fake_bin / "ray").write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" > {recorded}\n')
+    recorded = tmp_path / "entrypoint"
+    (fake_bin / "ray").write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        "from ray.dashboard.modules.job import cli\n"
+        "class Client:\n"
+        "    def submit_job(self, entrypoint, **kwargs):\n"
+        f"        open({str(recorded)!r}, 'w').write(entrypoint)\n"
+        "        raise SystemExit(0)\n"
+        "cli._get_sdk_client = lambda *args, **kwargs: Client()\n"
+        "cli.job_cli_group.main(args=sys.argv[2:], prog_name='ray job')\n"
+    )
     (fake_bin / "ray").chmod(0o755)
     marker = tmp_path / "pwned"
     evil = f"checkpoint.path=s3://b/$(touch {marker})"
-    env = {"PATH": f"{fake_bin}:/usr/bin:/bin", "RAY_ADDRESS": "http://127.0.0.1:1"}
+    env = {"PATH": f"{fake_bin}:/usr/bin:/bin", "RAY_ADDRESS": "http://127.0.0.1:1", "HOME": str(tmp_path)}
     subprocess.run(["bash", str(DEPLOY / "submit.sh"), "examples/digits.yaml", "--set", evil], check=True, env=env)
-    argv = recorded.read_text().split("\0")[:-1]
-    entrypoint = " ".join(argv[argv.index("--") + 1 :])  # what Ray hands its shell
+    entrypoint = recorded.read_text()  # what Ray hands the head node's shell
     assert shlex.split(entrypoint) == [
         "python", "-m", "orchestrator.cli", "run", "--no-progress", "examples/digits.yaml", "--set", evil,
     ]
-    echoed = subprocess.run(["sh", "-c", f"printf '%s\\n' {entrypoint.split(' ', 1)[1]}"], capture_output=True, text=True)
+    echoed = subprocess.run(["sh", "-c", f"printf '%s\\n' {entrypoint.split(' ', 4)[4]}"], capture_output=True, text=True)
     assert evil in echoed.stdout.splitlines() and not marker.exists()

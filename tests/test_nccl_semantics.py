@@ -76,6 +76,23 @@ def test_a_polled_collective_times_out_without_an_abort():
     assert pg.aborted
 
 
+class _FailedWork:
+    """NCCL work that ended in an error: completed, and wait() raises it."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        raise RuntimeError("NCCL communicator was aborted")
+
+
+def test_a_completed_op_that_failed_raises_instead_of_passing_half_reduced_values():
+    group = CommGroup(object(), rank=0, size=2, timeout_s=5.0, abort_flag=threading.Event(), poll_completion=True)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="aborted"):
+        group.complete(_FailedWork())  # type: ignore[arg-type]
+    group.close()
+
+
 def test_without_polling_wait_would_have_reported_a_dead_op_as_done():
     """Why polling is needed: trusting NCCL's wait() ends the op at once, and the caller would
     go on to read values that never arrive."""

@@ -219,6 +219,19 @@ def test_waiting_for_workers_that_never_come_does_not_spin(tmp_path):
     assert time.process_time() - cpu < 1.0  # a busy loop would burn the whole 2 s
 
 
+def test_a_step_is_not_committed_when_the_save_before_failing_fails(tmp_path, monkeypatch):
+    def unreachable(self, relpath):
+        raise OSError("the bucket is unreachable")
+
+    monkeypatch.setattr(CheckpointStorage, "size", unreachable)
+    ran = _run(
+        tmp_path, Faults(die_in_step={(1, 5): True}), "scaling.workers=2", "scaling.min_workers=2",
+        "scaling.wait_for_workers_s=0", replacements=False,
+    )
+    assert ran.summary["status"] == "failed" and ran.of("checkpoint") == []
+    assert ran.summary["steps"] == 5  # step 5 lived only in the lost survivor's memory
+
+
 def test_a_replacement_that_is_still_loading_is_waited_for_below_min_workers(tmp_path):
     ran = _run(
         tmp_path, Faults(die_in_step={(1, 5): False}), "scaling.workers=2", "scaling.min_workers=2",

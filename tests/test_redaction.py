@@ -18,8 +18,12 @@ SECRET_URI = "s3://AKIAKEY:s3cr3t@bucket/ckpt?X-Amz-Signature=deadbeef&region=eu
     [
         (SECRET_URI, "s3://***@bucket/ckpt?X-Amz-Signature=***&region=eu&token=***"),
         ("gs://bucket/path", "gs://bucket/path"),
-        ("failed: https://user@host:8265/api?session_id=abc rest", "failed: https://***@host:8265/api?session_id=*** rest"),
+        ("failed: https://user@host:8265/api?X-Amz-Security-Token=abc rest", "failed: https://***@host:8265/api?X-Amz-Security-Token=*** rest"),
         ("a=1, b=2 plain", "a=1, b=2 plain"),
+        # Names that merely contain a secret word, and values outside a URI, stay as they are.
+        ("s3://b/x?monkey=3&session_name=run1&keyframe=5&lr=0.001", "s3://b/x?monkey=3&session_name=run1&keyframe=5&lr=0.001"),
+        ("a&monkey=3 x;turkey=1 weights#keyframe=5 /data/train.bin", "a&monkey=3 x;turkey=1 weights#keyframe=5 /data/train.bin"),
+        ("https://h/p?access_token=abc&key=k1", "https://h/p?access_token=***&key=***"),
     ],
 )
 def test_redact(text, want):
@@ -43,6 +47,19 @@ def test_checkpoint_messages_name_files_without_the_secret():
     storage = CheckpointStorage("mock://KEY:SECRET@bucket/ckpt")
     assert storage.location("step-00000001/manifest.json") == "mock://***@bucket/ckpt/step-00000001/manifest.json"
     assert redact_all({"a": ["mock://KEY:SECRET@b"], "n": 3}) == {"a": ["mock://***@b"], "n": 3}
+
+
+def test_resuming_a_job_whose_saved_credential_was_masked_asks_for_it_again(tmp_path):
+    from orchestrator.config import ConfigError
+    from orchestrator.job_file import load_job
+
+    run = RunDirectory(tmp_path / "run")
+    run.save_job({"checkpoint": {"path": SECRET_URI}, "steps": 5})
+    run.close()
+    with pytest.raises(ConfigError, match="'checkpoint.path' hold a credential that was masked"):
+        load_job(tmp_path / "run" / "job.json", resolve=False)
+    job = load_job(tmp_path / "run" / "job.json", [f"checkpoint.path={SECRET_URI}"], resolve=False)
+    assert job.checkpoint.path == SECRET_URI  # given again: the run goes on with it
 
 
 def test_the_cli_never_prints_the_secret(tmp_path, capsys):

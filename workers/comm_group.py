@@ -200,6 +200,9 @@ class CommGroup:
             if time.monotonic() > deadline:
                 raise CollectiveTimeout(f"a collective did not finish within {self.timeout_s:.0f}s (rank {self.rank})")
             time.sleep(COMPLETION_POLL_S)
+        # NCCL work that ended in an error (a watchdog timeout, a remote error, an abort) also
+        # counts as completed: wait() raises that error instead of letting half-reduced values on.
+        work.wait()
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Blocking broadcast from ``root`` (queued behind pending operations)."""
