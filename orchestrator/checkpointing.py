@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from orchestrator.config import ConfigError, JobConfig
 from orchestrator.group import Call, CallFailed, WorkerGroup
+from orchestrator.redaction import redact_all
 from orchestrator.run_dir import RunDirectory
 from policies.checkpoint_interval import CheckpointInterval
 from workers.checkpoint_manifest import (
@@ -180,7 +181,9 @@ class CheckpointCoordinator:
                 # Shards are a function of (seed, step, shard): the next step is the whole cursor.
                 "data_cursor": {"next_step": step, "seed": self.job.seed, "batch_size": self.job.batch_size},
                 "config_hash": config_hash(self.job),
-                "config": trajectory_config(self.job),
+                # For the message when a resume is refused; the hash above decides. Masked:
+                # a dataset URL may carry credentials.
+                "config": redact_all(trajectory_config(self.job)),
                 "policy": self.policy.state(),
                 "workers": count,
             },

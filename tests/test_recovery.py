@@ -311,6 +311,15 @@ def test_storage_errors_in_the_final_save_cost_neither_model_nor_summary(tmp_pat
     assert final["step"] == STEPS and (ran.run_dir / "model.pt").exists() and (ran.run_dir / "summary.json").exists()
 
 
+def test_a_checkpoint_manifest_holds_no_credential(tmp_path):
+    # (the fake group builds no dataset: the kwargs only travel in the config)
+    secret = "dataset={factory: 'ringleader_examples.digits:make_dataset', kwargs: {url: 'https://user:pa55@data.example/d?token=t0k'}}"
+    ran = _run(tmp_path, None, "checkpoint.every_steps=50", secret)
+    ran.assert_exact()
+    manifest = (ran.run_dir / "checkpoints" / f"step-{STEPS:08d}" / MANIFEST).read_text()
+    assert "pa55" not in manifest and "t0k" not in manifest and "https://***@data.example" in manifest
+
+
 def test_growth_adds_workers_at_a_step_boundary(tmp_path):
     # The newcomer loads while step 3 is held up, and joins at the next boundary.
     ran = _run(tmp_path, Faults(stall={(0, 3): 0.5}), "scaling.workers=2", "scaling.max_workers=3", join_delay_s=0.2)
