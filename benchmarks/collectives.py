@@ -61,7 +61,7 @@ def _allreduce_rank(
 
 def _spawn(target: Any, world: int, *args: Any) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    with mp.Manager() as manager:
+    with mp.get_context("spawn").Manager() as manager:  # not forked: the caller may hold a running Ray
         results = manager.dict()
         mp.spawn(target, args=(world, store.port, results, *args), nprocs=world, join=True)
         return dict(results)

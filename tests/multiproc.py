@@ -36,7 +36,9 @@ def comm_group(
 def run_ranks(target: Callable[..., None], world: int, *args: Any) -> dict:
     """Run ``target(rank, world, port, results, *args)`` in ``world`` processes; returns what
     they put in ``results`` (a shared dict)."""
-    with mp.Manager() as manager:
+    # The manager's server process is spawned, not forked: this process may hold a running
+    # Ray (the session's cluster), and a forked copy of Ray's threads can abort in the child.
+    with mp.get_context("spawn").Manager() as manager:
         results = manager.dict()
         mp.spawn(target, args=(world, free_port(), results, *args), nprocs=world, join=True)
         return dict(results)
