@@ -42,6 +42,8 @@ TRAJECTORY_FIELDS = ("model", "dataset", "loss", "optimizer", "batch_size", "sha
 def trajectory_config(job: JobConfig) -> dict[str, Any]:
     config = job.model_dump(mode="json", include=set(TRAJECTORY_FIELDS))
     config["collective"] = {k: config["collective"][k] for k in ("compression", "topk_ratio")}
+    if not job.schedule.is_default:  # absent when constant: older checkpoints keep their hash
+        config["schedule"] = job.schedule.model_dump(mode="json")
     return config
 
 

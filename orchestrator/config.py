@@ -45,6 +45,24 @@ class OptimizerConfig(_Strict):
     kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 0.001})
 
 
+class ScheduleConfig(_Strict):
+    """The learning-rate schedule (``policies/schedule.py``): a factor on ``optimizer.kwargs.lr``
+    that is a pure function of the step, so resume, redo and rescaling give the same rates.
+    ``name``: ``constant``, ``linear``, ``cosine``, ``warmup_cosine`` or ``step``;
+    ``warmup_steps`` ramp up linearly first; ``min_lr_ratio`` is where linear and cosine end;
+    ``step`` multiplies by ``gamma`` every ``step_size`` steps."""
+
+    name: Literal["constant", "linear", "cosine", "warmup_cosine", "step"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    step_size: int = Field(100, ge=1)
+    gamma: float = Field(0.1, gt=0, le=1)
+
+    @property
+    def is_default(self) -> bool:
+        return self == ScheduleConfig()
+
+
 class ScalingConfig(_Strict):
     """How many workers, and what each one gets from Ray.
 
@@ -337,6 +355,7 @@ class JobConfig(_Strict):
     )
     loss: Literal["cross_entropy", "mse"] = "cross_entropy"
     optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
     batch_size: int = Field(256, ge=1, description="global samples per step")
     shards: int = Field(16, ge=1, description="shards per step, independent of the worker count")
     steps: int | None = Field(300, ge=1)

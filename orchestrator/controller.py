@@ -251,7 +251,7 @@ class JobController:
         self.checkpoints.observe_step(step_s)
         self.run.event(
             "step", step=step, loss=self.ledger.final_loss, samples=reports[0].global_samples if reports else None,
-            step_s=step_s,
+            step_s=step_s, lr=reports[0].lr if reports else None,
         )
         closed = self.recoveries.committed(step)
         if closed is not None:

@@ -142,3 +142,19 @@ def test_topk_residuals_survive_recovery_and_travel_in_checkpoints(tmp_path):
     assert {"residuals-rank-00000", "residuals-rank-00001"} <= ranks  # the two survivors
     resumed = run(tmp_path, "topk", "scaling.workers=2", "steps=30", *overrides)
     assert [e["checkpoint"] for e in jsonl(resumed.run_dir / "events.jsonl") if e["event"] == "resume"] == ["step-00000025"]
+
+
+def test_a_warmup_cosine_schedule_is_the_same_through_a_death_and_on_any_worker_count(tmp_path):
+    """The learning rate is a function of the step alone: a run on 4 workers with a SIGKILL
+    mid-run (steps redone on a re-formed group) ends with the parameters of a clean run on 1."""
+    schedule = "schedule={name: warmup_cosine, warmup_steps: 5, min_lr_ratio: 0.1}"
+    one = run(tmp_path, "cosine-1", "scaling.workers=1", schedule, "optimizer.kwargs={lr: 0.01}")
+    four = run(
+        tmp_path, "cosine-4", "scaling.workers=4", schedule, "optimizer.kwargs={lr: 0.01}",
+        _kills("{at_step: 12, worker: 1, how: sigkill}"),
+    )
+    assert four.summary["events"]["failures"] == 1
+    rates = {e["step"]: e["lr"] for e in jsonl(four.run_dir / "events.jsonl") if e["event"] == "step"}
+    assert rates[0] == pytest.approx(0.002) and rates[4] == pytest.approx(0.01) and rates[24] == pytest.approx(0.001)
+    assert rates == {e["step"]: e["lr"] for e in jsonl(one.run_dir / "events.jsonl") if e["event"] == "step"}
+    assert_same_params(params(four.run_dir), params(one.run_dir), "warmup_cosine through a death")

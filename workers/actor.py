@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.config import JobConfig
+from policies.schedule import LearningRateSchedule
 from policies.work_stealing import StepPlan
 from workers import factories
 from workers.chaos import ChaosSchedule, death_key, kill_self
@@ -87,6 +88,7 @@ class TrainWorker:
         # Trailing slots: one census entry per shard, then the step's loss and sample count.
         self.flat = FlatParameters(self.model.parameters(), extra=job.shards + 2)
         self.optimizer = FlatOptimizer(job.optimizer.name, job.optimizer.kwargs, self.flat.values, self.flat.grads)
+        self.schedule = LearningRateSchedule(**job.schedule.model_dump())
         self.rank = -1
         self.world_size = 0
         self.reducer: GradientReducer | None = None
@@ -276,7 +278,8 @@ class TrainWorker:
         if isinstance(self.reducer_comm, TopKAllReduce):
             self.reducer_comm.commit()
         reduced = time.perf_counter()
-        self.optimizer.step()
+        lr = self.optimizer.base_lr * self.schedule.factor(step, self.num_steps)
+        self.optimizer.step(lr=lr)
         self.next_step = step + 1
         self._enter(step, Phase.DONE)
         done = time.perf_counter()
@@ -289,6 +292,7 @@ class TrainWorker:
             samples=work.samples,
             global_samples=int(self.flat.extra[plan.num_shards + 1].item()),
             shards_counted=int(counts.sum().item()),
+            lr=lr,
             loss=float(self.flat.extra[plan.num_shards].item()),
             compute_s=computed - started - work.idle_s - stalled_s,
             comm_s=comm_s,

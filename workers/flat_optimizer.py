@@ -11,6 +11,7 @@ as a single parameter instead (same rules; pays the import).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -138,14 +139,23 @@ class FlatOptimizer:
         stock = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[self.name]
         return stock([flat], **vars(self.settings))
 
+    @property
+    def base_lr(self) -> float:
+        """The ``lr`` the optimizer was configured with (a schedule scales it)."""
+        return self.settings.lr
+
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, lr: float | None = None) -> None:
+        """One optimizer step with learning rate ``lr`` (default: the configured one)."""
+        s = self.settings if lr is None else dataclasses.replace(self.settings, lr=lr)
         if self._fallback is not None:
+            for group in self._fallback.param_groups:
+                group["lr"] = s.lr
             self._fallback.step()
-        elif isinstance(self.settings, SGDSettings):
-            self._sgd(self.settings)
+        elif isinstance(s, SGDSettings):
+            self._sgd(s)
         else:
-            self._adam(self.settings)
+            self._adam(s)
 
     def _sgd(self, s: SGDSettings) -> None:
         first = self._steps_taken == 0

@@ -135,6 +135,7 @@ class StepTelemetry:
     ``shards_counted`` (the census total: shards counted in the reduced gradient) are the whole
     step's, the same on every rank, read back from the all-reduce; ``samples`` and ``shards``
     (the shards whose gradient this worker contributed) are this rank's.
+    ``lr``: the learning rate the step was applied with (the schedule's, at this step);
     ``shards_run``: shards computed, including discarded backups and lost races;
     ``shard_s``: compute seconds per shard run, the inverse of this worker's speed;
     ``bytes_sent``: by this worker's process group since it was formed (cumulative).
@@ -153,6 +154,7 @@ class StepTelemetry:
     optim_s: float
     step_s: float
     shards_counted: int = 0
+    lr: float = 0.0
     shards_run: int = 0
     shard_s: float = 0.0
     samples_per_s: float = 0.0
