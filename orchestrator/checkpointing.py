@@ -269,27 +269,30 @@ class CheckpointCoordinator:
 
     def save_now(
         self, group: WorkerGroup, step: int, meta: dict[str, Any], why: str, ranks: int | None = None, force: bool = False
-    ) -> None:
+    ) -> bool:
         """A checkpoint of the state after ``step`` steps, waited for (the final one, or one
-        before failing), tried up to ``SAVE_ATTEMPTS`` times within ``timeouts.checkpoint_s``. Skipped when checkpoints are off,
-        unless ``force``. Never raises for storage trouble: a save that cannot be made is
-        reported (``checkpoint_abandoned`` events) and the job goes on to its model and summary."""
+        before failing), tried up to ``SAVE_ATTEMPTS`` times within ``timeouts.checkpoint_s``.
+        Skipped when checkpoints are off, unless ``force``. Returns whether a checkpoint of
+        ``step`` now holds the state (written now, or already there and verified). Never
+        raises for storage trouble: a save that cannot be made is reported
+        (``checkpoint_abandoned`` events) and the job goes on to its model and summary."""
         if not (self.enabled or force) or group.size == 0:
-            return
-        if self.saved(step):
-            return  # already saved (e.g. a run resumed from its final checkpoint)
+            return False
+        if self._saved(step):
+            return True  # already saved (e.g. a run resumed from its final checkpoint)
         self.abandon("superseded")
         deadline = time.perf_counter() + self.job.timeouts.checkpoint_s  # for all attempts together
         for _ in range(SAVE_ATTEMPTS):
             self.start(group, step, meta, why, ranks)
             self.poll(wait_s=max(0.0, deadline - time.perf_counter()))
             if self.written and self.written[-1].step == step:
-                return
+                return True
             self.abandon(f"not written within timeouts.checkpoint_s ({self.job.timeouts.checkpoint_s:.0f}s)")
             if time.perf_counter() >= deadline:
-                return
+                break
+        return False
 
-    def saved(self, step: int) -> bool:
+    def _saved(self, step: int) -> bool:
         """Whether this job's checkpoint of ``step`` exists and verifies (a partial manifest, a
         corrupt file or another job's checkpoint on a shared path does not count)."""
         name = checkpoint_name(step)

@@ -18,7 +18,7 @@ from orchestrator.chaos_control import ChaosControl, ChaosError
 from orchestrator.checkpointing import CheckpointCoordinator, ResumePoint
 from orchestrator.config import JobConfig
 from orchestrator.errors import JobFailed
-from orchestrator.group import CallFailed, FailureKind, WorkerGroup, WorkerGroupError
+from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.ledger import CommitLedger
 from orchestrator.membership import JoinerPool
 from orchestrator.pipeline import InFlight, StepOutcome, StepPipeline, await_step, ended_reports
@@ -353,8 +353,7 @@ class JobController:
         if state.holders:
             root, step = pick_root(dict(state.holders))
             self.group.lead_with(root)
-            self.checkpoints.save_now(self.group, step, self._policy_state(), "before failing", ranks=1, force=True)
-            if self.checkpoints.saved(step):
+            if self.checkpoints.save_now(self.group, step, self._policy_state(), "before failing", ranks=1, force=True):
                 self._commit_held(state.in_flight, state.reports, step)  # held by the checkpoint now
         raise JobFailed(state.reason)
 
@@ -371,12 +370,10 @@ class JobController:
         except (CallFailed, WorkerGroupError) as err:
             self.run.event("reform_failed", error=str(err))
             # Whatever a join raised, its cure is re-forming (as after a failed join in a
-            # recovery), not failing the job: record who died, never a "user error".
+            # recovery), not failing the job.
             outcome = StepOutcome()
             if isinstance(err, CallFailed):
-                outcome.errors[err.worker] = err.reason
-                if err.kind is FailureKind.DIED:
-                    outcome.dead.add(err.worker)
+                outcome.record(err, cured_by_reforming=True)
             return Recovering(outcome, without_state=frozenset(joined), cause=f"growing: {err}")
         self._stragglers().set_workers(self.group.workers)
         self.run.event(

@@ -52,11 +52,13 @@ class StepOutcome:
     def failed(self) -> bool:
         return bool(self.errors)
 
-    def record(self, failure: CallFailed) -> None:
+    def record(self, failure: CallFailed, *, cured_by_reforming: bool = False) -> None:
+        """Note a failed call. ``cured_by_reforming``: even an error of the call's own (a store
+        error in a rendezvous) is cured by forming the group again, so it is no user error."""
         self.errors[failure.worker] = failure.reason
         if failure.kind is FailureKind.DIED:
             self.dead.add(failure.worker)
-        elif failure.kind is FailureKind.ERROR:
+        elif failure.kind is FailureKind.ERROR and not cured_by_reforming:
             self.user_error = failure.reason
 
 
