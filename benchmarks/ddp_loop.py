@@ -2,8 +2,9 @@
 
 Each rank takes the same contiguous block of shards ringleader's balanced assignment gives it,
 so every framework sees exactly the same samples in every step. DDP averages gradients over
-ranks, so each rank's loss is scaled by ``world / batch``: the averaged gradient is then the
-step's mean gradient, as in ringleader.
+ranks, so each rank's loss sum is scaled by ``world / weight`` (the step's total loss weight:
+samples, or tokens for a token-level loss): the averaged gradient is then the step's mean
+gradient, as in ringleader.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from orchestrator.config import JobConfig
+from orchestrator.config import JobConfig, OptimizerConfig
 from policies.assignment import ShardAssignment
 from workers import factories
 from workers.chaos import ChaosSchedule
 from workers.sampler import ShardSampler
-from workers.training import evaluate_model, fetch_batch, per_sample_loss
+from workers.actor import learning_rate_schedule
+from workers.factories import optional_callable
+from workers.generic_optimizer import decay_groups, resolve_optimizer_class
+from workers.objective import Objective
+from workers.training import autocast, evaluate_model, fetch_batch
 
 
 _STOCK_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -30,10 +35,25 @@ _STOCK_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
-def stock_optimizer(name: str, kwargs: dict[str, Any], params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """What a DDP user would write, with torch's fused kernels (the fastest stock choice on CPU,
-    and the kernels ringleader's flat optimizer calls, so both follow the same update rule)."""
-    return _STOCK_OPTIMIZERS[name](params, **kwargs, fused=True)
+def stock_optimizer(config: OptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """What a DDP user would write: SGD/Adam/AdamW with torch's fused kernels (the fastest
+    stock choice on CPU, and the kernels ringleader's flat optimizer calls, so both follow the
+    same update rule), any other optimizer class as it is; with the job's decay groups."""
+    groups = decay_groups(params, float(config.kwargs.get("weight_decay", 0.0)), config.decay_biases_and_norms)
+    groups = [g for g in groups if g["params"]]
+    if config.is_fused:
+        return _STOCK_OPTIMIZERS[config.name](groups, **config.kwargs, fused=True)
+    return resolve_optimizer_class(config.name)(groups, **config.kwargs)
+
+
+def global_weight(weight: float, world: int, device: torch.device) -> float:
+    """The step's total loss weight (samples, or tokens for a token-level loss): this rank's
+    summed over the ranks, as a user normalising a token mean over the global batch would."""
+    if world == 1 or not torch.distributed.is_initialized():
+        return weight
+    total = torch.tensor([weight], dtype=torch.float64, device=device)  # NCCL sends device tensors
+    torch.distributed.all_reduce(total)
+    return float(total.item())
 
 
 #: Called after a step's optimizer step: (step, model, optimizer, this rank's loss, time.time()).
@@ -56,7 +76,8 @@ def train_ddp(
     ``state`` (``{"model": ..., "optimizer": ...}`` state dicts) is loaded first (to resume).
     ``after_backward(step)`` runs after a step's backward (gradients all-reduced), before its
     optimizer step; ``after_step`` after the optimizer step, with the step's completion time.
-    Returns the wall-clock (epoch seconds) end time of each step, and on rank 0 the eval metrics.
+    Returns the wall-clock (epoch seconds) end time and the loss weight (samples, or tokens) of
+    each step, and on rank 0 the eval metrics.
     """
     torch.manual_seed(job.seed)
     dataset = factories.build(job.dataset.factory, job.dataset.kwargs)
@@ -65,31 +86,55 @@ def train_ddp(
     if state is not None:
         module.load_state_dict(state["model"])  # before DDP wraps it (DDP broadcasts rank 0's anyway)
     model = wrap(module)
-    optimizer = stock_optimizer(job.optimizer.name, job.optimizer.kwargs, model.parameters())
+    optimizer = stock_optimizer(job.optimizer, model.parameters())
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
+    objective = Objective(job.loss.name, job.loss.kwargs)
+    # The recipe as a careful DDP user writes it: the schedule's rate set each step, autocast,
+    # a GradScaler for fp16, clipping the (already averaged) gradient by its global norm.
+    schedule = learning_rate_schedule(job.schedule)
+    base_lr = float(optimizer.defaults["lr"])
+    horizon = job.schedule.total_steps or job.steps or 0
+    scaler = torch.amp.GradScaler("cpu", enabled=job.precision == "fp16")
+    collate = optional_callable(job.dataset.collate)
+    device = next(module.parameters()).device
     my_shards = ShardAssignment.balanced(job.shards, world).shards_by_rank[rank]
     # The job's injected slowness, exactly as a ringleader worker injects it (rank = worker id:
     # DDP never re-forms its group). Only slow_down/record are used: stalls and kills are not.
     chaos = ChaosSchedule.for_worker(job.chaos, rank, threading.Event())
     step_ends: list[float] = []
+    step_weights: list[float] = []
     for step in range(start_step, job.steps or 0):
         indices = np.concatenate([sampler.shard_indices(step, s) for s in my_shards])
-        inputs, targets = fetch_batch(dataset, indices)
+        batch = fetch_batch(dataset, indices, collate)
         optimizer.zero_grad(set_to_none=True)
         chaos.slow_down(step, len(my_shards), lambda: False)
         started = time.perf_counter()
-        loss = per_sample_loss(job.loss, model(inputs), targets).sum() * (world / job.batch_size)
-        loss.backward()
+        for group in optimizer.param_groups:
+            group["lr"] = base_lr * schedule.factor(step, horizon)
+        with autocast(device, job.precision):
+            result = objective(model, batch, len(indices))
+        weight = global_weight(result.weight, world, device)
+        loss = result.total * (world / weight)
+        scaler.scale(loss).backward()
         chaos.record(time.perf_counter() - started, len(my_shards))
         if after_backward is not None:
             after_backward(step)
-        optimizer.step()
+        if job.optimizer.clip_grad_norm is not None:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), job.optimizer.clip_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
         step_ends.append(time.time())
+        step_weights.append(weight)
         if after_step is not None:
             after_step(step, model, optimizer, loss.detach(), step_ends[-1])
     metrics: dict[str, float] = {}
-    if rank == 0 and job.eval is not None:
+    spec = job.eval
+    if rank == 0 and spec is not None:
         module = getattr(model, "module", model)
-        metrics = evaluate_model(module, factories.build(job.eval.factory, job.eval.kwargs), job.loss)
-    return {"step_ends": step_ends, "eval": metrics}
+        metrics = evaluate_model(
+            module, factories.build(spec.factory, spec.kwargs), objective, batch=spec.batch_size,
+            collate=optional_callable(spec.collate), metrics=optional_callable(spec.metrics), precision=job.precision,
+        )
+    return {"step_ends": step_ends, "step_weights": step_weights, "eval": metrics}

@@ -40,6 +40,7 @@ class RunRow:
     samples_per_s: float
     wall_s: float
     eval_loss: float | None
+    tokens_per_s: float = 0.0  # loss weight per second: tokens for a token-level loss, else samples
 
 
 def _command_ringleader(job_file: Path, result: Path) -> list[str]:
@@ -69,7 +70,8 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 def _ringleader_result(run_dir: Path) -> dict[str, Any]:
     summary, events = read_run(run_dir)
-    return {"step_ends": [e["time"] for e in events if e["event"] == "step"], "eval": summary["eval"]}
+    steps = [e for e in events if e["event"] == "step"]
+    return {"step_ends": [e["time"] for e in steps], "step_weights": [e["weight"] for e in steps], "eval": summary["eval"]}
 
 
 def run_once(framework: str, job: JobConfig, workdir: Path) -> RunRow:
@@ -95,6 +97,7 @@ def run_once(framework: str, job: JobConfig, workdir: Path) -> RunRow:
     if len(ends) < 2:
         raise BenchmarkError(f"{framework}: need at least 2 steps to time, got {len(ends)}")
     intervals = [b - a for a, b in zip(ends, ends[1:])]
+    weights: list[float] = data["step_weights"]
     return RunRow(
         framework=framework,
         workload=job.name,
@@ -103,6 +106,7 @@ def run_once(framework: str, job: JobConfig, workdir: Path) -> RunRow:
         samples_per_s=job.batch_size * (len(ends) - 1) / (ends[-1] - ends[0]),
         wall_s=wall_s,
         eval_loss=data["eval"].get("loss"),
+        tokens_per_s=sum(weights[1:]) / (ends[-1] - ends[0]),
     )
 
 
@@ -119,14 +123,15 @@ def run_benchmark(
                     log(
                         f"  [{repeat + 1}/{repeats}] {workload:7s} {framework:10s} first step "
                         f"{row.first_step_s:6.2f}s  step {row.step_s * 1e3:7.2f}ms  "
-                        f"{row.samples_per_s:9.0f} samples/s"
+                        f"{row.samples_per_s:9.0f} samples/s {row.tokens_per_s:10.0f} tokens/s"
                     )
                     rows.append(row)
     return rows
 
 
 def medians(rows: list[RunRow]) -> dict[str, dict[str, dict[str, float]]]:
-    """``{workload: {framework: {first_step_s, step_s, samples_per_s, wall_s}}}``, medians."""
+    """``{workload: {framework: {first_step_s, step_s, samples_per_s, tokens_per_s, wall_s}}}``,
+    medians."""
     table: dict[str, dict[str, dict[str, float]]] = {}
     for workload in dict.fromkeys(r.workload for r in rows):
         table[workload] = {}
@@ -134,20 +139,21 @@ def medians(rows: list[RunRow]) -> dict[str, dict[str, dict[str, float]]]:
             mine = [r for r in rows if r.workload == workload and r.framework == framework]
             table[workload][framework] = {
                 key: statistics.median(getattr(r, key) for r in mine)
-                for key in ("first_step_s", "step_s", "samples_per_s", "wall_s")
+                for key in ("first_step_s", "step_s", "samples_per_s", "tokens_per_s", "wall_s")
             }
     return table
 
 
 def format_table(table: dict[str, dict[str, dict[str, float]]]) -> str:
     lines = [
-        f"{'workload':8s} {'framework':10s} {'first_step_s':>12s} {'step_ms':>9s} {'samples/s':>10s} {'wall_s':>8s}"
+        f"{'workload':8s} {'framework':10s} {'first_step_s':>12s} {'step_ms':>9s} {'samples/s':>10s} "
+        f"{'tokens/s':>10s} {'wall_s':>8s}"
     ]
     for workload, by_framework in table.items():
         for framework, m in by_framework.items():
             lines.append(
                 f"{workload:8s} {framework:10s} {m['first_step_s']:12.2f} {m['step_s'] * 1e3:9.2f} "
-                f"{m['samples_per_s']:10.0f} {m['wall_s']:8.2f}"
+                f"{m['samples_per_s']:10.0f} {m['tokens_per_s']:10.0f} {m['wall_s']:8.2f}"
             )
         ours = by_framework["ringleader"]
         lines.append(

@@ -14,6 +14,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 WORKLOADS: dict[str, tuple[str, list[str]]] = {
     "digits": ("digits.yaml", ["model.kwargs={hidden: 1024, depth: 3}"]),
     "tinylm": ("tinylm.yaml", []),
+    # The LM recipe (AdamW, warmup-cosine, clipping, bf16, causal_lm): the peers run it too.
+    "gpt": ("gpt.yaml", ["checkpoint.every_steps=0"]),
 }
 
 

@@ -42,8 +42,22 @@ TRAJECTORY_FIELDS = ("model", "dataset", "loss", "optimizer", "batch_size", "sha
 def trajectory_config(job: JobConfig) -> dict[str, Any]:
     config = job.model_dump(mode="json", include=set(TRAJECTORY_FIELDS))
     config["collective"] = {k: config["collective"][k] for k in ("compression", "topk_ratio")}
-    if not job.schedule.is_default:  # absent when constant: older checkpoints keep their hash
-        config["schedule"] = job.schedule.model_dump(mode="json")
+    # Fields added since the first checkpoints enter only when they differ from their default,
+    # so those checkpoints keep their hash. The pass size only moves float summation order,
+    # like the worker count: a run may resume on smaller devices with smaller passes.
+    del config["worker"]["max_samples_per_pass"]
+    if config["dataset"]["collate"] is None:
+        del config["dataset"]["collate"]
+    if not job.loss.kwargs:
+        config["loss"] = config["loss"]["name"]
+    for key, default in (("decay_biases_and_norms", True), ("clip_grad_norm", None)):
+        if config["optimizer"][key] == default:
+            del config["optimizer"][key]
+    if not job.schedule.is_default:
+        config["schedule"] = job.schedule.model_dump(mode="json", exclude_none=True)
+    if job.precision != "fp32":
+        config["precision"] = job.precision
+        config["loss_scaling"] = job.loss_scaling.model_dump(mode="json")
     return config
 
 

@@ -8,10 +8,19 @@ Reading a job file and ``--set`` overrides into a JobConfig is ``orchestrator/jo
 from __future__ import annotations
 
 import warnings
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    field_validator,
+    model_validator,
+)
 
+from policies.schedule import BUILTIN_SCHEDULES
 from workers.factories import locate_import_path
 
 
@@ -23,26 +32,153 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class FactorySpec(_Strict):
-    """A ``module:function`` that builds a model or dataset, with keyword arguments."""
+def _import_path_or_callable(value: Any) -> str | Callable[..., Any]:
+    # Importing the module (and torch with it) is left to resolve_job, off the fast path.
+    if callable(value):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"expected 'package.module:function' or a Python callable, got {type(value).__name__}")
+    locate_import_path(value)
+    return value
 
-    factory: str
+
+def callable_name(value: str | Callable[..., Any]) -> str:
+    """An import path as it is; a callable as ``module:qualname`` (what job.json records: it
+    imports again when the callable is defined at the top level of an importable module)."""
+    if isinstance(value, str):
+        return value
+    module = getattr(value, "__module__", None) or "?"
+    return f"{module}:{getattr(value, '__qualname__', type(value).__qualname__)}"
+
+
+#: A ``package.module:function`` path, or (from the Python API) the callable itself, which Ray
+#: ships to the workers by value. Written to JSON as its ``module:qualname``.
+ImportTarget = Annotated[
+    Any, PlainValidator(_import_path_or_callable), PlainSerializer(callable_name, when_used="json")
+]
+
+
+def _name_path_or_callable(value: Any) -> str | Callable[..., Any]:
+    # A plain name (no colon) is a built-in's, checked by the field's own validator.
+    if isinstance(value, str) and ":" not in value:
+        return value
+    return _import_path_or_callable(value)
+
+
+def _builtin_or_path(value: Any, builtins: tuple[str, ...], kind: str) -> Any:
+    if isinstance(value, str) and ":" not in value and value not in builtins:
+        raise ValueError(f"unknown {kind} {value!r}: use one of {list(builtins)} or 'package.module:function'")
+    return value
+
+
+#: A built-in's name, a ``package.module:function`` path or a callable.
+NamedTarget = Annotated[
+    Any, PlainValidator(_name_path_or_callable), PlainSerializer(callable_name, when_used="json")
+]
+
+
+class FactorySpec(_Strict):
+    """A ``module:function`` (or callable) that builds a model or dataset, with keyword arguments."""
+
+    factory: ImportTarget
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
-    @field_validator("factory")
+
+class DatasetSpec(FactorySpec):
+    """A dataset factory, and ``collate`` (``module:function``, optional): turns a list of
+    dataset items into a batch (default: torch's ``default_collate``, which stacks tensors,
+    tuples and dicts of tensors; variable-length items need one that pads)."""
+
+    collate: ImportTarget | None = None
+
+
+class EvalSpec(DatasetSpec):
+    """The eval dataset, and ``metrics`` (``module:function``, optional): called as
+    ``fn(model, batch)`` on each eval batch under ``torch.no_grad``, returning a dict of sums
+    (floats or scalar tensors); they are added up over the eval set and divided by the number
+    of samples (so a per-batch sum becomes a per-sample mean). ``batch_size``: samples per
+    eval batch."""
+
+    metrics: ImportTarget | None = None
+    batch_size: int = Field(256, ge=1)
+
+
+BuiltinLoss = Literal["cross_entropy", "mse", "causal_lm"]
+BUILTIN_LOSSES: tuple[str, ...] = ("cross_entropy", "mse", "causal_lm")
+
+
+class LossConfig(_Strict):
+    """The training loss (``workers/objective.py``): a built-in ``name`` (``cross_entropy``,
+    ``mse``, ``causal_lm``) or a ``module:function`` (or callable) called as
+    ``fn(model, batch, **kwargs)``, returning per-sample losses ``[batch]`` or a pair
+    ``(loss_sum, weight)``. Built-ins take ``ignore_index`` (cross_entropy, causal_lm).
+    In a job file ``loss: cross_entropy`` is short for ``loss: {name: cross_entropy}``."""
+
+    name: NamedTarget = "cross_entropy"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
     @classmethod
-    def _locatable(cls, value: str) -> str:
-        # Importing the module (and torch with it) is left to resolve_job, off the fast path.
-        locate_import_path(value)
+    def _short_form(cls, data: Any) -> Any:
+        if isinstance(data, str) or callable(data):
+            return {"name": data}
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _builtin_or_path(cls, value: Any) -> Any:
+        return _builtin_or_path(value, BUILTIN_LOSSES, "loss")
+
+    @field_validator("kwargs")
+    @classmethod
+    def _builtin_kwargs(cls, value: dict[str, Any], info: Any) -> dict[str, Any]:
+        name = info.data.get("name")
+        if isinstance(name, str) and name in BUILTIN_LOSSES:
+            accepted = [] if name == "mse" else ["ignore_index"]
+            unknown = sorted(set(value) - set(accepted))
+            if unknown:
+                raise ValueError(f"loss {name!r} takes {accepted or 'no arguments'}, got {unknown}")
         return value
 
 
-OptimizerName = Literal["sgd", "adam", "adamw"]
-
-
 class OptimizerConfig(_Strict):
-    name: OptimizerName = "adam"
+    """The optimizer: ``sgd``, ``adam`` and ``adamw`` step the flat parameter buffer with
+    torch's fused kernels (``workers/flat_optimizer.py``); any other name of a
+    ``torch.optim.Optimizer`` (``RAdam``, ``Adagrad``, ...), a ``module:Class`` path or a class
+    runs through the generic path (``workers/generic_optimizer.py``). ``kwargs``: the
+    optimizer's constructor arguments (``lr`` is the base rate a schedule scales).
+    ``decay_biases_and_norms``: false puts parameters with fewer than 2 dimensions (biases,
+    norm weights) in a group without weight decay, as GPT-style recipes do.
+    ``clip_grad_norm``: clip the step's reduced gradient to this global L2 norm (null: off).
+    """
+
+    name: NamedTarget = "adam"
     kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 0.001})
+    decay_biases_and_norms: bool = True
+    clip_grad_norm: float | None = Field(None, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: Any) -> Any:
+        if isinstance(value, str) and ":" not in value and not value.isidentifier():
+            raise ValueError(f"expected sgd, adam, adamw, a torch.optim class name or 'package.module:Class', got {value!r}")
+        return value
+
+    @property
+    def is_fused(self) -> bool:
+        return self.name in ("sgd", "adam", "adamw")
+
+
+class LossScalingConfig(_Strict):
+    """Dynamic loss scaling for ``precision: fp16``: the loss is multiplied by the scale
+    before backward; a step whose reduced gradient is not finite is skipped (on every replica:
+    they all see the same reduced gradient) and the scale multiplied by ``backoff``; after
+    ``growth_interval`` finite steps in a row it is multiplied by ``growth``."""
+
+    init: float = Field(65536.0, gt=0)
+    growth: float = Field(2.0, gt=1)
+    backoff: float = Field(0.5, gt=0, lt=1)
+    growth_interval: int = Field(2000, ge=1)
 
 
 class ScheduleConfig(_Strict):
@@ -50,13 +186,24 @@ class ScheduleConfig(_Strict):
     that is a pure function of the step, so resume, redo and rescaling give the same rates.
     ``name``: ``constant``, ``linear``, ``cosine``, ``warmup_cosine`` or ``step``;
     ``warmup_steps`` ramp up linearly first; ``min_lr_ratio`` is where linear and cosine end;
-    ``step`` multiplies by ``gamma`` every ``step_size`` steps."""
+    ``step`` multiplies by ``gamma`` every ``step_size`` steps. A ``module:function`` (or
+    callable) is called as ``fn(step, num_steps)`` and returns the factor (a float >= 0); it
+    must depend on its arguments only. ``warmup_steps`` then still applies first.
+    ``total_steps``: the horizon of ``linear`` and ``cosine`` (and ``num_steps`` of a function);
+    default the job's step count, so extending a run stretches them; set it to keep the rates of
+    a run that is to be continued (``steps: 12`` now, resumed later with ``steps: 25``)."""
 
-    name: Literal["constant", "linear", "cosine", "warmup_cosine", "step"] = "constant"
+    name: NamedTarget = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     step_size: int = Field(100, ge=1)
     gamma: float = Field(0.1, gt=0, le=1)
+    total_steps: int | None = Field(None, ge=1, description="the horizon linear and cosine decay over (default: the job's steps)")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, value: Any) -> Any:
+        return _builtin_or_path(value, BUILTIN_SCHEDULES, "schedule")
 
     @property
     def is_default(self) -> bool:
@@ -130,10 +277,16 @@ class WorkerConfig(_Strict):
     gradients are written once, not once per shard). The summed gradient is the same up to
     float order. Models with randomness in the forward pass (dropout) get the exact same
     trajectory on any worker count only with ``fuse_shards: false``, where each shard runs
-    alone with its own seed.
+    alone with its own seed. ``max_samples_per_pass``: a pass over more samples is split into
+    forward/backward passes of at most this many (gradient accumulation inside the worker, so a
+    large global batch runs on small devices); each keeps its own seed, the last backward still
+    overlaps with the all-reduce.
     """
 
     fuse_shards: bool = True
+    max_samples_per_pass: int | None = Field(
+        None, ge=1, description="split a worker's passes so none is larger (gradient accumulation)"
+    )
 
 
 class CheckpointConfig(_Strict):
@@ -349,13 +502,15 @@ class JobConfig(_Strict):
     name: str = Field("digits", pattern=r"^[\w.-]+$")
     seed: int = 0
     model: FactorySpec = FactorySpec(factory=f"{_DIGITS}:make_model", kwargs={"hidden": 128})
-    dataset: FactorySpec = FactorySpec(factory=f"{_DIGITS}:make_dataset", kwargs={"split": "train"})
-    eval: FactorySpec | None = FactorySpec(
-        factory=f"{_DIGITS}:make_dataset", kwargs={"split": "test"}
-    )
-    loss: Literal["cross_entropy", "mse"] = "cross_entropy"
+    dataset: DatasetSpec = DatasetSpec(factory=f"{_DIGITS}:make_dataset", kwargs={"split": "train"})
+    eval: EvalSpec | None = EvalSpec(factory=f"{_DIGITS}:make_dataset", kwargs={"split": "test"})
+    loss: LossConfig = LossConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     schedule: ScheduleConfig = ScheduleConfig()
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="forward under torch.autocast in this dtype; master weights stay fp32"
+    )
+    loss_scaling: LossScalingConfig = LossScalingConfig()
     batch_size: int = Field(256, ge=1, description="global samples per step")
     shards: int = Field(16, ge=1, description="shards per step, independent of the worker count")
     steps: int | None = Field(300, ge=1)

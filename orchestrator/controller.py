@@ -251,7 +251,7 @@ class JobController:
         self.checkpoints.observe_step(step_s)
         self.run.event(
             "step", step=step, loss=self.ledger.final_loss, samples=reports[0].global_samples if reports else None,
-            step_s=step_s, lr=reports[0].lr if reports else None,
+            step_s=step_s, **_step_figures(reports[0], step_s) if reports else {},
         )
         closed = self.recoveries.committed(step)
         if closed is not None:
@@ -402,3 +402,14 @@ class JobController:
             counters=self.counters, recoveries=self.recoveries.done, checkpoints=self.checkpoints.summary(),
             error=state.reason if isinstance(state, (Failed, Stopped)) else None,
         )
+
+
+def _step_figures(report: StepTelemetry, step_s: float) -> dict[str, Any]:
+    """What a step event tells of the step's optimisation, from one rank's report (they agree)."""
+    figures: dict[str, Any] = {
+        "lr": report.lr, "grad_norm": report.grad_norm, "weight": report.weight,
+        "weight_per_s": report.weight / step_s if step_s > 0 else None,
+    }
+    if report.skipped:
+        figures["skipped"] = True
+    return figures

@@ -9,9 +9,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from orchestrator.config import ConfigError, FactorySpec, JobConfig
+from orchestrator.config import BUILTIN_LOSSES, ConfigError, JobConfig, OptimizerConfig, callable_name
 from orchestrator.redaction import masked
-from workers.factories import resolve_import_path
+from policies.schedule import BUILTIN_SCHEDULES
+from workers.factories import as_callable
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -84,13 +85,19 @@ def load_job(path: str | Path | None, overrides: list[str] | None = None, *, res
             f"invalid job ({source}): field(s) {', '.join(repr(f) for f in hidden)} hold a credential that was masked "
             "when the run was saved; give each again, e.g. --set " + f"{hidden[0]}=s3://KEY:SECRET@bucket/..."
         )
-    try:
-        job = JobConfig.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(_describe(err, source)) from None
+    job = job_from_mapping(raw, source)
     if resolve:
         resolve_job(job, source)
     return job
+
+
+def job_from_mapping(raw: dict[str, Any], source: str) -> JobConfig:
+    """Validate ``raw`` (a job file's mapping, or the Python API's) into a JobConfig; nothing
+    heavy is imported. Raises ConfigError naming ``source`` and every bad field."""
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, source)) from None
 
 
 def _masked_fields(raw: Any, where: str = "") -> list[str]:
@@ -107,25 +114,58 @@ def job_source(path: str | Path | None) -> str:
     return "built-in example" if path is None else str(path)
 
 
-def resolve_job(job: JobConfig, source: str) -> None:
-    """The checks that import user code and torch: each factory path names a callable, and
-    the optimizer accepts its kwargs (so they fail here, not in a worker). Raises ConfigError
-    naming every bad field.
-    """
-    from workers.flat_optimizer import parse_optimizer  # torch import kept off the light path
+def _function_fields(job: JobConfig) -> dict[str, Any]:
+    """Every field of ``job`` that names a function or class to import, by its dotted name."""
+    found: dict[str, Any] = {"model.factory": job.model.factory, "dataset.factory": job.dataset.factory}
+    found["dataset.collate"] = job.dataset.collate
+    if job.eval is not None:
+        found.update({"eval.factory": job.eval.factory, "eval.collate": job.eval.collate, "eval.metrics": job.eval.metrics})
+    if job.loss.name not in BUILTIN_LOSSES:
+        found["loss.name"] = job.loss.name
+    if job.schedule.name not in BUILTIN_SCHEDULES:
+        found["schedule.name"] = job.schedule.name
+    return {field: target for field, target in found.items() if target is not None}
 
+
+def resolve_job(job: JobConfig, source: str) -> None:
+    """The checks that import user code and torch: each import path names a callable, and
+    the optimizer exists and accepts its kwargs (so they fail here, not in a worker). Raises
+    ConfigError naming every bad field.
+    """
     problems: list[str] = []
-    for name in ("model", "dataset", "eval"):
-        spec: FactorySpec | None = getattr(job, name)
-        if spec is None:
-            continue
+    for field, target in _function_fields(job).items():
         try:
-            resolve_import_path(spec.factory)
+            as_callable(target)
         except ValueError as err:
-            problems.append(f"  field '{name}.factory': {err} (got {spec.factory!r})")
-    try:
-        parse_optimizer(job.optimizer.name, job.optimizer.kwargs)
-    except (TypeError, ValueError) as err:
-        problems.append(f"  field 'optimizer.kwargs': {err}")
+            problems.append(f"  field '{field}': {err} (got {callable_name(target)!r})")
+    problem = optimizer_problem(job.optimizer)
+    if problem:
+        problems.append(problem)
     if problems:
         raise ConfigError("\n".join([f"invalid job ({source}):", *problems]))
+
+
+def optimizer_problem(config: OptimizerConfig) -> str | None:
+    """What is wrong with the optimizer, as a line naming the field, or None. A generic
+    optimizer is built once on a stand-in parameter, so its kwargs are checked by its own
+    constructor."""
+    import torch  # kept off the light path
+
+    from workers.flat_optimizer import parse_optimizer
+    from workers.generic_optimizer import resolve_optimizer_class
+
+    if config.is_fused:
+        try:
+            parse_optimizer(config.name, config.kwargs)
+        except (TypeError, ValueError) as err:
+            return f"  field 'optimizer.kwargs': {err}"
+        return None
+    try:
+        cls = resolve_optimizer_class(config.name)
+    except ValueError as err:
+        return f"  field 'optimizer.name': {err}"
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **config.kwargs)
+    except (TypeError, ValueError) as err:
+        return f"  field 'optimizer.kwargs': {callable_name(config.name)}: {err}"
+    return None

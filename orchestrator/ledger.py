@@ -39,6 +39,8 @@ class CommitLedger:
         counted = {r.shards_counted for r in reports}
         if counted - {self.num_shards}:
             raise JobFailed(f"step {step}: the census counted {sorted(counted)} shards, expected {self.num_shards}")
+        if len({r.skipped for r in reports}) > 1:
+            raise JobFailed(f"step {step}: replicas disagree on skipping the step (loss scaling): they have diverged")
         committed = sorted(s for r in reports for s in r.shards)
         if complete and committed != list(range(self.num_shards)):
             raise JobFailed(f"step {step}: committed shards {committed} are not each shard exactly once")

@@ -56,7 +56,7 @@ BAD_JOBS = [
     ({"batch_size": 8, "shards": 16}, "shards (16) must not exceed batch_size (8)"),
     ({"shards": 2}, "shards (2) must be >= the most workers"),
     ({"scaling": {"workers": 5, "max_workers": 4}}, "min_workers <= workers <= max_workers"),
-    ({"optimizer": {"name": "lamb"}}, "'optimizer.name'"),
+    ({"optimizer": {"name": "lamb!"}}, "'optimizer.name'"),
     ({"collective": {"algorithm": "butterfly"}}, "'collective.algorithm'"),
     ({"collective": {"compression": "zip"}}, "'collective.compression'"),
     ({"collective": {"topk_ratio": 2}}, "'collective.topk_ratio'"),
@@ -68,6 +68,12 @@ BAD_JOBS = [
     ({"chaos": {"stall": [{"worker": 1, "at_step": 3}]}}, "'chaos.stall.0.seconds'"),
     ({"chaos": {"stall": [{"worker": 1, "rank": 1, "at_step": 3, "seconds": 1}]}}, "field 'chaos.stall.0': chaos.stall: set 'worker' only"),
     ({"stragglers": {"min_ratio": 1}}, "'stragglers.min_ratio'"),
+    ({"loss": "hinge"}, "'loss.name': unknown loss 'hinge'"),
+    ({"loss": {"name": "mse", "kwargs": {"ignore_index": 0}}}, "'loss.kwargs': loss 'mse' takes no arguments"),
+    ({"schedule": {"name": "exponential"}}, "'schedule.name': unknown schedule 'exponential'"),
+    ({"precision": "fp8"}, "'precision'"),
+    ({"optimizer": {"clip_grad_norm": 0}}, "'optimizer.clip_grad_norm'"),
+    ({"worker": {"max_samples_per_pass": 0}}, "'worker.max_samples_per_pass'"),
     ({"stragglers": {"window": 3, "persistent_steps": 4}}, "persistent_steps (4) must be <= window (3)"),
 ]
 
@@ -76,6 +82,10 @@ BAD_JOBS = [
 DEEP_BAD_JOBS = [
     ({"dataset": {"factory": "ringleader_examples.digits:nope"}}, "'dataset.factory': module 'ringleader_examples.digits' has no attribute 'nope'"),
     ({"optimizer": {"name": "adam", "kwargs": {"learning_rate": 1}}}, "'optimizer.kwargs'"),
+    ({"optimizer": {"name": "lamb"}}, "'optimizer.name': torch.optim has no optimizer 'lamb'"),
+    ({"optimizer": {"name": "RAdam", "kwargs": {"lr": 0.1, "momentum": 0.9}}}, "'optimizer.kwargs': RAdam: RAdam.__init__() got an unexpected keyword argument 'momentum'"),
+    ({"loss": "tests.helpers.losses:nope"}, "'loss.name': module 'tests.helpers.losses' has no attribute 'nope'"),
+    ({"schedule": {"name": "json:loads.nope"}}, "'schedule.name': module 'json' has no attribute 'loads.nope'"),
 ]
 
 

@@ -1,11 +1,13 @@
-"""Worker-side math without Ray: flat gradients, per-sample loss, shard-sum invariance."""
+"""Worker-side math without Ray: flat gradients and batches."""
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from workers.training import FlatParameters, fetch_batch, per_sample_loss
+import torch.nn.functional as F
+
+from workers.training import FlatParameters, fetch_batch
 
 
 def _model() -> torch.nn.Module:
@@ -17,12 +19,12 @@ def test_flat_gradients_accumulate_in_place_across_backwards():
     model = _model()
     flat = FlatParameters(model.parameters(), extra=2)
     x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
-    per_sample_loss("cross_entropy", model(x[:3]), y[:3]).sum().backward()
-    per_sample_loss("cross_entropy", model(x[3:]), y[3:]).sum().backward()
+    F.cross_entropy(model(x[:3]), y[:3], reduction="sum").backward()
+    F.cross_entropy(model(x[3:]), y[3:], reduction="sum").backward()
     shard_sum = flat.buffer[2:].clone()  # layout: [extra | params]
 
     reference = _model()
-    per_sample_loss("cross_entropy", reference(x), y).sum().backward()
+    F.cross_entropy(reference(x), y, reduction="sum").backward()
     expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
     torch.testing.assert_close(shard_sum, expected)
     assert flat.extra.shape == (2,) and torch.all(flat.extra == 0)
@@ -49,17 +51,6 @@ def test_flat_gradients_detect_replaced_grads():
         p.grad = None  # what optimizer.zero_grad(set_to_none=True) would do
     with pytest.raises(RuntimeError, match="no longer views"):
         flat.zero()
-
-
-def test_per_sample_loss_averages_over_sequence_positions():
-    logits = torch.randn(2, 4, 6)
-    targets = torch.randint(0, 6, (2, 4))
-    losses = per_sample_loss("cross_entropy", logits, targets)
-    expected = torch.nn.functional.cross_entropy(logits[1], targets[1])
-    assert losses.shape == (2,)
-    torch.testing.assert_close(losses[1], expected)
-    mse = per_sample_loss("mse", torch.ones(3, 2), torch.zeros(3, 2))
-    torch.testing.assert_close(mse, torch.ones(3))
 
 
 def test_fetch_batch_tensor_dataset_and_generic():

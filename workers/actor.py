@@ -19,10 +19,11 @@ import ray
 import torch
 import torch.distributed as dist
 
-from orchestrator.config import JobConfig
-from policies.schedule import LearningRateSchedule
+from orchestrator.config import JobConfig, ScheduleConfig
+from policies.schedule import BUILTIN_SCHEDULES, LearningRateSchedule
 from policies.work_stealing import StepPlan
 from workers import factories
+from workers.factories import optional_callable
 from workers.chaos import ChaosSchedule, death_key, kill_self
 from workers.checkpoint_storage import CheckpointStorage
 from workers.checkpoint_manifest import FileEntry
@@ -45,7 +46,9 @@ from workers.comm_group import (
 )
 from workers.communicator import Communicator, make_communicator, pick_backend
 from workers.compression import TopKAllReduce, compress
-from workers.flat_optimizer import FlatOptimizer
+from workers.generic_optimizer import make_optimizer
+from workers.loss_scaler import LossScaler
+from workers.objective import Objective
 from workers.overlap import GradientReducer
 from workers.sampler import ShardSampler
 from workers.protocol import (
@@ -57,12 +60,20 @@ from workers.protocol import (
     StepTelemetry,
     WorkerInfo,
 )
-from workers.step import StepRunner
-from workers.training import FlatParameters, evaluate_model
+from workers.step import BOOKKEEPING_SLOTS, LOSS_SLOT, SAMPLES_SLOT, WEIGHT_SLOT, StepRunner
+from workers.training import FlatParameters, evaluate_model, finish_gradient
 
 
 class ShardCensusError(RuntimeError):
     """After the all-reduce some shard was counted zero or several times: the step is invalid."""
+
+
+def learning_rate_schedule(config: ScheduleConfig) -> LearningRateSchedule:
+    """The policy for ``config``; a function schedule (import path or callable) is ``custom``."""
+    settings = config.model_dump(exclude={"total_steps"})
+    if settings["name"] in BUILTIN_SCHEDULES:
+        return LearningRateSchedule(**settings)
+    return LearningRateSchedule(**{**settings, "name": "custom", "function": factories.as_callable(config.name)})
 
 
 class TrainWorker:
@@ -85,10 +96,14 @@ class TrainWorker:
         self.num_steps = job.steps if job.steps is not None else self.sampler.num_steps
         self.model: torch.nn.Module = factories.build(job.model.factory, job.model.kwargs).to(self.device)
         self.model.train()
-        # Trailing slots: one census entry per shard, then the step's loss and sample count.
-        self.flat = FlatParameters(self.model.parameters(), extra=job.shards + 2)
-        self.optimizer = FlatOptimizer(job.optimizer.name, job.optimizer.kwargs, self.flat.values, self.flat.grads)
-        self.schedule = LearningRateSchedule(**job.schedule.model_dump())
+        # Trailing slots: one census entry per shard, then the step's bookkeeping (loss, ...).
+        self.flat = FlatParameters(self.model.parameters(), extra=job.shards + BOOKKEEPING_SLOTS)
+        self.optimizer = make_optimizer(job.optimizer, self.flat)
+        self.schedule = learning_rate_schedule(job.schedule)
+        scaling = job.loss_scaling
+        self.scaler = LossScaler(
+            job.precision == "fp16", scaling.init, scaling.growth, scaling.backoff, scaling.growth_interval, self.device
+        )
         self.rank = -1
         self.world_size = 0
         self.reducer: GradientReducer | None = None
@@ -109,9 +124,12 @@ class TrainWorker:
         self.next_step = 0
         self._phase: tuple[int, Phase, float] = (-1, Phase.DONE, time.monotonic())
         self.chaos = ChaosSchedule.for_worker(job.chaos, worker_id, self.abort_flag)
+        self.objective = Objective(job.loss.name, job.loss.kwargs)
         self.runner = StepRunner(
-            self.model, self.flat, self.sampler, self.dataset, job.loss, job.seed, job.worker.fuse_shards, self.chaos,
-            self.device, on_phase=lambda phase: self._enter(self._phase[0], phase),
+            self.model, self.flat, self.sampler, self.dataset, self.objective, job.seed, job.worker.fuse_shards,
+            self.chaos, self.device, collate=optional_callable(job.dataset.collate), precision=job.precision,
+            max_samples_per_pass=job.worker.max_samples_per_pass,
+            on_phase=lambda phase: self._enter(self._phase[0], phase),
         )
 
     @ray.method(concurrency_group="control")
@@ -195,9 +213,11 @@ class TrainWorker:
             # Until the whole state has arrived this replica holds none: if the transfer breaks
             # off, the driver must not take it for a survivor with a good state.
             self.next_step = -1
-        for tensor in (self.flat.values, *self.optimizer.state_tensors().values()):
-            self.group.broadcast(tensor, root=0)
-        self.optimizer.state_restored()
+        group = self.group
+        group.broadcast(self.flat.values, root=0)
+        self.optimizer.sync(lambda tensor: group.broadcast(tensor, root=0))
+        group.broadcast(self.scaler.state, root=0)
+        self.scaler.state_restored()
         self.next_step = int(step.item())
         return Joined(transfer_s=time.perf_counter() - started, next_step=self.next_step)
 
@@ -258,6 +278,7 @@ class TrainWorker:
         stalled_s = self.chaos.stall(step)
         self._enter(step, Phase.COMPUTE)
         self.flat.zero()
+        self.runner.loss_scale = self.scaler.scale
         if plan.mitigating:
             claims = ShardClaims(self.claims_store, step, plan, self.rank)
             work = self.runner.run_claimed(
@@ -271,15 +292,23 @@ class TrainWorker:
         if self.chaos.kill_due("step", step):
             kill_self(self._record_death)  # mid all-reduce: overlapped buckets are on the wire
         comm_s = self.reducer.finish()
-        counts = self.flat.extra[: plan.num_shards].cpu()
+        extra = self.flat.extra.cpu()
+        counts = extra[: plan.num_shards]
         if not torch.all(counts == 1):
             bad = {i: float(c) for i, c in enumerate(counts.tolist()) if c != 1}
             raise ShardCensusError(f"step {step}: shards not committed exactly once: {bad}")
         if isinstance(self.reducer_comm, TopKAllReduce):
             self.reducer_comm.commit()
         reduced = time.perf_counter()
-        lr = self.optimizer.base_lr * self.schedule.factor(step, self.num_steps)
-        self.optimizer.step(lr=lr)
+        loss_sum, samples, weight = (float(extra[plan.num_shards + slot]) for slot in (LOSS_SLOT, SAMPLES_SLOT, WEIGHT_SLOT))
+        update = finish_gradient(
+            self.flat.grads, weight, self.runner.loss_scale / self.sampler.step_batch_size(step),
+            self.job.optimizer.clip_grad_norm,
+        )
+        lr = self.optimizer.base_lr * self.schedule.factor(step, self.job.schedule.total_steps or self.num_steps)
+        skipped = self.scaler.update(update.grad_norm)
+        if not skipped:
+            self.optimizer.step(lr=lr)
         self.next_step = step + 1
         self._enter(step, Phase.DONE)
         done = time.perf_counter()
@@ -289,18 +318,21 @@ class TrainWorker:
             rank=self.rank,
             worker=self.worker_id,
             shards=tuple(sorted(work.committed)),
-            samples=work.samples,
-            global_samples=int(self.flat.extra[plan.num_shards + 1].item()),
+            samples=work.total.samples,
+            global_samples=int(samples),
             shards_counted=int(counts.sum().item()),
             lr=lr,
-            loss=float(self.flat.extra[plan.num_shards].item()),
+            loss=loss_sum / weight,
+            weight=weight,
+            grad_norm=update.grad_norm,
+            skipped=skipped,
             compute_s=computed - started - work.idle_s - stalled_s,
             comm_s=comm_s,
             optim_s=done - reduced,
             step_s=done - started,
             shards_run=work.shards_run,
             shard_s=busy_s / work.shards_run if work.shards_run else 0.0,
-            samples_per_s=work.samples / busy_s if busy_s > 0 else 0.0,
+            samples_per_s=work.total.samples / busy_s if busy_s > 0 else 0.0,
             idle_s=work.idle_s,
             stalled_s=stalled_s,
             bytes_sent=self.group.bytes_sent if self.group is not None else 0,
@@ -338,9 +370,11 @@ class TrainWorker:
     def _checkpointed_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The training state a checkpoint holds, by name: the flat tensors (parameters and
         optimizer state, all one length, written in slices) and the small whole ones."""
-        optimizer = self.optimizer.state_tensors()
-        flat = {"params": self.flat.values, **{f"optim/{k}": v for k, v in optimizer.items() if k != "step"}}
-        whole = {"optim/step": optimizer["step"], **{f"buffer/{k}": v for k, v in self.model.named_buffers()}}
+        optim_flat, optim_whole = self.optimizer.checkpoint_tensors()
+        flat = {"params": self.flat.values, **{f"optim/{k}": v for k, v in optim_flat.items()}}
+        whole = {**{f"optim/{k}": v for k, v in optim_whole.items()}, **{f"buffer/{k}": v for k, v in self.model.named_buffers()}}
+        if self.scaler.enabled:
+            whole["loss_scale"] = self.scaler.state
         return flat, whole
 
     def _write_future(self, attempt: str) -> Future[list[FileEntry]]:
@@ -382,27 +416,35 @@ class TrainWorker:
             return
         flat, whole = load_state(storage, name, manifest)
         mine_flat, mine_whole = self._checkpointed_tensors()
-        targets = {**mine_flat, **mine_whole}
-        loaded = {**flat, **{k: v for k, v in whole.items() if not k.startswith("rng/")}}
+        targets = {k: v for k, v in {**mine_flat, **mine_whole}.items() if not k.startswith("optim/")}
+        loaded = {k: v for k, v in {**flat, **whole}.items() if not k.startswith(("optim/", "rng/"))}
         if loaded.keys() != targets.keys() or any(loaded[k].shape != t.shape for k, t in targets.items()):
             raise ValueError(
                 f"checkpoint {name} holds {sorted((k, tuple(v.shape)) for k, v in loaded.items())}, "
                 f"this model needs {sorted((k, tuple(v.shape)) for k, v in targets.items())}"
             )
+        self.optimizer.restore(
+            {k[len("optim/"):]: v for k, v in flat.items() if k.startswith("optim/")},
+            {k[len("optim/"):]: v for k, v in whole.items() if k.startswith("optim/")},
+        )
         with torch.no_grad():
             for key, target in targets.items():
                 target.copy_(loaded[key])
-        self.optimizer.state_restored()
+        self.scaler.state_restored()
         torch.set_rng_state(whole["rng/torch"])
         self.next_step = int(manifest["step"])
 
     @ray.method(concurrency_group="compute")
     def evaluate(self) -> dict[str, float]:
         """Mean loss (and accuracy, for cross-entropy) on the eval dataset; {} without one."""
-        if self.job.eval is None:
+        spec = self.job.eval
+        if spec is None:
             return {}
-        dataset = factories.build(self.job.eval.factory, self.job.eval.kwargs)
-        return evaluate_model(self.model, dataset, self.job.loss)
+        return evaluate_model(
+            self.model, factories.build(spec.factory, spec.kwargs), self.objective, batch=spec.batch_size,
+            collate=optional_callable(spec.collate), metrics=optional_callable(spec.metrics),
+            precision=self.job.precision,
+        )
 
     @ray.method(concurrency_group="compute")
     def model_state(self) -> dict[str, torch.Tensor]:

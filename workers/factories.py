@@ -1,4 +1,4 @@
-"""Resolve the ``package.module:function`` paths that name model and dataset factories."""
+"""Resolve the ``package.module:function`` paths (or callables) that name a job's factories and functions."""
 
 from __future__ import annotations
 
@@ -47,6 +47,16 @@ def resolve_import_path(path: str) -> Callable[..., Any]:
     return obj
 
 
-def build(path: str, kwargs: dict[str, Any]) -> Any:
-    """Call the factory at ``path`` with ``kwargs``."""
-    return resolve_import_path(path)(**kwargs)
+def as_callable(target: str | Callable[..., Any]) -> Callable[..., Any]:
+    """``target`` itself if it is callable (from the Python API), else the callable its import
+    path names (see ``resolve_import_path``)."""
+    return target if callable(target) else resolve_import_path(target)
+
+
+def optional_callable(target: str | Callable[..., Any] | None) -> Callable[..., Any] | None:
+    return None if target is None else as_callable(target)
+
+
+def build(target: str | Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """Call the factory ``target`` (a callable or an import path) with ``kwargs``."""
+    return as_callable(target)(**kwargs)

@@ -12,6 +12,7 @@ as a single parameter instead (same rules; pays the import).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -92,13 +93,28 @@ class FlatOptimizer:
 
     ``name`` and ``kwargs`` as for ``parse_optimizer``: the kwargs (and defaults) of
     torch.optim's SGD, Adam and AdamW, less the implementation switches (fused, foreach, ...).
+    ``no_decay``: ``[start, end)`` slices of ``params`` exempt from weight decay (a second
+    parameter group with ``weight_decay=0``, in torch.optim terms); the decay of the others is
+    then applied around the fused kernel, by the same rule (decoupled for AdamW, L2 otherwise).
     """
 
-    def __init__(self, name: str, kwargs: dict[str, Any], params: torch.Tensor, grads: torch.Tensor) -> None:
+    def __init__(
+        self,
+        name: str,
+        kwargs: dict[str, Any],
+        params: torch.Tensor,
+        grads: torch.Tensor,
+        no_decay: list[tuple[int, int]] | None = None,
+    ) -> None:
         if params.shape != grads.shape or params.dim() != 1:
             raise ValueError(f"params and grads must be flat and alike, got {params.shape} and {grads.shape}")
         self.name = name
         self.settings = parse_optimizer(name, kwargs)
+        self._decayed: list[tuple[int, int]] = []
+        if no_decay and self.settings.weight_decay:
+            if self.settings.maximize and name != "adamw":
+                raise ValueError("maximize with biases and norms excluded from weight decay needs adamw")
+            self._decayed = _complement(no_decay, params.numel())
         self.params = params
         self.grads = grads
         self._fallback: torch.optim.Optimizer | None = None
@@ -133,6 +149,32 @@ class FlatOptimizer:
         """Call after writing into ``state_tensors()``: picks up the restored step count."""
         self._steps_taken = int(self.state["step"].item())
 
+    def sync(self, broadcast: Callable[[torch.Tensor], None]) -> None:
+        """Take the group root's state through ``broadcast`` (in place, from the root)."""
+        for tensor in self.state_tensors().values():
+            broadcast(tensor)
+        self.state_restored()
+
+    def checkpoint_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The state as flat tensors (like ``params``, checkpointed in slices) and whole ones."""
+        state = self.state_tensors()
+        return {k: v for k, v in state.items() if k != "step"}, {"step": state["step"]}
+
+    def restore(self, flat: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> None:
+        """Copy a checkpoint's ``checkpoint_tensors`` into the state. Raises ValueError if the
+        names or shapes differ."""
+        mine_flat, mine_whole = self.checkpoint_tensors()
+        mine, loaded = {**mine_flat, **mine_whole}, {**flat, **whole}
+        if mine.keys() != loaded.keys() or any(loaded[k].shape != v.shape for k, v in mine.items()):
+            raise ValueError(
+                f"optimizer state {sorted((k, tuple(v.shape)) for k, v in loaded.items())} does not fit "
+                f"{self.name}'s {sorted((k, tuple(v.shape)) for k, v in mine.items())}"
+            )
+        with torch.no_grad():
+            for key, target in mine.items():
+                target.copy_(loaded[key])
+        self.state_restored()
+
     def _stock_optimizer(self) -> torch.optim.Optimizer:
         flat = torch.nn.Parameter(self.params, requires_grad=True)
         flat.grad = self.grads
@@ -148,14 +190,27 @@ class FlatOptimizer:
     def step(self, lr: float | None = None) -> None:
         """One optimizer step with learning rate ``lr`` (default: the configured one)."""
         s = self.settings if lr is None else dataclasses.replace(self.settings, lr=lr)
+        if self._decayed:
+            self._decay_outside_kernel(s)
+            s = dataclasses.replace(s, weight_decay=0.0)
         if self._fallback is not None:
             for group in self._fallback.param_groups:
-                group["lr"] = s.lr
+                group["lr"], group["weight_decay"] = s.lr, s.weight_decay
             self._fallback.step()
         elif isinstance(s, SGDSettings):
             self._sgd(s)
         else:
             self._adam(s)
+
+    def _decay_outside_kernel(self, s: OptimizerSettings) -> None:
+        """Weight decay of the decayed slices only, as torch.optim applies it: AdamW shrinks
+        the parameters (``p *= 1 - lr * wd``, before the update, which does not read them);
+        SGD and Adam add ``wd * p`` to the gradient the kernel then reads."""
+        for lo, hi in self._decayed:
+            if self.name == "adamw":
+                self.params[lo:hi].mul_(1.0 - s.lr * s.weight_decay)
+            else:
+                self.grads[lo:hi].add_(self.params[lo:hi], alpha=s.weight_decay)
 
     def _sgd(self, s: SGDSettings) -> None:
         first = self._steps_taken == 0
@@ -178,3 +233,15 @@ class FlatOptimizer:
             lr=s.lr, beta1=s.betas[0], beta2=s.betas[1], weight_decay=s.weight_decay, eps=s.eps,
             amsgrad=s.amsgrad, maximize=s.maximize,
         )
+
+
+def _complement(ranges: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    """The slices of ``[0, numel)`` outside ``ranges``, merged."""
+    found, cursor = [], 0
+    for lo, hi in sorted(ranges):
+        if lo > cursor:
+            found.append((cursor, lo))
+        cursor = max(cursor, hi)
+    if cursor < numel:
+        found.append((cursor, numel))
+    return found

@@ -136,6 +136,10 @@ class StepTelemetry:
     step's, the same on every rank, read back from the all-reduce; ``samples`` and ``shards``
     (the shards whose gradient this worker contributed) are this rank's.
     ``lr``: the learning rate the step was applied with (the schedule's, at this step);
+    ``loss`` is the step's loss sum over its ``weight`` (the sum of the loss weights: samples,
+    or tokens for a token-level loss); ``grad_norm``: the global L2 norm of the step's mean
+    gradient before clipping (inf or nan if it overflowed); ``skipped``: the fp16 loss scaler
+    skipped the optimizer step (same on every rank);
     ``shards_run``: shards computed, including discarded backups and lost races;
     ``shard_s``: compute seconds per shard run, the inverse of this worker's speed;
     ``bytes_sent``: by this worker's process group since it was formed (cumulative).
@@ -155,6 +159,9 @@ class StepTelemetry:
     step_s: float
     shards_counted: int = 0
     lr: float = 0.0
+    weight: float = 0.0
+    grad_norm: float = 0.0
+    skipped: bool = False
     shards_run: int = 0
     shard_s: float = 0.0
     samples_per_s: float = 0.0

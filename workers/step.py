@@ -12,8 +12,11 @@ Two ways, chosen by the step's plan:
   after computing removes the shard's gradient with a negated pass. The final own pass is
   overlapped only when sealed (no backup can start any more, so its commit is certain).
 
-Every pass is one forward/backward over a group of shards, each shard's loss summed over its
-samples and divided by the step's global batch size.
+Every pass is one forward/backward over a group of shards (split into passes of at most
+``max_samples_per_pass`` samples): the backward of the loss sum (``workers/objective.py``)
+divided by the step's global batch size and times the fp16 loss scale, both known before the
+step. What the loss sums are finally normalised by, the step's total weight, is known only
+after the all-reduce, which carries it with the gradient; the worker divides then.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +37,8 @@ from workers.comm_group import CollectiveAborted, CollectiveTimeout
 from workers.overlap import GradientReducer
 from workers.sampler import ShardSampler
 from workers.protocol import Phase
-from workers.training import FlatParameters, fetch_batch, move_to, per_sample_loss
+from workers.objective import Objective
+from workers.training import FlatParameters, autocast, fetch_batch, move_to
 
 # How often an idle worker looks at the claims again (store round trips are ~50-150 us).
 POLL_S = 0.002
@@ -44,13 +49,33 @@ def shard_seed(seed: int, step: int, shard: int) -> int:
     return ((seed * 1_000_003 + step) * 1_000_003 + shard) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+@dataclass(frozen=True)
+class PassResult:
+    """A pass's loss sum, the weight normalising it and its sample count."""
+
+    loss: float = 0.0
+    weight: float = 0.0
+    samples: int = 0
+
+    def __add__(self, other: "PassResult") -> "PassResult":
+        return PassResult(self.loss + other.loss, self.weight + other.weight, self.samples + other.samples)
+
+    def __neg__(self) -> "PassResult":
+        return PassResult(-self.loss, -self.weight, -self.samples)
+
+
+#: Where the step's bookkeeping sits after the census in the buffer's extra slots.
+LOSS_SLOT, SAMPLES_SLOT, WEIGHT_SLOT = 0, 1, 2
+BOOKKEEPING_SLOTS = 3
+
+
 @dataclass
 class StepWork:
-    """What this worker did in a step: the shards whose gradient it contributes, and counts."""
+    """What this worker did in a step: the shards whose gradient it contributes, and counts
+    (``total``: their loss sum, weight and samples)."""
 
     committed: list[int] = field(default_factory=list)
-    samples: int = 0
-    loss: float = 0.0
+    total: PassResult = PassResult()
     shards_run: int = 0  # passes' shards, including lost races and discarded backups
     compute_s: float = 0.0  # forward + backward, all passes
     slowed_s: float = 0.0  # injected slowness (chaos), part of the compute it stands for
@@ -70,22 +95,31 @@ class StepRunner:
         flat: FlatParameters,
         sampler: ShardSampler,
         dataset: object,
-        loss: str,
+        objective: Objective,
         seed: int,
         fuse_shards: bool,
         chaos: ChaosSchedule,
         device: torch.device,
+        *,
+        collate: Callable[[list[Any]], Any] | None = None,
+        precision: str = "fp32",
+        max_samples_per_pass: int | None = None,
         on_phase: Callable[[Phase], None] = lambda phase: None,
     ) -> None:
         self.model = model
         self.flat = flat
         self.sampler = sampler
         self.dataset = dataset
-        self.loss = loss
+        self.objective = objective
         self.seed = seed
         self.fuse_shards = fuse_shards
         self.chaos = chaos
         self.device = device
+        self.collate = collate
+        self.precision = precision
+        self.max_samples_per_pass = max_samples_per_pass
+        #: The fp16 loss scale of the step being run (1 otherwise), set by the worker.
+        self.loss_scale = 1.0
         self.on_phase = on_phase  # told IDLE while waiting for others' shards, then COMPUTE
 
     def _groups(self, shards: list[int]) -> list[list[int]]:
@@ -102,33 +136,41 @@ class StepRunner:
         work: StepWork,
         *,
         sign: float = 1.0,
-        before_backward: Callable[[float], None] | None = None,
-    ) -> tuple[float, int]:
-        """Forward/backward of ``shards`` together, gradient times ``sign`` added to the buffer.
-        ``before_backward(loss)`` runs between them (to arm the overlap). Returns (loss, samples);
-        a pass over empty shards does nothing."""
+        before_backward: Callable[[PassResult], None] | None = None,
+    ) -> PassResult:
+        """Forward/backward of ``shards`` together (in pieces of at most
+        ``max_samples_per_pass`` samples, each seeded by the shard and its place), gradient
+        times ``sign`` added to the buffer. ``before_backward(result)`` runs before the last
+        backward (to arm the overlap). A pass over empty shards does nothing."""
         started = time.perf_counter()
         indices = self._indices(step, shards)
+        result = PassResult()
         if not len(indices):
-            return 0.0, 0
-        inputs, targets = move_to(fetch_batch(self.dataset, indices), self.device)
-        torch.manual_seed(shard_seed(self.seed, step, shards[0]))
-        loss = per_sample_loss(self.loss, self.model(inputs), targets).sum() / self.sampler.step_batch_size(step)
-        value = float(loss.detach())
-        if before_backward is not None:
-            before_backward(value)
-        (loss * sign).backward()
+            return result
+        piece = self.max_samples_per_pass or len(indices)
+        pieces = [indices[lo : lo + piece] for lo in range(0, len(indices), piece)]
+        factor = sign * self.loss_scale / self.sampler.step_batch_size(step)
+        for number, chunk in enumerate(pieces):
+            batch = move_to(fetch_batch(self.dataset, chunk, self.collate), self.device)
+            torch.manual_seed(shard_seed(self.seed, step, shards[0]) + number)
+            with autocast(self.device, self.precision):
+                loss = self.objective(self.model, batch, len(chunk))
+            result = result + PassResult(float(loss.total.detach()), loss.weight, len(chunk))
+            if before_backward is not None and number == len(pieces) - 1:
+                before_backward(result)
+            (loss.total * factor).backward()
         work.compute_s += time.perf_counter() - started
-        return value, len(indices)
+        return result
 
     def _write_bookkeeping(self, work: StepWork, num_shards: int) -> None:
-        """The census, loss and sample count ride in the buffer's extra slots."""
+        """The census, loss sum, sample count and weight ride in the buffer's extra slots."""
         extra = self.flat.extra
         extra[:num_shards] = 0.0
         if work.committed:
             extra[work.committed] = 1.0
-        extra[num_shards] = work.loss
-        extra[num_shards + 1] = work.samples
+        extra[num_shards + LOSS_SLOT] = work.total.loss
+        extra[num_shards + SAMPLES_SLOT] = work.total.samples
+        extra[num_shards + WEIGHT_SLOT] = work.total.weight
 
     def run_fixed(self, step: int, shards: list[int], num_shards: int, reducer: GradientReducer) -> StepWork:
         """Exactly ``shards``; the final pass overlaps with the all-reduce."""
@@ -150,17 +192,15 @@ class StepRunner:
         for number, group in enumerate(groups):
             final = number == len(groups) - 1
 
-            def arm(loss: float, final: bool = final, group: list[int] = group) -> None:
+            def arm(result: PassResult, final: bool = final) -> None:
                 if final:  # the bookkeeping rides in the last bucket, which may go out now
-                    work.loss += loss
-                    work.samples += len(self._indices(step, group))
+                    work.total = work.total + result
                     self._write_bookkeeping(work, num_shards)
                     reducer.arm()
 
-            loss, samples = self._pass(step, group, work, before_backward=arm)
+            result = self._pass(step, group, work, before_backward=arm)
             if not final:
-                work.loss += loss
-                work.samples += samples
+                work.total = work.total + result
 
     def run_claimed(
         self,
@@ -238,30 +278,26 @@ class StepRunner:
         states = claims.states()  # a backup that started while we were slow takes the shard over
         claimed = [s for s in claimed if states[s].kind is not ClaimKind.RACE]
         work.shards_run += len(claimed)
-        value, samples = 0.0, 0
+        total = PassResult()
         for group in self._groups(claimed):
-            loss, count = self._pass(step, group, work)
-            value, samples = value + loss, samples + count
+            total = total + self._pass(step, group, work)
         won = [s for s in claimed if claims.commit(s, claims.me)]
         lost = [s for s in claimed if s not in won]
         if lost:  # a backup committed first: take these shards' gradient back out
             work.races_lost += len(lost)
             for group in self._groups(lost):
-                loss, count = self._pass(step, group, work, sign=-1.0)
-                value, samples = value - loss, samples - count
+                total = total + -self._pass(step, group, work, sign=-1.0)
         work.committed += won
-        work.loss += value
-        work.samples += samples
+        work.total = work.total + total
 
     def _backup(self, step: int, shard: int, owner: int, claims: ShardClaims, work: StepWork) -> None:
         work.backups += 1
         work.shards_run += 1
         snapshot = self.flat.grads.clone()
-        value, samples = self._pass(step, [shard], work)
+        result = self._pass(step, [shard], work)
         if claims.commit(shard, owner):
             work.backups_won += 1
             work.committed.append(shard)
-            work.loss += value
-            work.samples += samples
+            work.total = work.total + result
         else:
             self.flat.grads.copy_(snapshot)

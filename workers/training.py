@@ -1,68 +1,92 @@
-"""Model-side building blocks of a worker: shard loss, batches, flat parameters and gradients."""
+"""Model-side building blocks of a worker: batches, precision, evaluation, flat parameters and gradients."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate
 
-def per_sample_loss(kind: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Loss of each sample (shape ``[batch]``), averaged over any non-batch positions.
-
-    ``cross_entropy`` takes logits ``[batch, ..., classes]`` and class ids ``[batch, ...]`` (so a
-    language model's per-token loss is averaged within each sequence); ``mse`` takes matching
-    shapes.
-    """
-    if kind == "cross_entropy":
-        losses = F.cross_entropy(
-            output.reshape(-1, output.shape[-1]), target.reshape(-1), reduction="none"
-        )
-    elif kind == "mse":
-        losses = F.mse_loss(output, target.to(output.dtype), reduction="none")
-    else:
-        raise ValueError(f"unknown loss {kind!r}")
-    return losses.reshape(output.shape[0], -1).mean(dim=1)
+from workers.objective import Objective
 
 
-def fetch_batch(dataset: Dataset, indices: np.ndarray) -> Any:
-    """Gather samples by index; one indexing op for a TensorDataset, else collate item by item."""
+def fetch_batch(dataset: Dataset, indices: np.ndarray, collate: Callable[[list[Any]], Any] | None = None) -> Any:
+    """Gather samples by index: one indexing op for a TensorDataset (without a ``collate``),
+    else item by item through ``collate`` (default: torch's ``default_collate``, which stacks
+    tensors, tuples and dicts of tensors)."""
     tensors = getattr(dataset, "tensors", None)
-    if tensors is not None:
+    if tensors is not None and collate is None:
         idx = torch.from_numpy(indices)
         return tuple(t[idx] for t in tensors)
-    return default_collate([dataset[int(i)] for i in indices])
-
-
-def evaluate_model(model: torch.nn.Module, dataset: Dataset, loss: str, batch: int = 1024) -> dict[str, float]:
-    """Mean per-sample loss over ``dataset`` (and accuracy over all positions, for
-    cross-entropy), without gradients; leaves the model in the mode it found it."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    loss_total, correct, positions = 0.0, 0, 0
-    with torch.no_grad():
-        for lo in range(0, len(dataset), batch):
-            indices = np.arange(lo, min(lo + batch, len(dataset)))
-            inputs, targets = move_to(fetch_batch(dataset, indices), device)
-            output = model(inputs)
-            loss_total += float(per_sample_loss(loss, output, targets).sum())
-            if loss == "cross_entropy":
-                correct += int((output.argmax(dim=-1) == targets).sum())
-                positions += targets.numel()
-    model.train(was_training)
-    metrics = {"loss": loss_total / max(len(dataset), 1), "samples": float(len(dataset))}
-    if positions:
-        metrics["accuracy"] = correct / positions
-    return metrics
+    return (collate or default_collate)([dataset[int(i)] for i in indices])
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
+    """``batch`` (a tensor, or tuples, lists and dicts of them) on ``device``; anything else as is."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
-    return type(batch)(move_to(b, device) for b in batch)
+    if isinstance(batch, Mapping):
+        return {k: move_to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(move_to(b, device) for b in batch)
+    return batch
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+    """The forward's context for ``precision`` (fp32, bf16 or fp16): ``torch.autocast`` to the
+    half type (parameters, gradients and optimizer state stay fp32), or nothing."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def evaluate_model(
+    model: torch.nn.Module,
+    dataset: Dataset,
+    objective: Objective,
+    *,
+    batch: int = 256,
+    collate: Callable[[list[Any]], Any] | None = None,
+    metrics: Callable[..., Mapping[str, Any]] | None = None,
+    precision: str = "fp32",
+) -> dict[str, float]:
+    """The objective's loss over ``dataset`` (its loss sum over its weight), accuracy (for
+    the built-in classification losses: correct over weighed predictions) and the user's
+    ``metrics`` sums divided by the number of samples; without gradients, leaving the model in
+    the mode it found it. Raises ValueError if ``metrics`` returns something other than a dict
+    of numbers."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    loss_total, weight, correct = 0.0, 0.0, 0.0
+    sums: dict[str, float] = {}
+    has_accuracy = True
+    with torch.no_grad():
+        for lo in range(0, len(dataset), batch):
+            indices = np.arange(lo, min(lo + batch, len(dataset)))
+            data = move_to(fetch_batch(dataset, indices, collate), device)
+            with autocast(device, precision):
+                result = objective(model, data, len(indices))
+                extra = metrics(model, data) if metrics is not None else {}
+            loss_total += float(result.total)
+            weight += result.weight
+            has_accuracy = has_accuracy and result.correct is not None
+            correct += result.correct or 0.0
+            if not isinstance(extra, Mapping):
+                raise ValueError(f"field 'eval.metrics' returned {type(extra).__name__}: expected a dict of numbers")
+            for key, value in extra.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+    model.train(was_training)
+    found = {"loss": loss_total / weight if weight else float("nan"), "samples": float(len(dataset))}
+    if has_accuracy and weight:
+        found["accuracy"] = correct / weight
+    found.update({key: total / max(len(dataset), 1) for key, total in sums.items()})
+    return found
 
 
 class FlatParameters:
@@ -106,9 +130,45 @@ class FlatParameters:
                 self.ranges.append((extra + offset, extra + end))
                 offset = end
 
+    def no_decay_ranges(self) -> list[tuple[int, int]]:
+        """``[start, end)`` in ``values`` of the parameters with fewer than 2 dimensions
+        (biases, norm weights): those GPT-style recipes exempt from weight decay."""
+        skip = len(self.extra)
+        return [(lo - skip, hi - skip) for p, (lo, hi) in zip(self.params, self.ranges) if p.dim() < 2]
+
     def zero(self) -> None:
         """Zero the buffer; raises if something replaced a ``.grad`` (e.g. ``set_to_none``)."""
         for p, view in zip(self.params, self._views):
             if p.grad is not view:
                 raise RuntimeError("a parameter's .grad no longer views the flat gradient buffer")
         self.buffer.zero_()
+
+
+@dataclass(frozen=True)
+class GradientUpdate:
+    """The reduced gradient made ready for the optimizer: its global L2 norm (of the mean
+    gradient, before clipping; inf or nan if it overflowed) and whether it was clipped."""
+
+    grad_norm: float
+    clipped: bool = False
+
+
+def finish_gradient(grads: torch.Tensor, weight: float, scaled_by: float, clip: float | None) -> GradientUpdate:
+    """Turn the reduced ``grads`` (the sum of every shard's loss-sum gradient, times
+    ``scaled_by``: the loss scale over the global batch size) into the step's mean gradient,
+    in place: divided by the step's total ``weight``, then clipped to global norm ``clip``.
+    The reduced buffer is the same on every replica, so is the result. A non-finite gradient
+    is left as it is (the caller skips the step or lets it through). Raises ValueError if the
+    weights sum to 0 or less."""
+    if not weight > 0:
+        raise ValueError(f"field 'loss': the step's loss weights sum to {weight}; expected a total > 0")
+    factor = 1.0 / (scaled_by * weight)
+    norm = float(torch.linalg.vector_norm(grads)) * factor
+    if not math.isfinite(norm):
+        return GradientUpdate(norm)
+    clipped = clip is not None and norm > clip
+    if clipped:
+        factor *= clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s epsilon
+    if factor != 1.0:
+        grads.mul_(factor)
+    return GradientUpdate(norm, clipped)

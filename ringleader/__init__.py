@@ -1,0 +1,12 @@
+"""ringleader's Python API: train a job from a script or a notebook, without a job file.
+
+    import ringleader
+    result = ringleader.run({"model": {"factory": make_model}, "loss": my_loss, "steps": 100})
+
+See ``ringleader.api`` for the contract, README ("Python API") for a complete example.
+"""
+
+from orchestrator.config import ConfigError, JobConfig
+from ringleader.api import RunResult, resume, run
+
+__all__ = ["ConfigError", "JobConfig", "RunResult", "resume", "run"]

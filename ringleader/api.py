@@ -1,0 +1,126 @@
+"""``ringleader.run`` and ``ringleader.resume``: the CLI's ``run``/``resume`` as functions.
+
+A job is a ``JobConfig``, a mapping of the same fields (a parsed YAML file) or the path of a
+YAML job file. Where a job file names a ``package.module:function``, Python code may pass the
+function (or class) itself: model and dataset factories, ``collate``, ``loss``,
+``eval.metrics``, ``schedule.name`` and ``optimizer.name``. Ray ships such callables to the
+workers by value (cloudpickle), so they may be defined in a notebook or in ``__main__``.
+``job.json`` records a callable as ``module:qualname``, which imports again only when it is
+defined at the top level of an importable module: to resume a run of other callables, pass the
+job again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import ConfigError, JobConfig
+from orchestrator.job_file import apply_overrides, job_from_mapping, load_job
+from orchestrator.run_dir import JOB_FILE, RunDirectory
+
+JobLike = JobConfig | Mapping[str, Any] | str | Path | None
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A job's outcome: its run directory and summary (``summary.json`` there).
+
+    ``status`` is ``finished``, ``failed`` or ``stopped``; a failed job's ``error`` says why
+    (the job's failure is reported, not raised: its checkpoints and events are in ``run_dir``).
+    """
+
+    run_dir: Path
+    summary: dict[str, Any]
+
+    @property
+    def status(self) -> str:
+        return str(self.summary["status"])
+
+    @property
+    def error(self) -> str | None:
+        return self.summary.get("error")
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The final evaluation's metrics ({} without an eval dataset)."""
+        return dict(self.summary.get("eval") or {})
+
+    def model_state(self) -> dict[str, Any]:
+        """The trained parameters and buffers (``model.pt``), as CPU tensors by name."""
+        import torch
+
+        return torch.load(self.run_dir / "model.pt", weights_only=True)
+
+
+def as_job(job: JobLike, overrides: Sequence[str] = ()) -> JobConfig:
+    """``job`` validated into a JobConfig, with CLI-style ``overrides`` (``"steps=50"``) applied
+    to a mapping or file. Raises ConfigError naming the field on any problem."""
+    if isinstance(job, JobConfig):
+        if overrides:
+            return job_from_mapping(apply_overrides(job.model_dump(exclude_unset=True), list(overrides)), "Python job")
+        return job
+    if job is None or isinstance(job, (str, Path)):
+        return load_job(job, list(overrides), resolve=False)
+    if isinstance(job, Mapping):
+        return job_from_mapping(apply_overrides(dict(job), list(overrides)), "Python job")
+    raise ConfigError(f"job: expected a JobConfig, a mapping or a job file path, got {type(job).__name__}")
+
+
+def run(
+    job: JobLike = None,
+    run_dir: str | Path | None = None,
+    address: str | None = None,
+    *,
+    overrides: Sequence[str] = (),
+    local_nodes: int = 0,
+    progress: bool = False,
+    warn: Callable[[str], None] = lambda message: None,
+) -> RunResult:
+    """Train ``job`` (default: the built-in example) to the end and return its result.
+
+    ``run_dir``: where its files go (default ``job.run_dir``, else ``runs/<name>-<time>``); a
+    directory an earlier run left is resumed (see ``resume``). ``address``: a Ray cluster to
+    join; none uses the Ray this process already initialised, else ``RAY_ADDRESS``, else a
+    fresh local one. Raises ConfigError (before any worker starts) for a bad job, and
+    FileExistsError if ``run_dir`` holds something that is not a run.
+    """
+    from orchestrator.launch import default_run_dir, run_job
+
+    config = as_job(job, overrides)
+    path = Path(run_dir) if run_dir is not None else default_run_dir(config)
+    result = run_job(
+        config, address=address, local_nodes=local_nodes, run_dir=path, progress=progress,
+        source=str(job) if isinstance(job, (str, Path)) else "Python job", warn=warn,
+    )
+    return RunResult(result.run_dir, result.summary)
+
+
+def resume(
+    run_dir: str | Path,
+    job: JobLike = None,
+    address: str | None = None,
+    *,
+    overrides: Sequence[str] = (),
+    local_nodes: int = 0,
+    progress: bool = False,
+    warn: Callable[[str], None] = lambda message: None,
+) -> RunResult:
+    """Go on with the run in ``run_dir`` from its newest good checkpoint, on any worker count.
+
+    ``job`` defaults to the run's ``job.json`` (pass it again when it holds callables that do
+    not import by name); ``overrides`` change it, e.g. ``["steps=600"]`` to train longer.
+    Raises ConfigError if ``run_dir`` is not a run, or the job is not the one checkpointed.
+    """
+    path = Path(run_dir)
+    if not RunDirectory.is_run(path):
+        raise ConfigError(f"{path} is not a run directory (no {JOB_FILE})")
+    if job is None:
+        try:
+            job = load_job(path / JOB_FILE, list(overrides), resolve=False)
+        except ConfigError as err:
+            raise ConfigError(f"{err}\n(if the run was given Python callables, pass job= again)") from None
+        overrides = ()
+    return run(job, path, address, overrides=overrides, local_nodes=local_nodes, progress=progress, warn=warn)
