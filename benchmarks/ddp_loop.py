@@ -39,7 +39,7 @@ def stock_optimizer(config: OptimizerConfig, params: Iterable[torch.nn.Parameter
     """What a DDP user would write: SGD/Adam/AdamW with torch's fused kernels (the fastest
     stock choice on CPU, and the kernels ringleader's flat optimizer calls, so both follow the
     same update rule), any other optimizer class as it is; with the job's decay groups."""
-    groups = decay_groups(params, float(config.kwargs.get("weight_decay", 0.0)), config.decay_biases_and_norms)
+    groups = decay_groups(params, config.decay_biases_and_norms)
     groups = [g for g in groups if g["params"]]
     if config.is_fused:
         return _STOCK_OPTIMIZERS[config.name](groups, **config.kwargs, fused=True)
@@ -135,6 +135,7 @@ def train_ddp(
         module = getattr(model, "module", model)
         metrics = evaluate_model(
             module, factories.build(spec.factory, spec.kwargs), objective, batch=spec.batch_size,
-            collate=optional_callable(spec.collate), metrics=optional_callable(spec.metrics), precision=job.precision,
+            collate=optional_callable(spec.collate or job.dataset.collate), metrics=optional_callable(spec.metrics),
+            precision=job.precision,
         )
     return {"step_ends": step_ends, "step_weights": step_weights, "eval": metrics}

@@ -43,8 +43,9 @@ def trajectory_config(job: JobConfig) -> dict[str, Any]:
     config = job.model_dump(mode="json", include=set(TRAJECTORY_FIELDS))
     config["collective"] = {k: config["collective"][k] for k in ("compression", "topk_ratio")}
     # Fields added since the first checkpoints enter only when they differ from their default,
-    # so those checkpoints keep their hash. The pass size only moves float summation order,
-    # like the worker count: a run may resume on smaller devices with smaller passes.
+    # so those checkpoints keep their hash. The pass size, like the worker count, only moves
+    # float summation order (for a model with dropout it also changes the masks): a run may
+    # resume on smaller devices with smaller passes.
     del config["worker"]["max_samples_per_pass"]
     if config["dataset"]["collate"] is None:
         del config["dataset"]["collate"]
@@ -57,6 +58,7 @@ def trajectory_config(job: JobConfig) -> dict[str, Any]:
         config["schedule"] = job.schedule.model_dump(mode="json", exclude_none=True)
     if job.precision != "fp32":
         config["precision"] = job.precision
+    if job.precision == "fp16":
         config["loss_scaling"] = job.loss_scaling.model_dump(mode="json")
     return config
 

@@ -21,7 +21,7 @@ from pydantic import (
 )
 
 from policies.schedule import BUILTIN_SCHEDULES
-from workers.factories import locate_import_path
+from workers.factories import locate_import_path, resolve_import_path
 
 
 class ConfigError(Exception):
@@ -43,12 +43,39 @@ def _import_path_or_callable(value: Any) -> str | Callable[..., Any]:
 
 
 def callable_name(value: str | Callable[..., Any]) -> str:
-    """An import path as it is; a callable as ``module:qualname`` (what job.json records: it
-    imports again when the callable is defined at the top level of an importable module)."""
+    """An import path as it is; a callable as the ``module:qualname`` that imports it again
+    (what job.json records), or, when that would import something else (a lambda, a local
+    function, a ``functools.partial``, an instance, anything in ``__main__``), as
+    ``<not importable: module:qualname>``, which no job file accepts: such a job is resumed
+    by passing it again."""
     if isinstance(value, str):
         return value
     module = getattr(value, "__module__", None) or "?"
-    return f"{module}:{getattr(value, '__qualname__', type(value).__qualname__)}"
+    name = f"{module}:{getattr(value, '__qualname__', type(value).__qualname__)}"
+    try:
+        importable = module != "__main__" and resolve_import_path(name) is value
+    except ValueError:
+        importable = False
+    return name if importable else f"<not importable: {name}>"
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` as JSON: containers element by element, callables by ``callable_name``, any
+    other object by its ``repr`` (kwargs from the Python API may hold classes and objects)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if callable(value):
+        return callable_name(value)
+    return repr(value)
+
+
+#: Keyword arguments for a user's function or class: anything goes in Python; JSON (job.json,
+#: the trajectory hash) holds what is not plain data by name (see ``_json_value``).
+Kwargs = Annotated[dict[str, Any], PlainSerializer(_json_value, when_used="json")]
 
 
 #: A ``package.module:function`` path, or (from the Python API) the callable itself, which Ray
@@ -81,7 +108,7 @@ class FactorySpec(_Strict):
     """A ``module:function`` (or callable) that builds a model or dataset, with keyword arguments."""
 
     factory: ImportTarget
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: Kwargs = Field(default_factory=dict)
 
 
 class DatasetSpec(FactorySpec):
@@ -93,7 +120,7 @@ class DatasetSpec(FactorySpec):
 
 
 class EvalSpec(DatasetSpec):
-    """The eval dataset, and ``metrics`` (``module:function``, optional): called as
+    """The eval dataset (``collate`` defaults to ``dataset.collate``), and ``metrics`` (``module:function``, optional): called as
     ``fn(model, batch)`` on each eval batch under ``torch.no_grad``, returning a dict of sums
     (floats or scalar tensors); they are added up over the eval set and divided by the number
     of samples (so a per-batch sum becomes a per-sample mean). ``batch_size``: samples per
@@ -115,7 +142,7 @@ class LossConfig(_Strict):
     In a job file ``loss: cross_entropy`` is short for ``loss: {name: cross_entropy}``."""
 
     name: NamedTarget = "cross_entropy"
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: Kwargs = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -153,7 +180,7 @@ class OptimizerConfig(_Strict):
     """
 
     name: NamedTarget = "adam"
-    kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 0.001})
+    kwargs: Kwargs = Field(default_factory=lambda: {"lr": 0.001})
     decay_biases_and_norms: bool = True
     clip_grad_norm: float | None = Field(None, gt=0)
 
@@ -528,6 +555,10 @@ class JobConfig(_Strict):
     def _consistent(self) -> "JobConfig":
         if (self.steps is None) == (self.epochs is None):
             raise ValueError("set exactly one of 'steps' and 'epochs' (use steps: null with epochs)")
+        if self.precision == "fp16" and self.collective.compression == "topk":
+            # Top-k keeps unsent gradient in loss-scaled units across steps: an overflow would
+            # stay in it, and a change of scale would re-weigh it.
+            raise ValueError("precision fp16 cannot be combined with collective.compression topk")
         if self.shards > self.batch_size:
             raise ValueError(
                 f"shards ({self.shards}) must not exceed batch_size ({self.batch_size}): "

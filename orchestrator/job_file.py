@@ -151,12 +151,14 @@ def optimizer_problem(config: OptimizerConfig) -> str | None:
     constructor."""
     import torch  # kept off the light path
 
-    from workers.flat_optimizer import parse_optimizer
+    from workers.flat_optimizer import check_decay_groups, parse_optimizer
     from workers.generic_optimizer import resolve_optimizer_class
 
     if config.is_fused:
         try:
-            parse_optimizer(config.name, config.kwargs)
+            settings = parse_optimizer(config.name, config.kwargs)
+            if not config.decay_biases_and_norms:
+                check_decay_groups(config.name, settings)
         except (TypeError, ValueError) as err:
             return f"  field 'optimizer.kwargs': {err}"
         return None

@@ -72,6 +72,7 @@ BAD_JOBS = [
     ({"loss": {"name": "mse", "kwargs": {"ignore_index": 0}}}, "'loss.kwargs': loss 'mse' takes no arguments"),
     ({"schedule": {"name": "exponential"}}, "'schedule.name': unknown schedule 'exponential'"),
     ({"precision": "fp8"}, "'precision'"),
+    ({"precision": "fp16", "collective": {"compression": "topk"}}, "precision fp16 cannot be combined with collective.compression topk"),
     ({"optimizer": {"clip_grad_norm": 0}}, "'optimizer.clip_grad_norm'"),
     ({"worker": {"max_samples_per_pass": 0}}, "'worker.max_samples_per_pass'"),
     ({"stragglers": {"window": 3, "persistent_steps": 4}}, "persistent_steps (4) must be <= window (3)"),
@@ -83,6 +84,10 @@ DEEP_BAD_JOBS = [
     ({"dataset": {"factory": "ringleader_examples.digits:nope"}}, "'dataset.factory': module 'ringleader_examples.digits' has no attribute 'nope'"),
     ({"optimizer": {"name": "adam", "kwargs": {"learning_rate": 1}}}, "'optimizer.kwargs'"),
     ({"optimizer": {"name": "lamb"}}, "'optimizer.name': torch.optim has no optimizer 'lamb'"),
+    (
+        {"optimizer": {"name": "adam", "kwargs": {"weight_decay": 0.1, "maximize": True}, "decay_biases_and_norms": False}},
+        "'optimizer.kwargs': adam with maximize cannot exempt biases and norms from weight decay",
+    ),
     ({"optimizer": {"name": "RAdam", "kwargs": {"lr": 0.1, "momentum": 0.9}}}, "'optimizer.kwargs': RAdam: RAdam.__init__() got an unexpected keyword argument 'momentum'"),
     ({"loss": "tests.helpers.losses:nope"}, "'loss.name': module 'tests.helpers.losses' has no attribute 'nope'"),
     ({"schedule": {"name": "json:loads.nope"}}, "'schedule.name': module 'json' has no attribute 'loads.nope'"),
@@ -219,3 +224,24 @@ def test_chaos_rank_and_worker_together_are_refused(kind):
 def test_chaos_rank_out_of_range_names_the_worker_field():
     with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=re.escape("chaos.slow.0.worker: 9 is not a worker")):
         load_job(None, ["chaos.slow=[{rank: 9, factor: 2}]"], resolve=False)
+
+
+def test_callables_are_recorded_by_a_name_that_imports_them_back_or_marked_not_importable():
+    import functools
+    import json
+
+    from orchestrator.config import callable_name
+    from tests.helpers.losses import make_model, token_loss
+
+    assert callable_name(token_loss) == "tests.helpers.losses:token_loss"
+    for unimportable in (lambda m, b: 0, functools.partial(make_model, 8)):
+        assert callable_name(unimportable).startswith("<not importable: ")
+    job = JobConfig.model_validate(
+        {"model": {"factory": make_model, "kwargs": {"activation": json.dumps, "width": 8, "marker": object()}}}
+    )
+    dumped = job.model_dump(mode="json")["model"]
+    assert dumped["factory"] == "tests.helpers.losses:make_model"
+    assert dumped["kwargs"]["activation"] == "json:dumps" and dumped["kwargs"]["width"] == 8
+    assert dumped["kwargs"]["marker"].startswith("<object object at")
+    with pytest.raises(ConfigError, match="field 'model.factory'"):
+        load_job(None, [f"model={{factory: '{callable_name(lambda: 0)}'}}"])

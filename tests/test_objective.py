@@ -50,7 +50,7 @@ def test_builtin_cross_entropy_is_token_level_and_ignores_ignore_index():
     loss = Objective("cross_entropy")(lambda x: logits, (None, targets), 2)
     assert loss.weight == 6
     torch.testing.assert_close(loss.total, F.cross_entropy(logits.reshape(-1, 6), targets.reshape(-1), reduction="sum"))
-    assert loss.correct == float(((logits.argmax(-1) == targets) & (targets != IGNORE)).sum())
+    assert loss.correct is not None and loss.correct() == float(((logits.argmax(-1) == targets) & (targets != IGNORE)).sum())
 
 
 def test_causal_lm_shifts_and_masks_padding():
@@ -71,6 +71,7 @@ def test_causal_lm_shifts_and_masks_padding():
     torch.testing.assert_close(loss.total, expected)
     plain = Objective("causal_lm")(lambda x: logits, ids, 2)
     assert plain.weight == 8
+    assert Objective("causal_lm")(lambda x: logits, (ids,), 2).weight == 8  # a TensorDataset's batch
 
 
 def test_mse_is_per_sample_and_weighs_samples():
@@ -145,7 +146,7 @@ def test_fused_optimizer_without_decay_on_biases_and_norms_matches_torch_param_g
     model = make_model(8)
     flat = FlatParameters(model.parameters())
     ours = FlatOptimizer(name, kwargs, flat.values, flat.grads, flat.no_decay_ranges())
-    stock = stock_cls(decay_groups(stock_model.parameters(), kwargs["weight_decay"], False), **kwargs)
+    stock = stock_cls(decay_groups(stock_model.parameters(), False), **kwargs)
     batch = pad_collate(make_sequences(6))
     for _ in range(3):
         for m in (model, stock_model):
@@ -168,9 +169,9 @@ def test_a_generic_optimizer_state_travels_through_broadcast_and_checkpoint():
     token_loss(source_model, pad_collate(make_sequences(4)))[0].backward()
     source.step(lr=0.02)
     sent = []
-    source.sync(sent.append)  # the root: what it broadcasts
+    source.sync(sent.append, is_root=True)  # what the root broadcasts
     replies = iter(sent)
-    target.sync(lambda tensor: tensor.copy_(next(replies)))  # a joiner receives it
+    target.sync(lambda tensor: tensor.copy_(next(replies)), is_root=False)  # a joiner receives it
     assert target.optimizer.state_dict()["state"].keys() == source.optimizer.state_dict()["state"].keys()
     for key, value in source.optimizer.state_dict()["state"][0].items():
         torch.testing.assert_close(target.optimizer.state_dict()["state"][0][key], value)

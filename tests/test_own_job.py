@@ -137,9 +137,11 @@ def test_fp16_skips_an_overflowing_step_on_every_replica_alike(tmp_path):
         ((f"loss={H}:wrong_shape_loss",), "field 'loss' (tests.helpers.losses:wrong_shape_loss) returned a tensor of shape (1,): expected per-sample losses of shape"),
         ((f"loss={H}:nan_weight_loss",), "field 'loss' (tests.helpers.losses:nan_weight_loss) returned weight nan"),
         (("schedule={name: 'json:loads'}",), "field 'schedule.name'"),
+        ((f"loss={H}:exploding_loss",), "step 0: the reduced gradient is not finite"),
+        ((f"model={{factory: '{H}:make_bf16_digits_model'}}",), "field 'model.factory': the model's parameters are torch.bfloat16"),
     ],
 )
-def test_a_bad_loss_or_schedule_fails_the_job_naming_the_field(tmp_path, overrides, expected):
+def test_a_bad_loss_schedule_or_model_fails_the_job_saying_why(tmp_path, overrides, expected):
     job = load_job(None, ["steps=3", "eval=null", "scaling.workers=2", *overrides])
     result = run_job(job, run_dir=tmp_path / "bad")
     assert result.summary["status"] == "failed"

@@ -7,6 +7,7 @@ step pipeline), ``control`` (answers while a step runs, so the driver can always
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
@@ -98,6 +99,13 @@ class TrainWorker:
         self.model.train()
         # Trailing slots: one census entry per shard, then the step's bookkeeping (loss, ...).
         self.flat = FlatParameters(self.model.parameters(), extra=job.shards + BOOKKEEPING_SLOTS)
+        if self.flat.values.dtype in (torch.float16, torch.bfloat16):
+            # The census and loss weights ride in the parameters' dtype, and half types count
+            # exactly only to 256 (bf16) or 2048 (fp16).
+            raise ValueError(
+                f"field 'model.factory': the model's parameters are {self.flat.values.dtype}; keep them float32 "
+                "(the master weights) and set precision: bf16 or fp16 to compute in half precision"
+            )
         self.optimizer = make_optimizer(job.optimizer, self.flat)
         self.schedule = learning_rate_schedule(job.schedule)
         scaling = job.loss_scaling
@@ -215,8 +223,10 @@ class TrainWorker:
             self.next_step = -1
         group = self.group
         group.broadcast(self.flat.values, root=0)
-        self.optimizer.sync(lambda tensor: group.broadcast(tensor, root=0))
+        self.optimizer.sync(lambda tensor: group.broadcast(tensor, root=0), is_root=request.rank == 0)
         group.broadcast(self.scaler.state, root=0)
+        for buffer in self.model.buffers():  # running statistics: a checkpoint restores them on one worker
+            group.broadcast(buffer, root=0)
         self.scaler.state_restored()
         self.next_step = int(step.item())
         return Joined(transfer_s=time.perf_counter() - started, next_step=self.next_step)
@@ -263,9 +273,11 @@ class TrainWorker:
 
         With the plan's mitigations off the rank runs exactly its planned shards; with them on
         it claims, steals and backs up shards through the driver's store (``workers/step.py``).
-        Each shard's loss is the sum over its samples divided by the step's global batch size,
-        so the all-reduced sum is the mean gradient of the whole step whoever ran what.
-        Raises ShardCensusError if the ranks together did not commit every shard exactly once.
+        The all-reduced buffer holds the sum of every shard's loss-sum gradient and the step's
+        total loss weight; divided by it (``finish_gradient``, which also clips) it is the
+        step's mean gradient whoever ran what. Raises ShardCensusError if the ranks together
+        did not commit every shard exactly once, FloatingPointError if the gradient is not
+        finite (fp32, bf16; fp16 skips the step), ValueError (naming ``loss``) for a bad loss.
         """
         if self.reducer is None or self.claims_store is None:
             raise RuntimeError("train_step called before join_group")
@@ -307,6 +319,13 @@ class TrainWorker:
         )
         lr = self.optimizer.base_lr * self.schedule.factor(step, self.job.schedule.total_steps or self.num_steps)
         skipped = self.scaler.update(update.grad_norm)
+        if not self.scaler.enabled and not math.isfinite(update.grad_norm):
+            # Every replica holds this same gradient, so all stop here: better than parameters
+            # turned to nan. (fp16 skips such steps instead; that is what its scaler is for.)
+            raise FloatingPointError(
+                f"step {step}: the reduced gradient is not finite (norm {update.grad_norm}, loss "
+                f"{loss_sum / weight}): the loss diverged or the data holds inf or nan"
+            )
         if not skipped:
             self.optimizer.step(lr=lr)
         self.next_step = step + 1
@@ -355,7 +374,7 @@ class TrainWorker:
             if self.next_step != step:
                 raise RuntimeError(f"checkpoint {name} wants the state after step {step}, this replica is at {self.next_step}")
             started = time.perf_counter()
-            flat, whole = self._checkpointed_tensors()
+            flat, whole = self._checkpointed_tensors(whole=request.index == 0)
             whole["rng/torch"] = torch.get_rng_state()
             residuals = getattr(self.reducer_comm, "residuals", None) or {}
             part = take_snapshot(step, request.index, request.count, flat, whole, residuals)
@@ -367,15 +386,19 @@ class TrainWorker:
         writing.add_done_callback(lambda done: chain_future(done, written))
         return part.copy_s
 
-    def _checkpointed_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def _checkpointed_tensors(self, whole: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The training state a checkpoint holds, by name: the flat tensors (parameters and
-        optimizer state, all one length, written in slices) and the small whole ones."""
-        optim_flat, optim_whole = self.optimizer.checkpoint_tensors()
+        optimizer state, all one length, written in slices) and the whole ones (only part 0
+        writes them: ``whole=False`` leaves them out, sparing a generic optimizer's
+        serialization)."""
+        optim_flat, optim_whole = self.optimizer.checkpoint_tensors(whole)
         flat = {"params": self.flat.values, **{f"optim/{k}": v for k, v in optim_flat.items()}}
-        whole = {**{f"optim/{k}": v for k, v in optim_whole.items()}, **{f"buffer/{k}": v for k, v in self.model.named_buffers()}}
+        if not whole:
+            return flat, {}
+        wholes = {**{f"optim/{k}": v for k, v in optim_whole.items()}, **{f"buffer/{k}": v for k, v in self.model.named_buffers()}}
         if self.scaler.enabled:
-            whole["loss_scale"] = self.scaler.state
-        return flat, whole
+            wholes["loss_scale"] = self.scaler.state
+        return flat, wholes
 
     def _write_future(self, attempt: str) -> Future[list[FileEntry]]:
         """The outcome of one checkpoint attempt's write (``name/tag``), shared by ``snapshot``
@@ -436,13 +459,14 @@ class TrainWorker:
 
     @ray.method(concurrency_group="compute")
     def evaluate(self) -> dict[str, float]:
-        """Mean loss (and accuracy, for cross-entropy) on the eval dataset; {} without one."""
+        """The loss on the eval dataset (its loss sum over its weight), accuracy (built-in
+        cross_entropy and causal_lm) and ``eval.metrics``; {} without an eval dataset."""
         spec = self.job.eval
         if spec is None:
             return {}
         return evaluate_model(
             self.model, factories.build(spec.factory, spec.kwargs), self.objective, batch=spec.batch_size,
-            collate=optional_callable(spec.collate), metrics=optional_callable(spec.metrics),
+            collate=optional_callable(spec.collate or self.job.dataset.collate), metrics=optional_callable(spec.metrics),
             precision=self.job.precision,
         )
 

@@ -88,6 +88,14 @@ def parse_optimizer(name: str, kwargs: dict[str, Any]) -> OptimizerSettings:
     return settings
 
 
+def check_decay_groups(name: str, settings: OptimizerSettings) -> None:
+    """Raise ValueError if ``name`` with ``settings`` cannot exempt parameters from weight
+    decay: the L2 decay (SGD, Adam) is added to the gradient before the kernel, which a
+    ``maximize`` kernel would then negate."""
+    if settings.weight_decay and settings.maximize and name != "adamw":
+        raise ValueError(f"{name} with maximize cannot exempt biases and norms from weight decay (adamw can)")
+
+
 class FlatOptimizer:
     """Steps ``params`` (one flat tensor) from ``grads`` (same shape), in place.
 
@@ -112,8 +120,7 @@ class FlatOptimizer:
         self.settings = parse_optimizer(name, kwargs)
         self._decayed: list[tuple[int, int]] = []
         if no_decay and self.settings.weight_decay:
-            if self.settings.maximize and name != "adamw":
-                raise ValueError("maximize with biases and norms excluded from weight decay needs adamw")
+            check_decay_groups(name, self.settings)
             self._decayed = _complement(no_decay, params.numel())
         self.params = params
         self.grads = grads
@@ -149,16 +156,18 @@ class FlatOptimizer:
         """Call after writing into ``state_tensors()``: picks up the restored step count."""
         self._steps_taken = int(self.state["step"].item())
 
-    def sync(self, broadcast: Callable[[torch.Tensor], None]) -> None:
-        """Take the group root's state through ``broadcast`` (in place, from the root)."""
+    def sync(self, broadcast: Callable[[torch.Tensor], None], is_root: bool) -> None:
+        """Take the group root's state through ``broadcast`` (in place, from the root; every
+        replica holds the same tensors, so ``is_root`` changes nothing here)."""
         for tensor in self.state_tensors().values():
             broadcast(tensor)
         self.state_restored()
 
-    def checkpoint_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The state as flat tensors (like ``params``, checkpointed in slices) and whole ones."""
+    def checkpoint_tensors(self, whole: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The state as flat tensors (like ``params``, checkpointed in slices) and whole ones
+        (none unless ``whole``)."""
         state = self.state_tensors()
-        return {k: v for k, v in state.items() if k != "step"}, {"step": state["step"]}
+        return {k: v for k, v in state.items() if k != "step"}, {"step": state["step"]} if whole else {}
 
     def restore(self, flat: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> None:
         """Copy a checkpoint's ``checkpoint_tensors`` into the state. Raises ValueError if the

@@ -40,9 +40,7 @@ def resolve_optimizer_class(name: str | type) -> type[torch.optim.Optimizer]:
     return found
 
 
-def decay_groups(
-    params: Iterable[torch.nn.Parameter], weight_decay: float, decay_biases_and_norms: bool
-) -> list[dict[str, Any]]:
+def decay_groups(params: Iterable[torch.nn.Parameter], decay_biases_and_norms: bool) -> list[dict[str, Any]]:
     """Parameter groups: all in one, or (``decay_biases_and_norms`` False) those with fewer than
     2 dimensions (biases, norm weights) in a second group without weight decay."""
     params = list(params)
@@ -65,7 +63,7 @@ class GenericOptimizer:
         decay_biases_and_norms: bool = True,
     ) -> None:
         cls = resolve_optimizer_class(name)
-        groups = decay_groups(params, float(kwargs.get("weight_decay", 0.0)), decay_biases_and_norms)
+        groups = decay_groups(params, decay_biases_and_norms)
         self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
         self.device = params[0].device
         self._base_lr = float(self.optimizer.defaults.get("lr", kwargs.get("lr", 0.0)))
@@ -87,24 +85,26 @@ class GenericOptimizer:
         return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
     def _load(self, blob: torch.Tensor) -> None:
-        state = torch.load(io.BytesIO(blob.cpu().numpy().tobytes()), weights_only=True, map_location=self.device)
+        # On the CPU first: load_state_dict then places each tensor as the optimizer wants it
+        # (a step count stays on the host where torch keeps it there).
+        state = torch.load(io.BytesIO(blob.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
         self.optimizer.load_state_dict(state)
 
-    def sync(self, broadcast: Callable[[torch.Tensor], None]) -> None:
+    def sync(self, broadcast: Callable[[torch.Tensor], None], is_root: bool) -> None:
         """Take the root's state through ``broadcast`` (in place, from the group's root): its
-        length first, then its bytes."""
-        blob = self._serialized().to(self.device)
-        length = torch.tensor([blob.numel()], dtype=torch.int64, device=self.device)
+        length first, then its bytes; the root keeps its own."""
+        blob = self._serialized().to(self.device) if is_root else None
+        length = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.int64, device=self.device)
         broadcast(length)
-        received = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        if received.numel() == blob.numel():
-            received.copy_(blob)
-        broadcast(received)
-        self._load(received)
+        if blob is None:
+            blob = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        broadcast(blob)
+        if not is_root:
+            self._load(blob)
 
-    def checkpoint_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """No flat tensors; the serialized state as one whole entry."""
-        return {}, {STATE_ENTRY: self._serialized()}
+    def checkpoint_tensors(self, whole: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """No flat tensors; the serialized state as one whole entry (serialized only if ``whole``)."""
+        return {}, {STATE_ENTRY: self._serialized()} if whole else {}
 
     def restore(self, flat: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> None:
         """Load what ``checkpoint_tensors`` returned (from a checkpoint). Raises ValueError if

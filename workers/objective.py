@@ -11,6 +11,10 @@ Either way the step's gradient is the sum over all shards of the gradients of th
 divided by the sum of the weights over all shards of the step, which travels in the reduced
 buffer with the gradient. A per-token mean over the whole global batch (padding and
 ``ignore_index`` excluded) is thus exact whichever worker computed which shard.
+
+The precondition: ``loss_sum`` and ``weight`` are sums of per-sample contributions, so a
+batch's are the sums of its samples' whatever else is in the batch. (A weight counting padded
+positions of a pad-to-longest collate is not: it would depend on which samples share a pass.)
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ IGNORE_INDEX = -100  # torch's and Hugging Face's default
 @dataclass(frozen=True)
 class BatchLoss:
     """A batch's loss: ``total`` (a scalar tensor to backpropagate), the ``weight`` it is
-    normalised by, and, for the built-in classification losses, how many of the weighed
-    predictions were ``correct`` (for eval accuracy)."""
+    normalised by, and, for the built-in classification losses, a function counting how many
+    of the weighed predictions were ``correct`` (for eval accuracy; training never pays for
+    it)."""
 
     total: torch.Tensor
     weight: float
-    correct: float | None = None
+    correct: Callable[[], float] | None = None
 
 
 def split_batch(batch: Any, loss: str) -> tuple[Any, torch.Tensor]:
@@ -75,8 +80,11 @@ def _token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_ind
         )
     kept = flat_targets != ignore_index
     total = F.cross_entropy(flat_logits, flat_targets, ignore_index=ignore_index, reduction="sum")
-    correct = (flat_logits.detach().argmax(dim=-1) == flat_targets) & kept
-    return BatchLoss(total, float(kept.sum()), float(correct.sum()))
+
+    def correct() -> float:
+        return float(((flat_logits.detach().argmax(dim=-1) == flat_targets) & kept).sum())
+
+    return BatchLoss(total, float(kept.sum()), correct)
 
 
 def cross_entropy(model: torch.nn.Module, batch: Any, ignore_index: int = IGNORE_INDEX) -> BatchLoss:
@@ -92,6 +100,8 @@ def causal_lm(model: torch.nn.Module, batch: Any, ignore_index: int = IGNORE_IND
     is token ids ``[batch, time]``, or a dict with ``input_ids`` (and optionally ``labels``,
     else the ids with ``attention_mask == 0`` positions ignored) whose other entries are
     passed to the model."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 1:
+        batch = batch[0]  # a TensorDataset of token ids
     if isinstance(batch, torch.Tensor):
         inputs: Any = batch
         labels = batch

@@ -49,6 +49,12 @@ def shard_seed(seed: int, step: int, shard: int) -> int:
     return ((seed * 1_000_003 + step) * 1_000_003 + shard) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def piece_seed(seed: int, piece: int) -> int:
+    # Piece 0 keeps the shard's seed; later pieces mix their number in, so piece k of shard s
+    # never shares shard s+k's seed (shard_seed is linear in the shard).
+    return seed if piece == 0 else ((seed * 1_000_003 + piece) * 1_000_003) & 0x7FFF_FFFF_FFFF_FFFF
+
+
 @dataclass(frozen=True)
 class PassResult:
     """A pass's loss sum, the weight normalising it and its sample count."""
@@ -152,7 +158,7 @@ class StepRunner:
         factor = sign * self.loss_scale / self.sampler.step_batch_size(step)
         for number, chunk in enumerate(pieces):
             batch = move_to(fetch_batch(self.dataset, chunk, self.collate), self.device)
-            torch.manual_seed(shard_seed(self.seed, step, shards[0]) + number)
+            torch.manual_seed(piece_seed(shard_seed(self.seed, step, shards[0]), number))
             with autocast(self.device, self.precision):
                 loss = self.objective(self.model, batch, len(chunk))
             result = result + PassResult(float(loss.total.detach()), loss.weight, len(chunk))

@@ -76,7 +76,7 @@ def evaluate_model(
             loss_total += float(result.total)
             weight += result.weight
             has_accuracy = has_accuracy and result.correct is not None
-            correct += result.correct or 0.0
+            correct += result.correct() if result.correct is not None else 0.0
             if not isinstance(extra, Mapping):
                 raise ValueError(f"field 'eval.metrics' returned {type(extra).__name__}: expected a dict of numbers")
             for key, value in extra.items():
@@ -158,8 +158,8 @@ def finish_gradient(grads: torch.Tensor, weight: float, scaled_by: float, clip: 
     ``scaled_by``: the loss scale over the global batch size) into the step's mean gradient,
     in place: divided by the step's total ``weight``, then clipped to global norm ``clip``.
     The reduced buffer is the same on every replica, so is the result. A non-finite gradient
-    is left as it is (the caller skips the step or lets it through). Raises ValueError if the
-    weights sum to 0 or less."""
+    is left as it is, its norm inf or nan (the caller skips the step or fails). Raises
+    ValueError if the weights sum to 0 or less."""
     if not weight > 0:
         raise ValueError(f"field 'loss': the step's loss weights sum to {weight}; expected a total > 0")
     factor = 1.0 / (scaled_by * weight)

@@ -87,6 +87,17 @@ def nan_weight_loss(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, f
     return F.cross_entropy(model(inputs), targets, reduction="sum"), float("nan")
 
 
+def exploding_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets, reduction="none") * float("inf")
+
+
+def make_bf16_digits_model() -> torch.nn.Module:
+    from ringleader_examples.digits import make_model as digits_model
+
+    return digits_model().to(torch.bfloat16)
+
+
 def halving_schedule(step: int, num_steps: int) -> float:
     return 0.5 ** (step // 5)
 
