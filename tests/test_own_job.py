@@ -59,6 +59,9 @@ def test_an_own_job_keeps_the_single_worker_trajectory_through_a_kill_and_a_resu
     # Token counts differ from shard to shard (padding): the weight is the step's real tokens.
     assert len({e["weight"] for e in steps.values()}) > 5 and all(e["weight"] < 40 * 12 for e in steps.values())
     assert any(e["grad_norm"] > 0.5 for e in steps.values())  # clipping was active
+    assert all(e["weight_per_s"] > 0 for e in steps.values())
+    records = jsonl(reference.run_dir / "telemetry.jsonl")
+    assert all(r["weight_per_s"] > 0 and r["lr"] == steps[r["step"]]["lr"] for r in records)
     assert steps[0]["lr"] == pytest.approx(0.01 / 3) and steps[2]["lr"] == pytest.approx(0.01)
     metrics = next(e for e in jsonl(reference.run_dir / "events.jsonl") if e["event"] == "eval")["metrics"]
     assert {"loss", "token_accuracy", "samples"} <= metrics.keys() and metrics["samples"] == 30

@@ -352,6 +352,7 @@ class TrainWorker:
             shards_run=work.shards_run,
             shard_s=busy_s / work.shards_run if work.shards_run else 0.0,
             samples_per_s=work.total.samples / busy_s if busy_s > 0 else 0.0,
+            weight_per_s=work.total.weight / busy_s if busy_s > 0 else 0.0,
             idle_s=work.idle_s,
             stalled_s=stalled_s,
             bytes_sent=self.group.bytes_sent if self.group is not None else 0,

@@ -142,6 +142,8 @@ class StepTelemetry:
     skipped the optimizer step (same on every rank);
     ``shards_run``: shards computed, including discarded backups and lost races;
     ``shard_s``: compute seconds per shard run, the inverse of this worker's speed;
+    ``samples_per_s``/``weight_per_s``: this worker's samples and loss weight (tokens, for a
+    token-level loss) per second of its compute;
     ``bytes_sent``: by this worker's process group since it was formed (cumulative).
     ``stolen``/``backups``/``backups_won``/``races_lost``: this step's straggler mitigation.
     """
@@ -165,6 +167,7 @@ class StepTelemetry:
     shards_run: int = 0
     shard_s: float = 0.0
     samples_per_s: float = 0.0
+    weight_per_s: float = 0.0
     idle_s: float = 0.0
     stalled_s: float = 0.0
     bytes_sent: int = 0
