@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from orchestrator.cli_cluster import CLUSTER_COMMANDS, add_cluster_commands, run_cluster_command
+
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -32,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     resume.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds job.json)")
     _add_launch_options(resume, "e.g. --set steps=600 to train longer")
+
+    add_cluster_commands(commands, _add_overrides)
 
     bench = commands.add_parser("bench", help="benchmarks (side by side, one run)")
     benches = bench.add_subparsers(dest="bench", required=True)
@@ -93,11 +97,15 @@ def _add_launch_options(command: argparse.ArgumentParser, set_example: str) -> N
         "--local-nodes", type=int, default=0, metavar="N",
         help="start N simulated Ray nodes on this machine (try node loss, hierarchical all-reduce)",
     )
+    _add_overrides(command, set_example)
+    command.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_overrides(command: argparse.ArgumentParser, example: str = "e.g. --set steps=50") -> None:
     command.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-        help=f"override a job field, {set_example}",
+        help=f"override a job field, {example}",
     )
-    command.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -178,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     if args.command in ("run", "resume"):
         return _cmd_run(args)
+    if args.command in CLUSTER_COMMANDS:
+        return run_cluster_command(args, _err)
     if args.command == "bench" and args.bench == "throughput":
         from benchmarks import throughput
 

@@ -1,0 +1,99 @@
+"""A real Ray head for tests: ``ray start --head --block`` in its own process session, on free
+ports, with the dashboard (the job server) and token authentication, stopped by its process
+group id (never ``ray stop``, which would stop every Ray on the machine)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+START_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class RayHead:
+    """A running head: its job server ``address``, the environment a client on this machine
+    uses to reach it (``HOME`` holding its token, its ``RAY_TMPDIR``), and the token file."""
+
+    address: str
+    gcs_address: str
+    env: dict[str, str]
+    token_file: Path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _answers(url: str, token: str) -> bool:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def start_head(scratch: Path) -> Iterator[RayHead]:
+    """Start a head whose files live under ``scratch``; yields it, then stops it."""
+    home = scratch / "home"
+    home.mkdir(parents=True)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rlh-", dir="/tmp"))  # Ray's socket paths must be short
+    bin_dir = str(Path(sys.executable).parent)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env.update(HOME=str(home), RAY_TMPDIR=str(ray_tmp), RAY_AUTH_MODE="token", PATH=f"{bin_dir}:{env.get('PATH', '')}")
+    # The token, as a cluster admin makes it (Ray writes it to $HOME/.ray/auth_token).
+    subprocess.run([f"{bin_dir}/ray", "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
+    port, dashboard = free_port(), free_port()
+    log = open(scratch / "head.log", "wb")
+    head = subprocess.Popen(
+        [
+            f"{bin_dir}/ray", "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dashboard}",
+            "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=3", f"--temp-dir={ray_tmp}",
+            f"--ray-client-server-port={free_port()}", "--disable-usage-stats",
+        ],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        token = (home / ".ray" / "auth_token").read_text().strip()
+        while not _answers(f"{address}/api/version", token):
+            if head.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray head did not start:\n{(scratch / 'head.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield RayHead(address, f"127.0.0.1:{port}", env, home / ".ray" / "auth_token")
+    finally:
+        _stop(head)
+        log.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _stop(head: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the head's process group (the head and every Ray process it started), then
+    SIGKILL what is left after ``STOP_TIMEOUT_S``."""
+    group = os.getpgid(head.pid) if head.poll() is None else head.pid
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            return
+        try:
+            head.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:
+            time.sleep(1.0)  # let its children exit, then make sure

@@ -1,0 +1,68 @@
+"""The submission's pieces without a cluster: entrypoint quoting, what travels, the token."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from orchestrator.submission import (
+    PACKAGES,
+    SubmissionError,
+    find_token,
+    job_entrypoint,
+    job_path_within,
+    runtime_env,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_no_user_value_reaches_the_shell_unquoted():
+    hostile = ["steps=5; touch /tmp/pwned", "name=$(whoami)", "run_dir='a b'"]
+    entry = job_entrypoint("my job.yaml", hostile, "/runs/x y")
+    assert shlex.split(entry) == [
+        "python", "-m", "orchestrator.cli", "run", "my job.yaml", "--no-progress",
+        "--set", hostile[0], "--set", hostile[1], "--set", hostile[2], "--run-dir", "/runs/x y",
+    ]
+
+
+def test_ringleader_travels_as_py_modules_unless_the_working_dir_holds_it(tmp_path):
+    outside = runtime_env(tmp_path)
+    assert outside["working_dir"] == str(tmp_path) and ".venv" in outside["excludes"]
+    assert sorted(Path(p).name for p in outside["py_modules"]) == sorted(PACKAGES)
+    assert "py_modules" not in runtime_env(REPO)
+
+
+def test_the_job_file_must_travel_with_the_working_dir(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "job.yaml").write_text("steps: 1\n")
+    (tmp_path / "job.yaml").write_text("steps: 1\n")
+    assert job_path_within(tmp_path / "in" / "job.yaml", tmp_path) == "in/job.yaml"
+    with pytest.raises(SubmissionError, match="is not inside the working directory"):
+        job_path_within(tmp_path / "job.yaml", tmp_path / "in")
+    with pytest.raises(SubmissionError, match="does not exist"):
+        job_path_within(tmp_path / "none.yaml", tmp_path)
+
+
+def test_the_token_comes_from_where_ray_looks_in_its_order(tmp_path, monkeypatch):
+    for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert find_token(None) is None
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("from-home\n")
+    assert find_token(None).value == "from-home"
+    (tmp_path / "path_token").write_text("from-path")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "path_token"))
+    assert find_token(None).value == "from-path"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "from-env")
+    assert find_token(None).source == "RAY_AUTH_TOKEN"
+    (tmp_path / "file").write_text("from-file")
+    assert find_token(tmp_path / "file").value == "from-file"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SubmissionError, match="is empty"):
+        find_token(tmp_path / "empty")
+    with pytest.raises(SubmissionError, match="cannot read the token from --token-file"):
+        find_token(tmp_path / "missing")
