@@ -37,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_cluster_commands(commands, _add_overrides)
 
+    report = commands.add_parser("report", help="one HTML page with plots of a run (loss, speed, workers, goodput)")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("--out", metavar="DIR", help="where report.html goes (default: the run directory)")
+
     bench = commands.add_parser("bench", help="benchmarks (side by side, one run)")
     benches = bench.add_subparsers(dest="bench", required=True)
     throughput = benches.add_parser(
@@ -188,6 +192,15 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_run(args)
     if args.command in CLUSTER_COMMANDS:
         return run_cluster_command(args, _err)
+    if args.command == "report":
+        from orchestrator.report import ReportError, write_report
+
+        try:
+            print(write_report(Path(args.run_dir), Path(args.out) if args.out else None))
+        except ReportError as err:
+            _err(str(err))
+            return EXIT_BAD_INPUT
+        return 0
     if args.command == "bench" and args.bench == "throughput":
         from benchmarks import throughput
 

@@ -21,6 +21,7 @@ from orchestrator.errors import JobFailed
 from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.ledger import CommitLedger
 from orchestrator.membership import JoinerPool
+from orchestrator.metrics import JobMetrics
 from orchestrator.pipeline import InFlight, StepOutcome, StepPipeline, await_step, ended_reports
 from orchestrator.recovery import (
     MAX_REFORMS,
@@ -48,8 +49,9 @@ from orchestrator.states import (
     is_terminal,
 )
 from orchestrator.straggler_control import StragglerControl
-from orchestrator.summary import EVENT_COUNTERS, JobResult, job_summary
+from orchestrator.summary import EVENT_COUNTERS, JobResult, job_goodput, job_summary
 from policies.elasticity import pick_root
+from policies.goodput import Goodput
 from policies.work_stealing import StepPlan
 from workers.claims import open_step
 from workers.protocol import StepTelemetry
@@ -70,6 +72,7 @@ class JobController:
         launched: float,
         progress: bool = False,
         resume: ResumePoint | None = None,
+        metrics: JobMetrics | None = None,
     ) -> None:
         self.job = job
         self.run = run
@@ -79,6 +82,7 @@ class JobController:
         self.launched = launched
         self.progress = progress
         self.resume = resume
+        self.metrics = metrics
         self.startup_s: dict[str, float] = {}
         self.counters = dict.fromkeys(EVENT_COUNTERS, 0)
         self.ledger = CommitLedger(job.shards)
@@ -256,6 +260,8 @@ class JobController:
         closed = self.recoveries.committed(step)
         if closed is not None:
             self.run.event("recovered", **closed.to_json())
+        if self.metrics is not None:
+            self._record_metrics(reports, step_s, closed)
         if self._bar is not None:
             self._bar.update(1)
             if self.ledger.final_loss is not None:
@@ -315,6 +321,7 @@ class JobController:
         self.group.remove(dead)
         self.group.remove(evicted, retire=True)
         self.checkpoints.abandon(f"worker(s) {dead + evicted} left the group")
+        reforming = time.time()
         reformed = self.reformer.reform(alive, self.ledger.steps_done, state.without_state)
         if isinstance(reformed, GiveUp):
             return CheckpointingBeforeFailure(reformed.holders, reformed.reason, state.in_flight, outcome.reports)
@@ -324,7 +331,8 @@ class JobController:
         recovery.at_step = next_step
         recovery.workers += list(reformed.lost)
         self.counters["joins"] += len(reformed.joined)
-        recovery.transfer_s, recovery.reform_s = reformed.transfer_s, reformed.reform_s
+        recovery.transfer_s, recovery.waited_s = reformed.transfer_s, reformed.waited_s
+        recovery.reform_s = time.time() - reforming - reformed.transfer_s  # every attempt, and waiting
         self._stragglers().set_workers(self.group.workers)
         if dead or redo:
             self.counters["recoveries"] += 1
@@ -393,14 +401,39 @@ class JobController:
         own state is added by the coordinator)."""
         return {"stragglers": {"expected_shard_s": self._stragglers().expected_shard_s}}
 
+    def _goodput(self, finishing: bool = False) -> Goodput:
+        """The goodput account so far (``finishing``: the job is past its last step)."""
+        now = time.perf_counter()
+        last = self.ledger.last_commit_s
+        recoveries = self.recoveries.done + ([self.recoveries.open] if self.recoveries.open else [])
+        return job_goodput(
+            now - self.launched, self.startup_s, self.ledger, recoveries,
+            [r.copy_s for r in self.checkpoints.written], now - last if finishing and last is not None else 0.0,
+        )
+
+    def _record_metrics(self, reports: list[StepTelemetry], step_s: float, closed: Recovery | None) -> None:
+        assert self.metrics is not None
+        self.metrics.observe_step(
+            reports, step_s, self.ledger.steps_done, self.group.size, self.counters, self._goodput()
+        )
+        if closed is not None:
+            self.metrics.observe_recovery(
+                {"detect": closed.detect_s, "reform": closed.reform_s, "transfer": closed.transfer_s, "redo": closed.redo_s}
+            )
+        if self.checkpoints.written:
+            self.metrics.observe_checkpoint(self.checkpoints.written[-1].copy_s, self.checkpoints.written[-1].write_s)
+
     def _summary(self, workers: dict[str, int]) -> dict[str, Any]:
         state = self.state
+        goodput = self._goodput(finishing=True)
+        if self.metrics is not None:
+            self.metrics.observe_goodput(goodput)
         return job_summary(
             self.job, state.kind.value, self.ledger, self.num_steps,
             started=self.launched, train_s=self.train_s, startup_s=self.startup_s,
             metrics=dict(state.metrics) if isinstance(state, Finished) else {}, workers=workers,
             counters=self.counters, recoveries=self.recoveries.done, checkpoints=self.checkpoints.summary(),
-            error=state.reason if isinstance(state, (Failed, Stopped)) else None,
+            goodput=goodput, error=state.reason if isinstance(state, (Failed, Stopped)) else None,
         )
 
 

@@ -183,6 +183,7 @@ def run_job(
             ) from None
         from orchestrator.chaos_control import ChaosControl
         from orchestrator.controller import JobController
+        from orchestrator.metrics import JobMetrics
         from orchestrator.ray_calls import driver_store
         from orchestrator.worker_group import RayWorkerGroup
 
@@ -205,6 +206,7 @@ def run_job(
             launched=launched,
             progress=progress,
             resume=resume,
+            metrics=JobMetrics(job.name),
         )
         controller.mark("ray_ready", ray_ready)
         return controller.execute()

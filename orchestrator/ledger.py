@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 from orchestrator.errors import JobFailed
 from workers.protocol import StepTelemetry
 
@@ -23,6 +25,10 @@ class CommitLedger:
         self.samples = 0
         self.shards_committed = 0
         self.final_loss: float | None = None
+        #: Over committed steps, the mean over workers of their seconds idle waiting for others'
+        #: shards or stalled: the time stragglers cost (goodput).
+        self.straggler_wait_s = 0.0
+        self.last_commit_s: float | None = None  # perf_counter() of the latest commit
 
     def resume_at(self, step: int) -> None:
         """Go on from a checkpoint after ``step`` steps (a verified checkpoint: its run's census
@@ -53,3 +59,5 @@ class CommitLedger:
             self.shards_committed += reports[0].shards_counted
             self.samples += reports[0].global_samples
             self.final_loss = reports[0].loss
+            self.straggler_wait_s += sum(r.idle_s + r.stalled_s for r in reports) / len(reports)
+        self.last_commit_s = time.perf_counter()

@@ -34,8 +34,9 @@ MAX_REFORMS = 5
 @dataclass
 class Recovery:
     """One recovery's time split, in seconds: ``detect`` (from the death, when known, else from
-    the first error seen, to knowing who is dead), ``reform`` (removing them, starting over the
-    rendezvous), ``transfer`` (state broadcast from the surviving root), ``redo`` (re-running
+    the first error seen, to knowing who is dead), ``reform`` (removing them, waiting for
+    workers when below ``min_workers``, every rendezvous attempt; ``waited`` of it waiting),
+    ``transfer`` (state broadcast from the surviving root), ``redo`` (re-running
     the steps that were in flight). ``first_step_s``: from the death to the next completed step."""
 
     at_step: int
@@ -49,12 +50,14 @@ class Recovery:
     first_step_s: float | None = None
     redo_steps: list[int] = field(default_factory=list)
     reformed_at: float = 0.0
+    waited_s: float = 0.0  # of reform_s: waiting for workers below min_workers
 
     def to_json(self) -> dict[str, Any]:
         return {
             "at_step": self.at_step, "workers": self.workers, "reasons": self.reasons,
             "detect_s": self.detect_s, "reform_s": self.reform_s, "transfer_s": self.transfer_s,
             "redo_s": self.redo_s, "first_step_s": self.first_step_s, "redo_steps": self.redo_steps,
+            "waited_s": self.waited_s,
         }
 
 
@@ -139,7 +142,8 @@ def settle(group: WorkerGroup, generation: int, in_flight: Sequence[InFlight], l
 class Reformed:
     """The group formed again, holding the state to apply ``next_step`` (its root's: steps
     before it are committed, the rest of those in flight are redone); ``transfer_s`` of state
-    broadcast, ``reform_s`` the rest;
+    broadcast, ``reform_s`` the rest of the last attempt; ``waited_s`` waiting for workers
+    (below ``min_workers``) over all attempts;
     ``joined``: new workers admitted to it (those that died in a failed attempt included);
     ``lost``: workers that died while it re-formed (removed)."""
 
@@ -148,6 +152,7 @@ class Reformed:
     next_step: int
     joined: tuple[int, ...] = ()
     lost: tuple[int, ...] = ()
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,7 @@ class Reformer:
         waited_since = time.monotonic()
         lost: list[int] = []
         joined: list[int] = []
+        waited_s = 0.0
         for _ in range(MAX_REFORMS):
             holders = state_holders(alive, steps_done, without_state)
             self.joiners.fill(force=True)
@@ -197,8 +203,10 @@ class Reformer:
                     break
                 if decision.action == "fail":
                     return GiveUp(holders, decision.reason)
+                waiting = time.monotonic()
                 self.joiners.collect(timeout_s=1.0)
                 self.joiners.fill()
+                waited_s += time.monotonic() - waiting
             root, next_step = pick_root(holders)
             self.group.lead_with(root)
             admitted = self.joiners.admit()
@@ -206,7 +214,9 @@ class Reformer:
             started = time.time()
             try:
                 transfer_s = self.group.form_group(self.store)
-                return Reformed(transfer_s, time.time() - started - transfer_s, next_step, tuple(joined), tuple(lost))
+                return Reformed(
+                    transfer_s, time.time() - started - transfer_s, next_step, tuple(joined), tuple(lost), waited_s
+                )
             except (CallFailed, WorkerGroupError) as err:
                 alive, silent = self.after_failed_join(err)
                 lost += silent

@@ -16,12 +16,18 @@ if TYPE_CHECKING:
     import torch
 
 
-def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def write_atomic(path: Path, write: Callable[[IO[bytes]], None], *, shared: bool = False) -> None:
     """Write via a temp file in the same directory, fsync, then rename over ``path``.
 
-    A reader sees the old file or the new one, never a partial one.
+    A reader sees the old file or the new one, never a partial one. The file is private to
+    its owner (``mkstemp``'s 0600), unless ``shared``: then readable as a new file would be
+    (0666 less the umask), for what is made to be handed around (a report, a token file).
     """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    if shared:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)

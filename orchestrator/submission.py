@@ -33,6 +33,8 @@ DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 PACKAGES = ("orchestrator", "workers", "policies", "ringleader", "ringleader_examples")
 #: Never uploaded from the working directory.
 EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache"]
+#: How long a submission waits for a just-started head's job agent.
+AGENT_WAIT_S = 60.0
 #: After a log stream ends, how long to wait for the job's final status.
 SETTLE_S = 30.0
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 130}
@@ -114,9 +116,17 @@ class Cluster:
         return self._client
 
     def submit(self, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> str:
-        """Submit; returns the submission id."""
-        with self._speaking():
-            return self.client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, metadata=metadata)
+        """Submit; returns the submission id. A head that has just started answers "no
+        available agent" until its job agent is up: that is retried for ``AGENT_WAIT_S``."""
+        deadline = time.monotonic() + AGENT_WAIT_S
+        while True:
+            try:
+                with self._speaking():
+                    return self.client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, metadata=metadata)
+            except SubmissionError as err:
+                if "no available agent" not in str(err).lower() or time.monotonic() > deadline:
+                    raise
+            time.sleep(1.0)
 
     def status(self, submission_id: str) -> tuple[str, str]:
         """The job's status (``PENDING``, ``RUNNING``, ``SUCCEEDED``, ``FAILED``, ``STOPPED``)

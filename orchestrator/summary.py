@@ -10,6 +10,7 @@ from typing import Any
 from orchestrator.config import JobConfig
 from orchestrator.ledger import CommitLedger
 from orchestrator.recovery import Recovery
+from policies.goodput import Goodput, RecoverySpans, account
 
 #: Counters of what happened during a job (``summary["events"]``).
 EVENT_COUNTERS = (
@@ -49,6 +50,7 @@ def job_summary(
     counters: dict[str, int],
     recoveries: list[Recovery],
     checkpoints: dict[str, Any],
+    goodput: Goodput,
     error: str | None,
 ) -> dict[str, Any]:
     """The summary of a job that ended in ``status``; ``started`` is ``perf_counter()`` at launch,
@@ -73,7 +75,30 @@ def job_summary(
         "events": dict(counters),
         "recoveries": [r.to_json() for r in recoveries],
         "checkpoints": checkpoints,
+        "goodput": goodput.to_json(),
     }
     if error:
         summary["error"] = error
     return summary
+
+
+def job_goodput(
+    wall_s: float,
+    startup_s: dict[str, float],
+    ledger: CommitLedger,
+    recoveries: list[Recovery],
+    checkpoint_copy_s: list[float],
+    finishing_s: float = 0.0,
+) -> Goodput:
+    """The goodput account (``policies/goodput.py``) of a job ``wall_s`` seconds after launch:
+    start-up is launch to the group formed (all of the wall time while it forms)."""
+    return account(
+        wall_s,
+        startup_s=startup_s.get("group_formed", wall_s),
+        checkpoint_stall_s=sum(checkpoint_copy_s),
+        recoveries=[
+            RecoverySpans(r.detect_s, r.reform_s, r.transfer_s, r.waited_s, r.redo_s or 0.0) for r in recoveries
+        ],
+        straggler_wait_s=ledger.straggler_wait_s,
+        finishing_s=finishing_s,
+    )

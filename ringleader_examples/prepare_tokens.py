@@ -10,7 +10,6 @@ and renamed into place, so an interrupted run never leaves a half-written token 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -26,12 +25,9 @@ def encode_bytes(text: str) -> np.ndarray:
 
 def write_tokens(tokens: np.ndarray, output: Path) -> None:
     """Write ``tokens`` (uint16) to ``output`` atomically (temp file, fsync, rename), readable
-    by others as any new file would be (``mkstemp`` creates it 0600)."""
+    by others as any new file would be."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(output, lambda out: out.write(np.ascontiguousarray(tokens, dtype="<u2").tobytes()))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(output, 0o666 & ~umask)
+    write_atomic(output, lambda out: out.write(np.ascontiguousarray(tokens, dtype="<u2").tobytes()), shared=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,3 +80,17 @@ def test_submit_quotes_every_value_before_it_reaches_the_heads_shell(tmp_path):
     ]
     echoed = subprocess.run(["sh", "-c", f"printf '%s\\n' {entrypoint.split(' ', 4)[4]}"], capture_output=True, text=True)
     assert evil in echoed.stdout.splitlines() and not marker.exists()
+
+
+def test_the_grafana_dashboard_plots_exactly_the_series_the_driver_exports():
+    import json
+    import re
+
+    from orchestrator.metrics import EVENTS, GAUGES
+
+    dashboard = json.loads((DEPLOY / "grafana" / "ringleader.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"ray_(ringleader_\w+?)(?:_total)?\{", expr)}
+    assert used == set(GAUGES) | {EVENTS}
+    assert all('job=~"$job"' in expr for expr in exprs)
+    assert len({panel["id"] for panel in dashboard["panels"]}) == len(dashboard["panels"])

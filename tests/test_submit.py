@@ -93,3 +93,59 @@ def test_run_with_address_auto_from_another_directory_then_resume(head, tmp_path
     assert [e["checkpoint"] for e in events if e["event"] == "resume"] == ["step-00000012"]
     assert json.loads((elsewhere / "run" / "summary.json").read_text())["steps"] == 20
     assert os.environ.get("RAY_ADDRESS") != head.gcs_address  # the test's own environment is untouched
+
+
+SCRAPE = """
+import json, sys, time, urllib.request
+import ray
+import ringleader
+
+ray.init(address=sys.argv[1], logging_level="ERROR")  # the job reuses this driver's Ray
+result = ringleader.run(
+    {"name": "scraped", "steps": 12, "eval": None, "shards": 4, "batch_size": 64,
+     "scaling": {"workers": 2}, "checkpoint": {"every_steps": 5}},
+    run_dir=sys.argv[3],
+)
+deadline, found = time.monotonic() + 30, []
+while time.monotonic() < deadline:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[2]}/metrics", timeout=5).read().decode()
+    found = [l for l in text.splitlines() if l.startswith("ray_ringleader_") and 'job="scraped"' in l]
+    if any("ray_ringleader_goodput" in l for l in found) and any("steps_committed" in l and l.endswith(" 12.0") for l in found):
+        break
+    time.sleep(1)
+print(json.dumps({"status": result.status, "lines": found, "goodput": result.summary["goodput"]}))
+"""
+
+
+def _series(lines: list[str], name: str, **tags: str) -> float:
+    """The value of ``name``'s series with ``tags`` among Prometheus text ``lines``."""
+    for line in lines:
+        head, _, value = line.rpartition(" ")
+        if head.startswith(name + "{") and all(f'{k}="{v}"' in head for k, v in tags.items()):
+            return float(value)
+    raise AssertionError(f"no {name} {tags} in {lines}")
+
+
+def test_the_job_metrics_reach_rays_prometheus_endpoint(head, tmp_path):
+    env = {**head.env, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRAPE, head.gcs_address, str(head.metrics_port), str(tmp_path / "run")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SUBMIT_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    lines = out["lines"]
+    assert out["status"] == "finished"
+    assert _series(lines, "ray_ringleader_steps_committed") == 12
+    assert _series(lines, "ray_ringleader_workers_alive") == 2
+    assert _series(lines, "ray_ringleader_events_total", kind="checkpoints") == 2  # steps 5 and 10 (12: after the last commit)
+    assert _series(lines, "ray_ringleader_step_seconds") > 0
+    assert _series(lines, "ray_ringleader_tokens_per_second") == pytest.approx(_series(lines, "ray_ringleader_samples_per_second"))
+    assert _series(lines, "ray_ringleader_worker_shard_seconds", worker="0") > 0
+    assert _series(lines, "ray_ringleader_worker_shard_seconds", worker="1") > 0
+    assert _series(lines, "ray_ringleader_lost_seconds", cause="startup") > 0
+    assert 0 < _series(lines, "ray_ringleader_goodput") < 1
+    assert _series(lines, "ray_ringleader_checkpoint_seconds", phase="write") > 0
+    summary = out["goodput"]
+    assert 0 < summary["goodput"] < 1 and set(summary["lost_s"]) >= {"startup", "checkpoint_stalls", "stragglers", "finishing"}
+    assert summary["productive_s"] + sum(summary["lost_s"].values()) == pytest.approx(summary["wall_s"])

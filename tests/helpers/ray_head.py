@@ -1,6 +1,7 @@
 """A real Ray head for tests: ``ray start --head --block`` in its own process session, on free
-ports, with the dashboard (the job server) and token authentication, stopped by its process
-group id (never ``ray stop``, which would stop every Ray on the machine)."""
+ports, with the dashboard (the job server), a metrics export port and token authentication,
+stopped by its process group id (never ``ray stop``, which would stop every Ray on the
+machine)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class RayHead:
     gcs_address: str
     env: dict[str, str]
     token_file: Path
+    metrics_port: int
 
 
 def free_port() -> int:
@@ -55,15 +57,16 @@ def start_head(scratch: Path) -> Iterator[RayHead]:
     bin_dir = str(Path(sys.executable).parent)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
     env.update(HOME=str(home), RAY_TMPDIR=str(ray_tmp), RAY_AUTH_MODE="token", PATH=f"{bin_dir}:{env.get('PATH', '')}")
+    env["RAY_metrics_report_interval_ms"] = "1000"  # metrics reach the endpoint within a second
     # The token, as a cluster admin makes it (Ray writes it to $HOME/.ray/auth_token).
     subprocess.run([f"{bin_dir}/ray", "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
-    port, dashboard = free_port(), free_port()
+    port, dashboard, metrics = free_port(), free_port(), free_port()
     log = open(scratch / "head.log", "wb")
     head = subprocess.Popen(
         [
             f"{bin_dir}/ray", "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dashboard}",
             "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=3", f"--temp-dir={ray_tmp}",
-            f"--ray-client-server-port={free_port()}", "--disable-usage-stats",
+            f"--ray-client-server-port={free_port()}", f"--metrics-export-port={metrics}", "--disable-usage-stats",
         ],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -75,7 +78,7 @@ def start_head(scratch: Path) -> Iterator[RayHead]:
             if head.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the Ray head did not start:\n{(scratch / 'head.log').read_text()[-3000:]}")
             time.sleep(0.5)
-        yield RayHead(address, f"127.0.0.1:{port}", env, home / ".ray" / "auth_token")
+        yield RayHead(address, f"127.0.0.1:{port}", env, home / ".ray" / "auth_token", metrics)
     finally:
         _stop(head)
         log.close()

@@ -1,0 +1,87 @@
+"""A job's live figures as Ray metrics (``ray.util.metrics``), recorded by the driver.
+
+Ray's metrics agent on the driver's node serves them in Prometheus text at the node's metrics
+export port (``ray start --metrics-export-port``), prefixed ``ray_``; Ray adds ``Counter``s a
+``_total`` suffix. Every series is tagged ``job`` (the job's name); per-worker ones also
+``worker`` (the worker id), events ``kind``, lost time ``cause``, phases ``phase``.
+``deploy/grafana/ringleader.json`` is a dashboard on these series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from policies.goodput import Goodput
+from workers.protocol import StepTelemetry
+
+#: name -> (description, tag keys) of every gauge.
+GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "ringleader_step_seconds": ("wall seconds of the last committed step (the slowest worker's)", ("job",)),
+    "ringleader_samples_per_second": ("samples per second of the last committed step", ("job",)),
+    "ringleader_tokens_per_second": ("loss weight (tokens for a token-level loss) per second, last step", ("job",)),
+    "ringleader_loss": ("the last committed step's loss", ("job",)),
+    "ringleader_learning_rate": ("the last committed step's learning rate", ("job",)),
+    "ringleader_steps_committed": ("steps committed so far", ("job",)),
+    "ringleader_workers_alive": ("workers in the group", ("job",)),
+    "ringleader_worker_shard_seconds": ("a worker's compute seconds per shard, last step", ("job", "worker")),
+    "ringleader_goodput": ("share of wall time spent on committed steps, so far", ("job",)),
+    "ringleader_lost_seconds": ("wall seconds not spent on committed steps, by cause", ("job", "cause")),
+    "ringleader_recovery_seconds": ("the last recovery's seconds, by phase", ("job", "phase")),
+    "ringleader_checkpoint_seconds": ("the last checkpoint's seconds: copy (training held) and write", ("job", "phase")),
+}
+EVENTS = "ringleader_events"  # a Counter: what happened, by kind (failures, recoveries, ...)
+
+
+class JobMetrics:
+    """Records a job's figures under ``job``. Needs Ray initialised in this process."""
+
+    def __init__(self, job: str) -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        self.job = job
+        self._gauges = {name: Gauge(name, description=text, tag_keys=tags) for name, (text, tags) in GAUGES.items()}
+        self._events = Counter(EVENTS, description="what happened during the job, by kind", tag_keys=("job", "kind"))
+        self._counted: dict[str, int] = {}
+
+    def _set(self, name: str, value: float, **tags: str) -> None:
+        self._gauges[name].set(float(value), tags={"job": self.job, **tags})
+
+    def observe_step(
+        self, reports: Sequence[StepTelemetry], step_s: float, steps_done: int, workers: int,
+        counters: Mapping[str, int], goodput: Goodput,
+    ) -> None:
+        """After a committed step: its figures (``reports``: the ranks' accounts, which agree on
+        the step's totals), the job's event counters (recorded as increments) and goodput."""
+        if reports:
+            first = reports[0]
+            self._set("ringleader_step_seconds", step_s)
+            if step_s > 0:
+                self._set("ringleader_samples_per_second", first.global_samples / step_s)
+                self._set("ringleader_tokens_per_second", first.weight / step_s)
+            self._set("ringleader_loss", first.loss)
+            self._set("ringleader_learning_rate", first.lr)
+            for report in reports:
+                self._set("ringleader_worker_shard_seconds", report.shard_s, worker=str(report.worker))
+        self._set("ringleader_steps_committed", steps_done)
+        self._set("ringleader_workers_alive", workers)
+        for kind, count in counters.items():
+            if count > self._counted.get(kind, 0):
+                self._events.inc(count - self._counted.get(kind, 0), tags={"job": self.job, "kind": kind})
+                self._counted[kind] = count
+        self.observe_goodput(goodput)
+
+    def observe_goodput(self, goodput: Goodput) -> None:
+        self._set("ringleader_goodput", goodput.share)
+        for cause, seconds in goodput.lost_s.items():
+            self._set("ringleader_lost_seconds", seconds, cause=cause)
+
+    def observe_recovery(self, phases: Mapping[str, Any]) -> None:
+        """A finished recovery's seconds by phase (detect, reform, transfer, redo)."""
+        for phase, seconds in phases.items():
+            if isinstance(seconds, (int, float)):
+                self._set("ringleader_recovery_seconds", seconds, phase=phase)
+
+    def observe_checkpoint(self, copy_s: float, write_s: float) -> None:
+        self._set("ringleader_checkpoint_seconds", copy_s, phase="copy")
+        self._set("ringleader_checkpoint_seconds", write_s, phase="write")

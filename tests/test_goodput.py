@@ -1,0 +1,32 @@
+"""The goodput account (policies/goodput.py): pure arithmetic."""
+
+import pytest
+
+from policies.goodput import CAUSES, RecoverySpans, account
+
+
+def test_lost_time_is_charged_by_cause_and_the_rest_is_productive():
+    recovery = RecoverySpans(detect_s=1.0, reform_s=3.0, transfer_s=0.5, waited_s=2.0, redo_s=1.5)
+    goodput = account(
+        100.0, startup_s=10.0, checkpoint_stall_s=2.0, recoveries=[recovery, recovery],
+        straggler_wait_s=4.0, finishing_s=3.0,
+    )
+    assert dict(goodput.lost_s) == {
+        "startup": 10.0, "checkpoint_stalls": 2.0, "detection": 2.0, "reforming": 3.0,
+        "waiting_for_workers": 4.0, "redone_steps": 3.0, "stragglers": 4.0, "finishing": 3.0,
+    }
+    assert tuple(goodput.lost_s) == CAUSES
+    assert goodput.productive_s == pytest.approx(69.0) and goodput.share == pytest.approx(0.69)
+    assert goodput.to_json()["goodput"] == pytest.approx(0.69)
+
+
+def test_overlapping_spans_never_exceed_the_wall_time():
+    goodput = account(10.0, startup_s=8.0, checkpoint_stall_s=5.0, recoveries=[], straggler_wait_s=3.0)
+    assert goodput.lost_s["startup"] == 8.0 and goodput.lost_s["checkpoint_stalls"] == 2.0
+    assert goodput.lost_s["stragglers"] == 0.0 and goodput.productive_s == 0.0 and goodput.share == 0.0
+    assert account(0.0, startup_s=0.0, checkpoint_stall_s=0.0, recoveries=[], straggler_wait_s=0.0).share == 0.0
+
+
+def test_a_negative_span_is_refused_by_name():
+    with pytest.raises(ValueError, match="stragglers seconds must be >= 0"):
+        account(1.0, startup_s=0.0, checkpoint_stall_s=0.0, recoveries=[], straggler_wait_s=-1.0)
