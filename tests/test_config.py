@@ -245,3 +245,13 @@ def test_callables_are_recorded_by_a_name_that_imports_them_back_or_marked_not_i
     assert dumped["kwargs"]["marker"].startswith("<object object at")
     with pytest.raises(ConfigError, match="field 'model.factory'"):
         load_job(None, [f"model={{factory: '{callable_name(lambda: 0)}'}}"])
+
+
+def test_the_job_file_reference_is_generated_from_the_models_and_current():
+    from orchestrator.config_reference import reference
+
+    text = reference()
+    on_disk = (Path(__file__).resolve().parent.parent / "docs" / "job-file.md").read_text()
+    assert on_disk == text, "docs/job-file.md is stale: python -m orchestrator.config_reference > docs/job-file.md"
+    for dotted in ("optimizer.clip_grad_norm", "worker.max_samples_per_pass", "chaos.kill[].during", "eval.metrics"):
+        assert f"| `{dotted}` |" in text

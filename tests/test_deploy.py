@@ -7,6 +7,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 from ray.runtime_env import RuntimeEnv
 
@@ -94,3 +95,33 @@ def test_the_grafana_dashboard_plots_exactly_the_series_the_driver_exports():
     assert used == set(GAUGES) | {EVENTS}
     assert all('job=~"$job"' in expr for expr in exprs)
     assert len({panel["id"] for panel in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster-gcp.yaml"])
+def test_cluster_configs_pass_rays_own_validation(name):
+    """What ``ray up`` checks before it touches a cloud: defaults filled in, then Ray's schema."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((DEPLOY / name).read_text())
+    validate_config(prepare_config(config))
+    config["available_node_types"]["worker"]["typo_field"] = 1
+    with pytest.raises(Exception, match="typo_field"):
+        validate_config(prepare_config(config))
+
+
+def test_the_dockerfile_builds_on_the_ray_image_with_torch_pinned():
+    lines = [line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line and not line.startswith("#")]
+    assert lines[0] == "FROM rayproject/ray:2.60.0-py311-cpu"
+    assert any('"torch==2.13.0"' in line and "whl/cpu" in line for line in lines)
+    cluster = yaml.safe_load((DEPLOY / "cluster-gcp.yaml").read_text())
+    assert cluster["docker"]["image"] == lines[0].split()[1]
+
+
+def test_the_rayjob_is_kubernetes_yaml_for_kuberay():
+    rayjob = yaml.safe_load((DEPLOY / "k8s" / "rayjob.yaml").read_text())
+    assert rayjob["apiVersion"] == "ray.io/v1" and rayjob["kind"] == "RayJob"
+    assert rayjob["metadata"]["name"].replace("-", "").isalnum() and rayjob["metadata"]["name"].islower()
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    images = [c["image"] for c in cluster["headGroupSpec"]["template"]["spec"]["containers"]]
+    images += [c["image"] for g in cluster["workerGroupSpecs"] for c in g["template"]["spec"]["containers"]]
+    assert images and all(i.startswith("rayproject/ray:2.60.0") for i in images)
