@@ -520,6 +520,30 @@ class TimeoutConfig(_Strict):
     checkpoint_s: float = Field(600.0, gt=0, description="one checkpoint written, from snapshot to manifest")
 
 
+class MlflowConfig(_Strict):
+    """An MLflow run per job: ``tracking_uri`` (null: MLflow's default, or
+    ``MLFLOW_TRACKING_URI``), ``experiment`` (created if missing), ``run_name`` (default: the
+    run directory's name)."""
+
+    tracking_uri: str | None = None
+    experiment: str = "ringleader"
+    run_name: str | None = None
+
+
+class TrackingConfig(_Strict):
+    """Experiment tracking from the driver (``orchestrator/tracking.py``): per-step metrics,
+    eval metrics, the job config and the final model. ``tensorboard``: a log directory
+    (relative: inside the run directory); ``mlflow``: see MlflowConfig; ``callbacks``: your own
+    trackers, each built from a factory (``module:Class`` with kwargs) with any of the methods
+    ``start(run_dir, config)``, ``log_step(step, metrics)``, ``log_eval(step, metrics)``,
+    ``finish(status, summary, model_path)``. TensorBoard and MLflow need the ``tracking`` extra
+    (``pip install 'ringleader[tracking]'``)."""
+
+    tensorboard: str | None = None
+    mlflow: MlflowConfig | None = None
+    callbacks: list[FactorySpec] = Field(default_factory=list)
+
+
 _DIGITS = "ringleader_examples.digits"
 
 
@@ -549,6 +573,7 @@ class JobConfig(_Strict):
     stragglers: StragglerConfig = StragglerConfig()
     chaos: ChaosConfig = ChaosConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
+    tracking: TrackingConfig = TrackingConfig()
     run_dir: str | None = Field(None, description="default: runs/<name>-<timestamp>")
 
     @model_validator(mode="after")

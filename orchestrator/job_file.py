@@ -120,6 +120,8 @@ def _function_fields(job: JobConfig) -> dict[str, Any]:
     found["dataset.collate"] = job.dataset.collate
     if job.eval is not None:
         found.update({"eval.factory": job.eval.factory, "eval.collate": job.eval.collate, "eval.metrics": job.eval.metrics})
+    for index, spec in enumerate(job.tracking.callbacks):
+        found[f"tracking.callbacks.{index}.factory"] = spec.factory
     if job.loss.name not in BUILTIN_LOSSES:
         found["loss.name"] = job.loss.name
     if job.schedule.name not in BUILTIN_SCHEDULES:

@@ -106,6 +106,21 @@ def _local_cluster(nodes: int) -> Iterator[Any]:
         cluster.shutdown()
 
 
+def _track(job: JobConfig, run: RunDirectory) -> None:
+    """Subscribe the job's trackers (``tracking``) to the run's record, if it asks for any."""
+    config = job.tracking
+    if config.tensorboard is None and config.mlflow is None and not config.callbacks:
+        return
+    from orchestrator.tracking import TrackingListener, make_trackers
+
+    report = lambda kind, **fields: run.event(kind, quiet=True, **fields)  # noqa: E731
+    try:
+        trackers = make_trackers(config, run.path)
+    except (ValueError, TypeError, ImportError) as err:
+        raise ConfigError(f"field 'tracking': {err}") from None
+    run.subscribe(TrackingListener(trackers, run.path, report))
+
+
 def default_run_dir(job: JobConfig) -> Path:
     if job.run_dir:
         return Path(job.run_dir)
@@ -188,6 +203,7 @@ def run_job(
         from orchestrator.worker_group import RayWorkerGroup
 
         run = RunDirectory(path, resume=resuming)
+        _track(job, run)
         run.save_job(job.model_dump(mode="json", exclude_unset=True))
         node_cpus = local_node_cpus(local_nodes) if local_nodes else 0
 

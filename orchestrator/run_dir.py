@@ -8,7 +8,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, IO
+from typing import IO, TYPE_CHECKING, Any, Callable, Protocol
 
 from orchestrator.redaction import redact_all
 
@@ -47,6 +47,14 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None], *, shared: bool
 JOB_FILE = "job.json"
 
 
+class RunListener(Protocol):
+    """Told what a run records (``orchestrator/tracking.py``'s TrackingListener is one)."""
+
+    def on_event(self, record: dict[str, Any]) -> None: ...
+    def on_model(self, path: Path) -> None: ...
+    def on_summary(self, summary: dict[str, Any]) -> None: ...
+
+
 class RunDirectory:
     """Owns one run's folder. Append-only JSONL logs are flushed per record.
 
@@ -63,6 +71,12 @@ class RunDirectory:
         self._lock = threading.Lock()
         self._events = open(path / "events.jsonl", "a", encoding="utf-8")
         self._telemetry = open(path / "telemetry.jsonl", "a", encoding="utf-8")
+        self._listeners: list[RunListener] = []
+
+    def subscribe(self, listener: RunListener) -> None:
+        """Hand ``listener`` every event recorded from now on, the model and the summary saved
+        (as written: credentials masked). Its own problems are its own to report."""
+        self._listeners.append(listener)
 
     @staticmethod
     def ensure_free(path: Path) -> None:
@@ -81,11 +95,15 @@ class RunDirectory:
         write_atomic(target, lambda handle: handle.write(text))
         return target
 
-    def event(self, kind: str, **fields: Any) -> None:
+    def event(self, kind: str, *, quiet: bool = False, **fields: Any) -> None:
+        """Record an event; ``quiet``: not handed to the listeners (their own reports)."""
         record = redact_all({"time": time.time(), "event": kind, **fields})
         with self._lock:  # background threads (chaos adding a node) record events too
             self._events.write(json.dumps(record) + "\n")
             self._events.flush()
+        if not quiet:
+            for listener in self._listeners:
+                listener.on_event(record)
 
     def telemetry(self, records: list[dict[str, Any]]) -> None:
         self._telemetry.writelines(json.dumps(r) + "\n" for r in records)
@@ -96,12 +114,17 @@ class RunDirectory:
 
         target = self.path / "model.pt"
         write_atomic(target, lambda handle: torch.save(state, handle))
+        for listener in self._listeners:
+            listener.on_model(target)
         return target
 
     def save_summary(self, summary: dict[str, Any]) -> Path:
         target = self.path / "summary.json"
-        text = json.dumps(redact_all(summary), indent=2, sort_keys=True).encode()
+        redacted = redact_all(summary)
+        text = json.dumps(redacted, indent=2, sort_keys=True).encode()
         write_atomic(target, lambda handle: handle.write(text))
+        for listener in self._listeners:
+            listener.on_summary(redacted)
         return target
 
     def close(self) -> None:
