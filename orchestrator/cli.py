@@ -37,6 +37,18 @@ def _parser() -> argparse.ArgumentParser:
 
     add_cluster_commands(commands, _add_overrides)
 
+    tune = commands.add_parser("tune", help="a Ray Tune sweep whose trials are elastic ringleader jobs")
+    tune.add_argument("job", nargs="?", help="job file (YAML); omit for the built-in example")
+    tune.add_argument(
+        "--param", action="append", default=[], metavar="FIELD=DIST(ARGS)",
+        help="a searched field: uniform|loguniform|randint(low,high), choice(a,b,...), grid(a,b,...); repeatable",
+    )
+    tune.add_argument("--samples", type=int, default=1, help="trials per grid point (default 1)")
+    tune.add_argument("--scheduler", choices=["asha"], help="stop bad trials early (ASHA, on the step)")
+    tune.add_argument("--address", help="Ray cluster to join; default: start a local Ray")
+    tune.add_argument("--storage", default="runs/tune", help="where Tune's results and the trials' runs go")
+    _add_overrides(tune)
+
     report = commands.add_parser("report", help="one HTML page with plots of a run (loss, speed, workers, goodput)")
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.add_argument("--out", metavar="DIR", help="where report.html goes (default: the run directory)")
@@ -185,6 +197,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return EXIT_FAILED
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from orchestrator.config import ConfigError
+    from orchestrator.launch import ray_session
+    from orchestrator.tune import format_ranking, run_sweep
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        with ray_session(args.address):
+            ranked = run_sweep(
+                args.job, args.param, args.samples, scheduler=args.scheduler, overrides=args.overrides,
+                storage=Path(args.storage),
+            )
+    except ConfigError as err:
+        _err(str(err))
+        return EXIT_BAD_INPUT
+    print(format_ranking(ranked))
+    return 0 if ranked and ranked[0]["status"] == "ok" else EXIT_FAILED
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -192,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_run(args)
     if args.command in CLUSTER_COMMANDS:
         return run_cluster_command(args, _err)
+    if args.command == "tune":
+        return _cmd_tune(args)
     if args.command == "report":
         from orchestrator.report import ReportError, write_report
 

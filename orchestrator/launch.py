@@ -16,13 +16,15 @@ from dataclasses import dataclass
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from orchestrator.config import ConfigError, JobConfig
 from orchestrator.job_file import resolve_job
-from orchestrator.run_dir import RunDirectory
+from orchestrator.run_dir import RunDirectory, RunListener
 
 if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
     from orchestrator.summary import JobResult
 
 # Imports cannot hang, but a wedged file system could; never wait forever.
@@ -161,6 +163,8 @@ def run_job(
     progress: bool = False,
     source: str = "job",
     warn: Callable[[str], None] = lambda message: None,
+    listeners: Sequence[RunListener] = (),
+    within: PlacementGroup | None = None,
 ) -> JobResult:
     """Run ``job`` to the end on Ray (see ``ray_session`` for which Ray, and ``local_nodes``).
 
@@ -173,6 +177,8 @@ def run_job(
     empty and not a run, and ConfigError (before any actor starts) if a factory or the
     optimizer does not resolve, chaos needs local nodes, or the checkpoint is another job's;
     ``source`` names the job in that message.
+    ``listeners`` are told what the run records (``RunDirectory.subscribe``); ``within``: a
+    placement group reserved for the job (a Tune trial's) to run the workers in.
     """
     launched = time.perf_counter()
     # Absolute here, once: workers may run in another working directory than the driver.
@@ -204,6 +210,8 @@ def run_job(
 
         run = RunDirectory(path, resume=resuming)
         _track(job, run)
+        for listener in listeners:
+            run.subscribe(listener)
         run.save_job(job.model_dump(mode="json", exclude_unset=True))
         node_cpus = local_node_cpus(local_nodes) if local_nodes else 0
 
@@ -216,7 +224,7 @@ def run_job(
         controller = JobController(
             job,
             run,
-            RayWorkerGroup(job, fixed_cluster=fixed, on_wait=waiting),
+            RayWorkerGroup(job, fixed_cluster=fixed, on_wait=waiting, within=within),
             driver_store(job.timeouts.rendezvous_s),
             chaos=ChaosControl(job.chaos, session.cluster, node_cpus, run.event),
             launched=launched,

@@ -84,9 +84,18 @@ class RayWorkerGroup:
     WAIT_REPORT_S = 10.0
 
     def __init__(
-        self, job: JobConfig, fixed_cluster: bool = False, on_wait: Callable[[str], None] = lambda message: None
+        self,
+        job: JobConfig,
+        fixed_cluster: bool = False,
+        on_wait: Callable[[str], None] = lambda message: None,
+        within: PlacementGroup | None = None,
     ) -> None:
+        """``within``: a placement group reserved for the job by someone else (a Tune trial's):
+        its bundles 1..``max_workers`` are the workers' slots (bundle 0 holds the driver), and
+        no placement group of the job's own is reserved."""
         self.job = job
+        self.within = within
+        self._within_used = 0  # bundles of ``within`` handed out as slots
         self.fixed_cluster = fixed_cluster  # its resources are all it will have: refuse the impossible at once
         self._on_wait = on_wait
         self.scaling = job.scaling
@@ -140,9 +149,13 @@ class RayWorkerGroup:
             problem = unplaceable(self._bundle, count, nodes)
             if problem is not None:
                 raise WorkerGroupError(problem)
-        placement = placement_group([self._bundle] * count, strategy=self.scaling.placement_strategy)
-        self.placements.append(placement)
-        slots = [Slot(placement, i) for i in range(count)]
+        if self.within is not None:
+            placement = self.within
+            slots = [self._within_slot() for _ in range(count)]
+        else:
+            placement = placement_group([self._bundle] * count, strategy=self.scaling.placement_strategy)
+            self.placements.append(placement)
+            slots = [Slot(placement, i) for i in range(count)]
         self.slots.extend(slots)
         actors = [self._new_actor(slot) for slot in slots]
         try:
@@ -178,6 +191,16 @@ class RayWorkerGroup:
                     f"waiting for {count} x {self._bundle} (available now: {ray.available_resources()}; "
                     f"giving up after timeouts.start_s = {self.timeouts.start_s:.0f}s)"
                 )
+
+    def _within_slot(self) -> Slot:
+        assert self.within is not None
+        self._within_used += 1
+        if self._within_used >= len(self.within.bundle_specs):
+            raise WorkerGroupError(
+                f"the job's placement group has {len(self.within.bundle_specs)} bundles: not enough for "
+                f"scaling.max_workers = {self.scaling.max_workers} workers and the driver"
+            )
+        return Slot(self.within, self._within_used)
 
     def _new_actor(self, slot: Slot) -> tuple[Any, int]:
         worker = self._next_worker
@@ -299,6 +322,9 @@ class RayWorkerGroup:
         sits on a node in ``dead_nodes`` (Ray moves those bundles once it declares the node
         dead) or that failed less than RETRY_S ago. Returns how many actors were started."""
         while len(self.slots) < self.capacity:
+            if self.within is not None:
+                self.slots.append(self._within_slot())
+                continue
             placement = placement_group([self._bundle])
             self.placements.append(placement)
             self.slots.append(Slot(placement, 0))
