@@ -67,7 +67,8 @@ def run_cluster_command(args: argparse.Namespace, err: Callable[[str], None]) ->
         err(str(error))
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        err("stopped following; the job goes on (ringleader stop ID stops it)")
+        following = getattr(args, "follow", False) and args.command in ("submit", "logs")
+        err("stopped following; the job goes on (ringleader stop ID stops it)" if following else "interrupted")
         return EXIT_INTERRUPTED
 
 

@@ -260,8 +260,7 @@ class JobController:
         closed = self.recoveries.committed(step)
         if closed is not None:
             self.run.event("recovered", **closed.to_json())
-        if self.metrics is not None:
-            self._record_metrics(reports, step_s, closed)
+        self._record_metrics(reports, step_s, closed)
         if self._bar is not None:
             self._bar.update(1)
             if self.ledger.final_loss is not None:
@@ -402,32 +401,55 @@ class JobController:
         return {"stragglers": {"expected_shard_s": self._stragglers().expected_shard_s}}
 
     def _goodput(self, finishing: bool = False) -> Goodput:
-        """The goodput account so far (``finishing``: the job is past its last step)."""
+        """The goodput account so far. ``finishing``: the job is past its last step; the time
+        since (or since the group formed, if no step committed) is charged to finishing, with
+        the checkpoints and recovery spans inside it."""
         now = time.perf_counter()
-        last = self.ledger.last_commit_s
+        steps_done = self.ledger.steps_done
         recoveries = self.recoveries.done + ([self.recoveries.open] if self.recoveries.open else [])
-        return job_goodput(
-            now - self.launched, self.startup_s, self.ledger, recoveries,
-            [r.copy_s for r in self.checkpoints.written], now - last if finishing and last is not None else 0.0,
-        )
+        copies = [r.copy_s for r in self.checkpoints.written]
+        finishing_s = 0.0
+        if finishing:
+            last = self.ledger.last_commit_s
+            since = last if last is not None else self.launched + self.startup_s.get("group_formed", 0.0)
+            finishing_s = max(0.0, now - since)
+            copies = [r.copy_s for r in self.checkpoints.written if r.step < steps_done]
+            if self.recoveries.open is not None and last is not None:
+                recoveries = self.recoveries.done  # it was still redoing: inside finishing
+        return job_goodput(now - self.launched, self.startup_s, self.ledger, recoveries, copies, finishing_s)
 
-    def _record_metrics(self, reports: list[StepTelemetry], step_s: float, closed: Recovery | None) -> None:
-        assert self.metrics is not None
-        self.metrics.observe_step(
-            reports, step_s, self.ledger.steps_done, self.group.size, self.counters, self._goodput()
-        )
-        if closed is not None:
-            self.metrics.observe_recovery(
-                {"detect": closed.detect_s, "reform": closed.reform_s, "transfer": closed.transfer_s, "redo": closed.redo_s}
-            )
-        if self.checkpoints.written:
-            self.metrics.observe_checkpoint(self.checkpoints.written[-1].copy_s, self.checkpoints.written[-1].write_s)
+    def _record_metrics(
+        self, reports: list[StepTelemetry] | None, step_s: float, closed: Recovery | None, final: Goodput | None = None
+    ) -> None:
+        """Record a committed step's metrics (``reports``), or at the end (None) the counters,
+        last checkpoint and ``final`` goodput. A failure to is reported once and stops the
+        recording: metrics never fail a job."""
+        metrics = self.metrics
+        if metrics is None:
+            return
+        try:
+            if reports is None:
+                metrics.observe_counters(self.counters)
+            else:
+                metrics.observe_step(
+                    reports, step_s, self.ledger.steps_done, self.group.size, self.counters, self._goodput()
+                )
+            if closed is not None:
+                metrics.observe_recovery(
+                    {"detect": closed.detect_s, "reform": closed.reform_s, "transfer": closed.transfer_s, "redo": closed.redo_s}
+                )
+            if self.checkpoints.written:
+                metrics.observe_checkpoint(self.checkpoints.written[-1].copy_s, self.checkpoints.written[-1].write_s)
+            if final is not None:
+                metrics.observe_goodput(final)
+        except Exception as err:  # noqa: BLE001 - Ray's metrics agent, our accounting: never the job's end
+            self.metrics = None
+            self.run.event("metrics_failed", error=f"{type(err).__name__}: {err}")
 
     def _summary(self, workers: dict[str, int]) -> dict[str, Any]:
         state = self.state
         goodput = self._goodput(finishing=True)
-        if self.metrics is not None:
-            self.metrics.observe_goodput(goodput)
+        self._record_metrics(None, 0.0, None, goodput)  # the final checkpoint and counters, too
         return job_summary(
             self.job, state.kind.value, self.ledger, self.num_steps,
             started=self.launched, train_s=self.train_s, startup_s=self.startup_s,

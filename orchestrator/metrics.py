@@ -2,8 +2,9 @@
 
 Ray's metrics agent on the driver's node serves them in Prometheus text at the node's metrics
 export port (``ray start --metrics-export-port``), prefixed ``ray_``; Ray adds ``Counter``s a
-``_total`` suffix. Every series is tagged ``job`` (the job's name); per-worker ones also
-``worker`` (the worker id), events ``kind``, lost time ``cause``, phases ``phase``.
+``_total`` suffix. Every series is tagged ``ringleader_job`` (the job's name; not ``job``,
+which Prometheus sets to its scrape job's name); per-worker ones also ``worker`` (the worker
+id), events ``kind``, lost time ``cause``, phases ``phase``.
 ``deploy/grafana/ringleader.json`` is a dashboard on these series.
 """
 
@@ -17,18 +18,18 @@ from workers.protocol import StepTelemetry
 
 #: name -> (description, tag keys) of every gauge.
 GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "ringleader_step_seconds": ("wall seconds of the last committed step (the slowest worker's)", ("job",)),
-    "ringleader_samples_per_second": ("samples per second of the last committed step", ("job",)),
-    "ringleader_tokens_per_second": ("loss weight (tokens for a token-level loss) per second, last step", ("job",)),
-    "ringleader_loss": ("the last committed step's loss", ("job",)),
-    "ringleader_learning_rate": ("the last committed step's learning rate", ("job",)),
-    "ringleader_steps_committed": ("steps committed so far", ("job",)),
-    "ringleader_workers_alive": ("workers in the group", ("job",)),
-    "ringleader_worker_shard_seconds": ("a worker's compute seconds per shard, last step", ("job", "worker")),
-    "ringleader_goodput": ("share of wall time spent on committed steps, so far", ("job",)),
-    "ringleader_lost_seconds": ("wall seconds not spent on committed steps, by cause", ("job", "cause")),
-    "ringleader_recovery_seconds": ("the last recovery's seconds, by phase", ("job", "phase")),
-    "ringleader_checkpoint_seconds": ("the last checkpoint's seconds: copy (training held) and write", ("job", "phase")),
+    "ringleader_step_seconds": ("wall seconds of the last committed step (the slowest worker's)", ("ringleader_job",)),
+    "ringleader_samples_per_second": ("samples per second of the last committed step", ("ringleader_job",)),
+    "ringleader_tokens_per_second": ("loss weight (tokens for a token-level loss) per second, last step", ("ringleader_job",)),
+    "ringleader_loss": ("the last committed step's loss", ("ringleader_job",)),
+    "ringleader_learning_rate": ("the last committed step's learning rate", ("ringleader_job",)),
+    "ringleader_steps_committed": ("steps committed so far", ("ringleader_job",)),
+    "ringleader_workers_alive": ("workers in the group", ("ringleader_job",)),
+    "ringleader_worker_shard_seconds": ("a worker's compute seconds per shard, last step", ("ringleader_job", "worker")),
+    "ringleader_goodput": ("share of wall time spent on committed steps, so far", ("ringleader_job",)),
+    "ringleader_lost_seconds": ("wall seconds not spent on committed steps, by cause", ("ringleader_job", "cause")),
+    "ringleader_recovery_seconds": ("the last recovery's seconds, by phase", ("ringleader_job", "phase")),
+    "ringleader_checkpoint_seconds": ("the last checkpoint's seconds: copy (training held) and write", ("ringleader_job", "phase")),
 }
 EVENTS = "ringleader_events"  # a Counter: what happened, by kind (failures, recoveries, ...)
 
@@ -41,11 +42,11 @@ class JobMetrics:
 
         self.job = job
         self._gauges = {name: Gauge(name, description=text, tag_keys=tags) for name, (text, tags) in GAUGES.items()}
-        self._events = Counter(EVENTS, description="what happened during the job, by kind", tag_keys=("job", "kind"))
+        self._events = Counter(EVENTS, description="what happened during the job, by kind", tag_keys=("ringleader_job", "kind"))
         self._counted: dict[str, int] = {}
 
     def _set(self, name: str, value: float, **tags: str) -> None:
-        self._gauges[name].set(float(value), tags={"job": self.job, **tags})
+        self._gauges[name].set(float(value), tags={"ringleader_job": self.job, **tags})
 
     def observe_step(
         self, reports: Sequence[StepTelemetry], step_s: float, steps_done: int, workers: int,
@@ -65,11 +66,15 @@ class JobMetrics:
                 self._set("ringleader_worker_shard_seconds", report.shard_s, worker=str(report.worker))
         self._set("ringleader_steps_committed", steps_done)
         self._set("ringleader_workers_alive", workers)
+        self.observe_counters(counters)
+        self.observe_goodput(goodput)
+
+    def observe_counters(self, counters: Mapping[str, int]) -> None:
+        """The job's event counters, recorded as increments since the last call."""
         for kind, count in counters.items():
             if count > self._counted.get(kind, 0):
-                self._events.inc(count - self._counted.get(kind, 0), tags={"job": self.job, "kind": kind})
+                self._events.inc(count - self._counted.get(kind, 0), tags={"ringleader_job": self.job, "kind": kind})
                 self._counted[kind] = count
-        self.observe_goodput(goodput)
 
     def observe_goodput(self, goodput: Goodput) -> None:
         self._set("ringleader_goodput", goodput.share)

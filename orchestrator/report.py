@@ -44,10 +44,7 @@ class Run:
     events: list[dict[str, Any]]
     telemetry: list[dict[str, Any]]
     summary: dict[str, Any] | None
-
-    @property
-    def start(self) -> float:
-        return min((e["time"] for e in self.events), default=0.0)
+    start: float  # time.time() of the first event
 
     def steps(self) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == "step"]
@@ -56,14 +53,15 @@ class Run:
 def _jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
+    lines = path.read_text(errors="replace").splitlines()  # read once: a live run appends
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as err:
-            if number == len(path.read_text().splitlines()):
+            if number == len(lines):
                 break  # a run still writing: its last line may be cut short
             raise ReportError(f"{path}: line {number} is not JSON ({err.msg})") from None
     return records
@@ -74,8 +72,13 @@ def read_run(directory: Path) -> Run:
     if not (directory / "events.jsonl").is_file():
         raise ReportError(f"{directory} is not a run directory (no events.jsonl)")
     summary_path = directory / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    return Run(directory, _jsonl(directory / "events.jsonl"), _jsonl(directory / "telemetry.jsonl"), summary)
+    try:
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ReportError(f"{summary_path} is not JSON ({err})") from None
+    events = _jsonl(directory / "events.jsonl")
+    start = min((e["time"] for e in events), default=0.0)
+    return Run(directory, events, _jsonl(directory / "telemetry.jsonl"), summary, start)
 
 
 def marker_times(run: Run) -> dict[str, list[float]]:
@@ -138,17 +141,25 @@ def plot_loss_and_throughput(run: Run, plt: Any) -> str:
     return _png(figure)
 
 
+#: The heatmap's most columns: longer runs are binned (the slowest step of each bin shown).
+HEATMAP_COLUMNS = 2000
+
+
 def plot_step_heatmap(run: Run, plt: Any) -> str:
+    import numpy as np
+
     workers = sorted({r["worker"] for r in run.telemetry})
-    steps = sorted({r["step"] for r in run.telemetry})
-    grid = [[float("nan")] * len(steps) for _ in workers]
-    column = {s: i for i, s in enumerate(steps)}
+    first = min(r["step"] for r in run.telemetry)
+    last = max(r["step"] for r in run.telemetry)
+    width = max(1, -(-(last - first + 1) // HEATMAP_COLUMNS))  # steps per column
+    grid = np.full((len(workers), (last - first) // width + 1), np.nan)
     row = {w: i for i, w in enumerate(workers)}
     for record in run.telemetry:
-        grid[row[record["worker"]]][column[record["step"]]] = record["step_s"]
+        cell = (row[record["worker"]], (record["step"] - first) // width)
+        grid[cell] = np.fmax(grid[cell], record["step_s"])
     figure, axes = plt.subplots(figsize=(9, 0.5 + 0.45 * max(len(workers), 1)))
     image = axes.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
-                        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(workers) - 0.5, -0.5) if steps else None)
+                        extent=(first - 0.5, last + 0.5, len(workers) - 0.5, -0.5))
     axes.set_yticks(range(len(workers)), [f"worker {w}" for w in workers])
     axes.set_xlabel("step")
     axes.set_title("Step seconds per worker (blank: not in the group)")
@@ -232,6 +243,9 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     directory), atomically; returns its path. Raises ReportError as ``read_run``/``render``."""
     page = render(read_run(run_dir))
     target = (out_dir or run_dir) / "report.html"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(target, lambda handle: handle.write(page.encode()), shared=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(target, lambda handle: handle.write(page.encode()), shared=True)
+    except OSError as err:
+        raise ReportError(f"cannot write {target}: {err.strerror or err}") from None
     return target

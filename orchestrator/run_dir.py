@@ -16,6 +16,16 @@ if TYPE_CHECKING:
     import torch
 
 
+def _process_umask() -> int:
+    # Reading the umask means setting it: done once, at import, before any thread writes files.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+_UMASK = _process_umask()
+
+
 def write_atomic(path: Path, write: Callable[[IO[bytes]], None], *, shared: bool = False) -> None:
     """Write via a temp file in the same directory, fsync, then rename over ``path``.
 
@@ -25,9 +35,7 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None], *, shared: bool
     """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     if shared:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
+        os.fchmod(fd, 0o666 & ~_UMASK)
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +48,7 @@ class SubmissionError(Exception):
 class Token:
     """A cluster token and where it came from (for messages; never the token itself)."""
 
-    value: str
+    value: str = field(repr=False)
     source: str
 
 
@@ -81,6 +81,7 @@ class Cluster:
     """A job server at ``address`` (``http://HEAD:8265``), with the token, if any."""
 
     def __init__(self, address: str | None, token_file: Path | None = None) -> None:
+        self.explicit = address is not None
         self.address = address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
         self.token = find_token(token_file)
         self._client: JobSubmissionClient | None = None
@@ -93,17 +94,23 @@ class Cluster:
         try:
             yield
         except AuthenticationError as err:
-            if "401" in str(err) or "required" in str(err).splitlines()[0].lower():
+            if "401" in str(err) or "required" in _first_line(err).lower():
                 raise SubmissionError(
                     f"the Ray cluster at {self.address} requires a token and none was found: pass "
                     "--token-file, set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, or put it in ~/.ray/auth_token"
                 ) from None
             source = self.token.source if self.token else "Ray's defaults"
             raise SubmissionError(f"the Ray cluster at {self.address} refused the token from {source}") from None
-        except ConnectionError as err:
+        except (ConnectionError, OSError) as err:  # requests' errors are OSErrors too
             raise SubmissionError(f"cannot reach the Ray job server at {self.address}: {_first_line(err)}") from None
-        except RuntimeError as err:  # the job server's answer to a bad request (an unknown id)
+        except (RuntimeError, ValueError) as err:  # the server's answer to a bad request; a package too large
             raise SubmissionError(_first_line(err)) from None
+        except Exception as err:
+            import aiohttp  # the log stream's client (a 404 on the upgrade, a dropped connection)
+
+            if isinstance(err, aiohttp.ClientError):
+                raise SubmissionError(f"the job server at {self.address} refused the log stream: {_first_line(err)}") from None
+            raise
 
     @property
     def client(self) -> JobSubmissionClient:
@@ -111,8 +118,20 @@ class Cluster:
             from ray.job_submission import JobSubmissionClient
 
             headers = {"Authorization": f"Bearer {self.token.value}"} if self.token else {}
-            with self._speaking():
-                self._client = JobSubmissionClient(self.address, headers=headers)
+            # Ray lets RAY_API_SERVER_ADDRESS or RAY_ADDRESS override the address it is given:
+            # one given on the command line must win (and get this cluster's token).
+            saved = os.environ.get("RAY_API_SERVER_ADDRESS")
+            if self.explicit:
+                os.environ["RAY_API_SERVER_ADDRESS"] = self.address
+            try:
+                with self._speaking():
+                    self._client = JobSubmissionClient(self.address, headers=headers)
+            finally:
+                if self.explicit:
+                    if saved is None:
+                        os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+                    else:
+                        os.environ["RAY_API_SERVER_ADDRESS"] = saved
         return self._client
 
     def submit(self, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> str:

@@ -92,13 +92,20 @@ def job_goodput(
 ) -> Goodput:
     """The goodput account (``policies/goodput.py``) of a job ``wall_s`` seconds after launch:
     start-up is launch to the group formed (all of the wall time while it forms)."""
+    # Spans measured against other clocks (a death time from another node) can come out
+    # negative by clock skew: clamped. A recovery with nothing to redo redid nothing.
+    spans = [
+        RecoverySpans(
+            max(0.0, r.detect_s), max(0.0, r.reform_s), max(0.0, r.transfer_s), max(0.0, r.waited_s),
+            max(0.0, r.redo_s or 0.0) if r.redo_steps else 0.0,
+        )
+        for r in recoveries
+    ]
     return account(
-        wall_s,
-        startup_s=startup_s.get("group_formed", wall_s),
-        checkpoint_stall_s=sum(checkpoint_copy_s),
-        recoveries=[
-            RecoverySpans(r.detect_s, r.reform_s, r.transfer_s, r.waited_s, r.redo_s or 0.0) for r in recoveries
-        ],
-        straggler_wait_s=ledger.straggler_wait_s,
-        finishing_s=finishing_s,
+        max(0.0, wall_s),
+        startup_s=max(0.0, startup_s.get("group_formed", wall_s)),
+        checkpoint_stall_s=max(0.0, sum(checkpoint_copy_s)),
+        recoveries=spans,
+        straggler_wait_s=max(0.0, ledger.straggler_wait_s),
+        finishing_s=max(0.0, finishing_s),
     )

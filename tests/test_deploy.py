@@ -93,7 +93,7 @@ def test_the_grafana_dashboard_plots_exactly_the_series_the_driver_exports():
     exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
     used = {name for expr in exprs for name in re.findall(r"ray_(ringleader_\w+?)(?:_total)?\{", expr)}
     assert used == set(GAUGES) | {EVENTS}
-    assert all('job=~"$job"' in expr for expr in exprs)
+    assert all('ringleader_job=~"$job"' in expr for expr in exprs)
     assert len({panel["id"] for panel in dashboard["panels"]}) == len(dashboard["panels"])
 
 

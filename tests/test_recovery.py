@@ -95,6 +95,19 @@ def test_one_death_mid_step_is_recovered_and_its_replacement_joins(tmp_path):
     reformed = ran.of("group_reformed")[0]["workers"]
     assert reformed[-1] == 3 and reformed[0] != 3  # the replacement joined; it is never the source
     assert ran.summary["workers"] == {"start": 3, "end": 3}
+    goodput = ran.summary["goodput"]  # where the time went: the recovery's spans, charged once
+    assert goodput["productive_s"] + sum(goodput["lost_s"].values()) == pytest.approx(goodput["wall_s"])
+    assert goodput["lost_s"]["detection"] == pytest.approx(recovery["detect_s"])
+    assert goodput["lost_s"]["redone_steps"] == pytest.approx(recovery["redo_s"]) and recovery["redo_s"] > 0
+    assert 0 < goodput["goodput"] < 1
+
+
+def test_a_death_with_nothing_to_redo_charges_no_redone_time(tmp_path):
+    ran = _run(tmp_path, Faults(die_in_step={(1, 5): True}))  # after the all-reduce: step 5 commits
+    ran.assert_exact()
+    assert ran.summary["goodput"]["lost_s"]["redone_steps"] == pytest.approx(
+        sum(r["redo_s"] or 0.0 for r in ran.summary["recoveries"] if r["redo_steps"])
+    )
 
 
 def test_a_death_while_steps_are_redone_keeps_both_recoveries(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 
 import pytest
@@ -36,7 +37,7 @@ def test_the_report_is_one_page_with_every_plot_and_the_events_marked(chaotic_ru
         assert base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n"
     assert "http" not in page.split("<body>")[1].replace("https://", "").split("data:image")[0]  # nothing fetched
     markers = marker_times(read_run(chaotic_run))
-    assert len(markers["failure"]) == 1 and len(markers["recovered"]) == 1 and len(markers["join"]) == 1
+    assert len(markers["failure"]) == 1 and len(markers["recovered"]) == 1 and len(markers["join"]) >= 1
     assert len(markers["checkpoint"]) >= 2 and markers["straggler"]
     assert "failure 1" in page and "finished" in page
 
@@ -54,3 +55,15 @@ def test_a_run_still_writing_is_reported_from_what_it_has(tmp_path):
     )
     page = write_report(tmp_path).read_text()
     assert "running (no summary.json yet)" in page and page.count("data:image/png") == 1
+
+
+def test_a_long_run_is_binned_and_a_corrupt_summary_named(tmp_path):
+    events = [{"time": float(i), "event": "step", "step": i, "loss": 1.0, "samples": 8, "step_s": 0.1} for i in range(5000)]
+    (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+    (tmp_path / "telemetry.jsonl").write_text(
+        "\n".join(json.dumps({"step": i, "worker": w, "step_s": 0.1, "shards": [w]}) for i in range(5000) for w in (0, 1)) + "\n"
+    )
+    assert write_report(tmp_path).stat().st_size > 0
+    (tmp_path / "summary.json").write_text("{not json")
+    with pytest.raises(ReportError, match="summary.json is not JSON"):
+        write_report(tmp_path)

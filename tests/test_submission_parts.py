@@ -66,3 +66,18 @@ def test_the_token_comes_from_where_ray_looks_in_its_order(tmp_path, monkeypatch
         find_token(tmp_path / "empty")
     with pytest.raises(SubmissionError, match="cannot read the token from --token-file"):
         find_token(tmp_path / "missing")
+
+
+def test_an_address_given_wins_over_ray_address(monkeypatch):
+    """Ray's client lets RAY_ADDRESS override the address it is given; ours must not (the
+    token would go to the other cluster)."""
+    from orchestrator.submission import Cluster
+
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:2")
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    with pytest.raises(SubmissionError) as err:
+        Cluster("http://127.0.0.1:1", None).status("raysubmit_x")
+    message = str(err.value)
+    assert message.startswith("cannot reach the Ray job server at http://127.0.0.1:1:")
+    assert "127.0.0.1:2" not in message  # Ray's own part names where it really tried
+    assert "RAY_API_SERVER_ADDRESS" not in __import__("os").environ

@@ -109,7 +109,7 @@ result = ringleader.run(
 deadline, found = time.monotonic() + 30, []
 while time.monotonic() < deadline:
     text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[2]}/metrics", timeout=5).read().decode()
-    found = [l for l in text.splitlines() if l.startswith("ray_ringleader_") and 'job="scraped"' in l]
+    found = [l for l in text.splitlines() if l.startswith("ray_ringleader_") and 'ringleader_job="scraped"' in l]
     if any("ray_ringleader_goodput" in l for l in found) and any("steps_committed" in l and l.endswith(" 12.0") for l in found):
         break
     time.sleep(1)
@@ -138,7 +138,7 @@ def test_the_job_metrics_reach_rays_prometheus_endpoint(head, tmp_path):
     assert out["status"] == "finished"
     assert _series(lines, "ray_ringleader_steps_committed") == 12
     assert _series(lines, "ray_ringleader_workers_alive") == 2
-    assert _series(lines, "ray_ringleader_events_total", kind="checkpoints") == 2  # steps 5 and 10 (12: after the last commit)
+    assert _series(lines, "ray_ringleader_events_total", kind="checkpoints") == 3  # steps 5, 10 and the final one
     assert _series(lines, "ray_ringleader_step_seconds") > 0
     assert _series(lines, "ray_ringleader_tokens_per_second") == pytest.approx(_series(lines, "ray_ringleader_samples_per_second"))
     assert _series(lines, "ray_ringleader_worker_shard_seconds", worker="0") > 0

@@ -67,6 +67,11 @@ def start_head(scratch: Path) -> Iterator[RayHead]:
             f"{bin_dir}/ray", "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dashboard}",
             "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=3", f"--temp-dir={ray_tmp}",
             f"--ray-client-server-port={free_port()}", f"--metrics-export-port={metrics}", "--disable-usage-stats",
+            # Off the defaults: the test session's own Ray holds them (a head whose job agent
+            # cannot bind answers every submission "no available agent").
+            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}", f"--node-manager-port={free_port()}",
+            f"--object-manager-port={free_port()}",
         ],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
