@@ -25,8 +25,7 @@ class CommitLedger:
         self.samples = 0
         self.shards_committed = 0
         self.final_loss: float | None = None
-        #: Over committed steps, the mean over workers of their seconds idle waiting for others'
-        #: shards or stalled: the time stragglers cost (goodput).
+        #: Over committed steps, the time stragglers cost (``straggler_wait``; goodput).
         self.straggler_wait_s = 0.0
         self.last_commit_s: float | None = None  # perf_counter() of the latest commit
 
@@ -59,5 +58,16 @@ class CommitLedger:
             self.shards_committed += reports[0].shards_counted
             self.samples += reports[0].global_samples
             self.final_loss = reports[0].loss
-            self.straggler_wait_s += sum(r.idle_s + r.stalled_s for r in reports) / len(reports)
+            self.straggler_wait_s += straggler_wait(reports)
         self.last_commit_s = time.perf_counter()
+
+
+def straggler_wait(reports: list[StepTelemetry]) -> float:
+    """Seconds a step lost to its slowest workers: the mean over workers of how long each
+    waited for the others. A worker arrives at the all-reduce after its compute, its idle time
+    (waiting for others' shards, with mitigation) and any stall; it then waits for the last
+    arrival. So the wait of worker r is ``max(arrival) - arrival_r + idle_r``: with mitigation
+    off it is all in the all-reduce, with it on mostly idle time."""
+    arrivals = [r.compute_s + r.idle_s + r.stalled_s for r in reports]
+    last = max(arrivals, default=0.0)
+    return sum(last - arrival + r.idle_s for r, arrival in zip(reports, arrivals)) / max(len(reports), 1)

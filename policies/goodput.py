@@ -11,8 +11,9 @@ The causes of lost time, in seconds:
 * ``reforming``: re-forming the group (rendezvous, state transfer to joiners), less
   ``waiting_for_workers``: below ``min_workers``, waiting for replacements;
 * ``redone_steps``: re-running steps that were in flight when a worker died;
-* ``stragglers``: in committed steps, the mean over workers of the time they sat idle waiting
-  for others' shards (or stalled);
+* ``stragglers``: in committed steps, the mean over workers of how long each waited for the
+  slowest (``orchestrator.ledger.straggler_wait``: in the all-reduce, or idle for others'
+  shards);
 * ``finishing``: after the last step (final checkpoint, eval, saving the model).
 
 What is left of the wall time is productive: committed steps, less their straggler waits.

@@ -30,3 +30,24 @@ def test_overlapping_spans_never_exceed_the_wall_time():
 def test_a_negative_span_is_refused_by_name():
     with pytest.raises(ValueError, match="stragglers seconds must be >= 0"):
         account(1.0, startup_s=0.0, checkpoint_stall_s=0.0, recoveries=[], straggler_wait_s=-1.0)
+
+
+def _report(compute_s: float, idle_s: float = 0.0, stalled_s: float = 0.0):
+    from workers.protocol import StepTelemetry
+
+    return StepTelemetry(
+        step=0, rank=0, worker=0, shards=(), samples=0, global_samples=0, loss=0.0,
+        compute_s=compute_s, comm_s=0.0, optim_s=0.0, step_s=0.0, idle_s=idle_s, stalled_s=stalled_s,
+    )
+
+
+def test_straggler_wait_is_what_workers_waited_for_the_last_one():
+    from orchestrator.ledger import straggler_wait
+
+    # Mitigation off: a worker 3x slower makes the two others wait 2 s each in the all-reduce.
+    assert straggler_wait([_report(1.0), _report(1.0), _report(3.0)]) == pytest.approx(4.0 / 3)
+    # A stall of 5 s on one worker: the others wait for it.
+    assert straggler_wait([_report(1.0), _report(1.0, stalled_s=5.0)]) == pytest.approx(2.5)
+    # Mitigation on: the fast worker took shards and sat idle 0.5 s at the end; arrivals equal.
+    assert straggler_wait([_report(1.5, idle_s=0.5), _report(2.0)]) == pytest.approx(0.25)
+    assert straggler_wait([_report(1.0), _report(1.0)]) == 0.0
