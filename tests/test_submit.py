@@ -110,7 +110,8 @@ deadline, found = time.monotonic() + 30, []
 while time.monotonic() < deadline:
     text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[2]}/metrics", timeout=5).read().decode()
     found = [l for l in text.splitlines() if l.startswith("ray_ringleader_") and 'ringleader_job="scraped"' in l]
-    if any("ray_ringleader_goodput" in l for l in found) and any("steps_committed" in l and l.endswith(" 12.0") for l in found):
+    # Recorded before run() returned; served after the agent's next report (1 s here).
+    if any('kind="checkpoints"' in l and l.endswith(" 3.0") for l in found) and any("steps_committed" in l and l.endswith(" 12.0") for l in found):
         break
     time.sleep(1)
 print(json.dumps({"status": result.status, "lines": found, "goodput": result.summary["goodput"]}))
