@@ -25,7 +25,7 @@ from workers.actor import learning_rate_schedule
 from workers.factories import optional_callable
 from workers.generic_optimizer import decay_groups, resolve_optimizer_class
 from workers.objective import Objective
-from workers.training import autocast, evaluate_model, fetch_batch
+from workers.training import autocast, evaluate_job, fetch_batch
 
 
 _STOCK_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -130,12 +130,6 @@ def train_ddp(
         if after_step is not None:
             after_step(step, model, optimizer, loss.detach(), step_ends[-1])
     metrics: dict[str, float] = {}
-    spec = job.eval
-    if rank == 0 and spec is not None:
-        module = getattr(model, "module", model)
-        metrics = evaluate_model(
-            module, factories.build(spec.factory, spec.kwargs), objective, batch=spec.batch_size,
-            collate=optional_callable(spec.collate or job.dataset.collate), metrics=optional_callable(spec.metrics),
-            precision=job.precision,
-        )
+    if rank == 0:
+        metrics = evaluate_job(getattr(model, "module", model), job, objective)
     return {"step_ends": step_ends, "step_weights": step_weights, "eval": metrics}

@@ -62,7 +62,7 @@ from workers.protocol import (
     WorkerInfo,
 )
 from workers.step import BOOKKEEPING_SLOTS, LOSS_SLOT, SAMPLES_SLOT, WEIGHT_SLOT, StepRunner
-from workers.training import FlatParameters, evaluate_model, finish_gradient
+from workers.training import FlatParameters, evaluate_job, finish_gradient
 
 
 class ShardCensusError(RuntimeError):
@@ -462,14 +462,7 @@ class TrainWorker:
     def evaluate(self) -> dict[str, float]:
         """The loss on the eval dataset (its loss sum over its weight), accuracy (built-in
         cross_entropy and causal_lm) and ``eval.metrics``; {} without an eval dataset."""
-        spec = self.job.eval
-        if spec is None:
-            return {}
-        return evaluate_model(
-            self.model, factories.build(spec.factory, spec.kwargs), self.objective, batch=spec.batch_size,
-            collate=optional_callable(spec.collate or self.job.dataset.collate), metrics=optional_callable(spec.metrics),
-            precision=self.job.precision,
-        )
+        return evaluate_job(self.model, self.job, self.objective)
 
     @ray.method(concurrency_group="compute")
     def model_state(self) -> dict[str, torch.Tensor]:

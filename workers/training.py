@@ -6,13 +6,17 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from workers import factories
 from workers.objective import Objective
+
+if TYPE_CHECKING:
+    from orchestrator.config import JobConfig
 
 
 def fetch_batch(dataset: Dataset, indices: np.ndarray, collate: Callable[[list[Any]], Any] | None = None) -> Any:
@@ -24,6 +28,19 @@ def fetch_batch(dataset: Dataset, indices: np.ndarray, collate: Callable[[list[A
         idx = torch.from_numpy(indices)
         return tuple(t[idx] for t in tensors)
     return (collate or default_collate)([dataset[int(i)] for i in indices])
+
+
+def evaluate_job(model: torch.nn.Module, job: JobConfig, objective: Objective) -> dict[str, float]:
+    """``evaluate_model`` on the job's eval dataset, as its ``eval`` spec says (its collate, or
+    the training dataset's; its metrics and batch; the job's precision); {} without one."""
+    spec = job.eval
+    if spec is None:
+        return {}
+    return evaluate_model(
+        model, factories.build(spec.factory, spec.kwargs), objective, batch=spec.batch_size,
+        collate=factories.optional_callable(spec.collate or job.dataset.collate),
+        metrics=factories.optional_callable(spec.metrics), precision=job.precision,
+    )
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
