@@ -119,10 +119,9 @@ def _mark(axes: Any, markers: dict[str, list[float]]) -> None:
             axes.axvline(at, color=colour, alpha=0.6, linewidth=1, label=label if index == 0 else None)
 
 
-def plot_loss_and_throughput(run: Run, plt: Any) -> str:
+def plot_loss_and_throughput(run: Run, markers: dict[str, list[float]], plt: Any) -> str:
     steps = run.steps()
     times = [e["time"] - run.start for e in steps]
-    markers = marker_times(run)
     figure, (loss_axes, speed_axes) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     loss_axes.plot(times, [e.get("loss") for e in steps], color="tab:blue", label="train loss")
     for event in (e for e in run.events if e["event"] == "eval"):
@@ -208,8 +207,9 @@ def render(run: Run) -> str:
     except ImportError:
         raise ReportError("ringleader report needs matplotlib: pip install 'ringleader[report]'") from None
     sections = []
+    markers = marker_times(run)
     if run.steps():
-        sections.append(("Loss and throughput", plot_loss_and_throughput(run, plt)))
+        sections.append(("Loss and throughput", plot_loss_and_throughput(run, markers, plt)))
     if run.telemetry:
         sections.append(("Step time per worker", plot_step_heatmap(run, plt)))
         sections.append(("Shards per worker", plot_shards(run, plt)))
@@ -221,7 +221,7 @@ def render(run: Run) -> str:
         for k, v in (run.summary or {"status": "running (no summary.json yet)"}).items()
         if k in ("name", "status", "error", "steps", "samples_per_s", "final_loss", "eval", "workers", "wall_s", "events")
     )
-    counts = {kind: len(times) for kind, times in marker_times(run).items()}
+    counts = {kind: len(times) for kind, times in markers.items()}
     figures = "".join(
         f'<h2>{html.escape(title)}</h2><img alt="{html.escape(title)}" src="data:image/png;base64,{data}">'
         for title, data in sections
