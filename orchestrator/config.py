@@ -279,10 +279,12 @@ class ScalingConfig(_Strict):
 class CollectiveConfig(_Strict):
     """Gradient all-reduce settings.
 
-    ``algorithm``: ``ring`` (ours, over point-to-point sends), ``hierarchical`` (ours: within
-    each Ray node, then a ring across nodes) or ``native`` (torch.distributed.all_reduce).
+    ``algorithm``: ``auto`` (at every group formation, time the others on the group's links
+    and use, for each bucket size, the fastest; see policies/collective_choice.py), ``ring``
+    (ours, over point-to-point sends), ``hierarchical`` (ours: within each Ray node, then a
+    ring across nodes) or ``native`` (torch.distributed.all_reduce: gloo's or NCCL's own).
     ``bucket_mb``: the most gradient data in one collective call (the first bucket is at most
-    1 MB, so communication starts early). ``overlap``: reduce buckets during backward, as
+    1 MB, so communication starts early); unset: chosen by the probe under ``auto``, else 4. ``overlap``: reduce buckets during backward, as
     their gradients become ready, instead of after it. ``compression``: ``bf16``/``fp16``
     (sum in half precision), ``int8`` (per-block scales) or ``topk`` (send the largest
     ``topk_ratio`` of entries, keep the rest as error feedback); int8 and topk run on our ring
@@ -290,8 +292,8 @@ class CollectiveConfig(_Strict):
     (same trajectory on any worker count) holds only with ``none``.
     """
 
-    algorithm: Literal["ring", "hierarchical", "native"] = "ring"
-    bucket_mb: float = Field(4.0, gt=0)
+    algorithm: Literal["auto", "ring", "hierarchical", "native"] = "auto"
+    bucket_mb: float | None = Field(None, gt=0)
     overlap: bool = True
     compression: Literal["none", "bf16", "fp16", "int8", "topk"] = "none"
     topk_ratio: float = Field(0.01, gt=0, le=1)

@@ -224,7 +224,10 @@ def run_job(
         controller = JobController(
             job,
             run,
-            RayWorkerGroup(job, fixed_cluster=fixed, on_wait=waiting, within=within),
+            RayWorkerGroup(
+                job, fixed_cluster=fixed, on_wait=waiting, within=within,
+                on_collective=lambda choice: run.event("collective_choice", **choice.to_json()),
+            ),
             driver_store(job.timeouts.rendezvous_s),
             chaos=ChaosControl(job.chaos, session.cluster, node_cpus, run.event),
             launched=launched,

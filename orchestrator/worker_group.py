@@ -20,6 +20,7 @@ from orchestrator.config import JobConfig, ScalingConfig
 from orchestrator.group import Call, WorkerGroupError
 from orchestrator.ray_calls import failure_of, ray_errors_as_group_errors
 from orchestrator.rendezvous import RendezvousStore
+from policies.collective_choice import CollectiveChoice
 from policies.placement import unplaceable
 from policies.work_stealing import StepPlan
 from workers.actor import TrainWorker
@@ -89,15 +90,18 @@ class RayWorkerGroup:
         fixed_cluster: bool = False,
         on_wait: Callable[[str], None] = lambda message: None,
         within: PlacementGroup | None = None,
+        on_collective: Callable[[CollectiveChoice], None] = lambda choice: None,
     ) -> None:
         """``within``: a placement group reserved for the job by someone else (a Tune trial's):
         its bundles 1..``max_workers`` are the workers' slots (bundle 0 holds the driver), and
-        no placement group of the job's own is reserved."""
+        no placement group of the job's own is reserved. ``on_collective`` is told what
+        ``collective.algorithm: auto`` chose at each group formation."""
         self.job = job
         self.within = within
         self._within_used = 0  # bundles of ``within`` handed out as slots
         self.fixed_cluster = fixed_cluster  # its resources are all it will have: refuse the impossible at once
         self._on_wait = on_wait
+        self._on_collective = on_collective
         self.scaling = job.scaling
         self.timeouts = job.timeouts
         self.members: list[Member] = []
@@ -227,6 +231,8 @@ class RayWorkerGroup:
         ]
         calls = [Call(m.info.worker, m.actor.join_group.remote(r)) for m, r in zip(self.members, requests)]
         joined = self._gather(calls, self.timeouts.rendezvous_s, "rendezvous")
+        if joined[0].collective is not None:
+            self._on_collective(joined[0].collective)
         return max(j.transfer_s for j in joined)
 
     @ray_errors_as_group_errors

@@ -45,7 +45,16 @@ def test_a_worker_sigkilled_mid_step_is_replaced_and_the_trajectory_is_unchanged
         assert recovery[part] >= 0
     grow = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "grow"]
     assert grow[0]["joined"] == [4] and grow[0]["workers"][:1] != [4]  # the newcomer is not the source
+    _assert_links_probed_at_every_formation(result.run_dir)
     assert_same_params(params(result.run_dir), reference, "sigkill")
+
+
+def _assert_links_probed_at_every_formation(run_dir) -> None:
+    """collective.algorithm: auto measures the links again whenever the group forms anew."""
+    formations = ("workers_ready", "group_reformed", "grow")
+    kinds = [e["event"] for e in jsonl(run_dir / "events.jsonl") if e["event"] in (*formations, "collective_choice")]
+    assert kinds.count("collective_choice") == sum(kinds.count(k) for k in formations) >= 2
+    assert all(kinds[i - 1] == "collective_choice" for i, k in enumerate(kinds) if k in formations)
 
 
 def test_ray_kill_then_sigkill_two_failures_in_one_run(tmp_path, reference):
@@ -121,6 +130,7 @@ def test_the_group_grows_to_max_workers_when_there_is_room(tmp_path, reference):
     assert result.summary["workers"] == {"start": 2, "end": 3} and result.summary["events"]["joins"] == 1
     (grow,) = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "grow"]
     assert grow["joined"] == [2] and grow["workers"] == [0, 1, 2] and grow["transfer_s"] >= 0
+    _assert_links_probed_at_every_formation(result.run_dir)
     assert_same_params(params(result.run_dir), reference, "grown")
 
 

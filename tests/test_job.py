@@ -26,6 +26,7 @@ def test_parameters_do_not_depend_on_worker_count_or_assignment(tmp_path):
         "w4": run(tmp_path, "w4", "scaling.workers=4"),
         "w4-shuffled": run(tmp_path, "w4s", "scaling.workers=4", "chaos.shuffle_shards=true"),
         "w4-native": run(tmp_path, "w4n", "scaling.workers=4", "collective.algorithm=native"),
+        "w4-ring": run(tmp_path, "w4r", "scaling.workers=4", "collective.algorithm=ring"),
         "w3-hierarchical": run(tmp_path, "w3h", "scaling.workers=3", "collective.algorithm=hierarchical"),
         "w3-no-overlap-unfused": run(
             tmp_path, "w3n", "scaling.workers=3", "collective.overlap=false", "worker.fuse_shards=false"
@@ -90,6 +91,13 @@ def test_builtin_example_end_to_end(tmp_path, capsys):
     assert kinds.count("step") == 300 and "eval" in kinds
     states = [(e["old"], e["new"]) for e in events if e["event"] == "state"]
     assert states == [("starting", "running"), ("running", "finished")]
+    # collective.algorithm: auto probed the links once, as the group formed, and said what it chose.
+    (choice,) = [e for e in events if e["event"] == "collective_choice"]
+    assert kinds.index("collective_choice") < kinds.index("workers_ready")
+    assert {entry["algorithm"] for entry in choice["by_size"]} <= {"native", "ring"}
+    assert set(choice["bandwidth_mb_s"]) == {"native", "ring"}
+    assert all(len(bws) == len(choice["probe_bytes"]) and min(bws) > 0 for bws in choice["bandwidth_mb_s"].values())
+    assert choice["bucket_mb"] >= 1.0
 
     telemetry = [json.loads(l) for l in (run_dir / "telemetry.jsonl").read_text().splitlines()]
     assert len(telemetry) == 300 * 4

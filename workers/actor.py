@@ -48,9 +48,10 @@ from workers.comm_group import (
 from workers.communicator import Communicator, make_communicator, pick_backend
 from workers.compression import TopKAllReduce, compress
 from workers.generic_optimizer import make_optimizer
+from workers.link_probe import auto_communicator
 from workers.loss_scaler import LossScaler
 from workers.objective import Objective
-from workers.overlap import GradientReducer
+from workers.overlap import DEFAULT_BUCKET_BYTES, GradientReducer
 from workers.sampler import ShardSampler
 from workers.protocol import (
     Joined,
@@ -196,7 +197,13 @@ class TrainWorker:
             pg, request.rank, request.world_size, timeout_s, self.abort_flag, poll_completion=backend == "nccl"
         )
         self.rank, self.world_size = request.rank, request.world_size
-        exact = make_communicator(collective.algorithm, self.group, request.nodes)
+        bucket_bytes = int(collective.bucket_mb * 2**20) if collective.bucket_mb else None
+        choice = None
+        if collective.algorithm == "auto":
+            exact, choice = auto_communicator(self.group, request.nodes, self.flat.buffer, bucket_bytes)
+            bucket_bytes = choice.bucket_bytes
+        else:
+            exact = make_communicator(collective.algorithm, self.group, request.nodes)
         compressed = compress(collective.compression, exact, self.group, collective.topk_ratio)
         if residuals and isinstance(compressed, TopKAllReduce):
             compressed.residuals = residuals  # this worker's unsent gradient outlives the generation
@@ -204,7 +211,7 @@ class TrainWorker:
         self.reducer = GradientReducer(
             self.flat,
             compressed,
-            int(collective.bucket_mb * 2**20),
+            bucket_bytes or DEFAULT_BUCKET_BYTES,
             collective.overlap,
             extra_comm=exact if compressed is not exact else None,
         )
@@ -229,7 +236,7 @@ class TrainWorker:
             group.broadcast(buffer, root=0)
         self.scaler.state_restored()
         self.next_step = int(step.item())
-        return Joined(transfer_s=time.perf_counter() - started, next_step=self.next_step)
+        return Joined(transfer_s=time.perf_counter() - started, next_step=self.next_step, collective=choice)
 
     def _record_death(self) -> None:
         if self.store is not None:

@@ -21,6 +21,8 @@ from workers.communicator import Communicator, PendingReduce
 from workers.training import FlatParameters
 
 FIRST_BUCKET_BYTES = 1 << 20
+# Buckets of an explicitly chosen algorithm when the job sets no bucket_mb.
+DEFAULT_BUCKET_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ import enum
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from policies.collective_choice import CollectiveChoice
+
 
 class Phase(str, enum.Enum):
     """Where a worker is within a step (``Progress.phase``).
@@ -102,10 +104,12 @@ class JoinRequest:
 @dataclass(frozen=True)
 class Joined:
     """A finished ``join_group``: ``transfer_s`` seconds took the state broadcast from rank 0,
-    after which the worker holds the state to apply ``next_step``."""
+    after which the worker holds the state to apply ``next_step``. ``collective``: what
+    ``collective.algorithm: auto`` chose from its probe (the same on every rank), else None."""
 
     transfer_s: float
     next_step: int
+    collective: CollectiveChoice | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,162 @@
+"""``collective.algorithm: auto``'s decisions from link measurements (pure), and the probe on
+real gloo groups in spawned processes: every rank agrees, sums stay exact, aborts still work."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from multiproc import comm_group, run_ranks
+from policies.collective_choice import (
+    MIN_BUCKET_BYTES,
+    LinkMeasurements,
+    choose_collective,
+)
+from workers.comm_group import CollectiveAborted, CollectiveTimeout
+from workers.link_probe import auto_communicator, candidate_algorithms, probe_sizes
+
+MB = 1 << 20
+SIZES = (256 << 10, MB, 4 * MB, 16 * MB)
+
+
+def _seconds(bandwidth_mb_s: list[float]) -> tuple[float, ...]:
+    return tuple(size / (bw * 1e6) for size, bw in zip(SIZES, bandwidth_mb_s))
+
+
+def test_each_size_takes_the_fastest_but_ours_must_beat_native_clearly():
+    measured = LinkMeasurements(
+        SIZES,
+        {
+            "native": _seconds([100, 400, 800, 900]),
+            "ring": _seconds([300, 420, 700, 2000]),  # 3x at 256K, +5% at 1M (noise), 2.2x at 16M
+        },
+    )
+    choice = choose_collective(measured, 64 * MB, shares_cores=True)
+    assert choice.by_size == ((256 << 10, "ring"), (MB, "native"), (4 * MB, "native"), (16 * MB, "ring"))
+    assert [choice.algorithm_for(n) for n in (1, 256 << 10, (256 << 10) + 1, 3 * MB, 5 * MB, 100 * MB)] == [
+        "ring", "ring", "native", "native", "ring", "ring",
+    ]
+    assert choice.algorithms == ("ring", "native")
+
+
+def test_bucket_size_follows_where_the_collective_runs():
+    # Bandwidth saturates at 1 MB (within 80% of the best from there on).
+    measured = LinkMeasurements(SIZES, {"native": _seconds([200, 850, 950, 1000]), "ring": _seconds([100, 300, 500, 600])})
+    on_cpu = choose_collective(measured, 64 * MB, shares_cores=True)
+    on_gpu = choose_collective(measured, 64 * MB, shares_cores=False)
+    assert on_cpu.bucket_bytes == 16 * MB  # fewest calls: every call's work is taken from backward
+    assert on_gpu.bucket_bytes == MB  # smallest near the best: overlap starts early
+    # A size whose bandwidth falls off is not taken, even on CPU.
+    falling = LinkMeasurements(SIZES, {"native": _seconds([200, 1000, 900, 500])})
+    assert choose_collective(falling, 64 * MB, shares_cores=True).bucket_bytes == 4 * MB
+    # Never below the floor, and the user's bucket size is kept.
+    tiny = LinkMeasurements(SIZES[:1], {"native": _seconds([200])})
+    assert choose_collective(tiny, 100_000, shares_cores=False).bucket_bytes == MIN_BUCKET_BYTES
+    assert choose_collective(measured, 64 * MB, shares_cores=True, bucket_bytes=3 * MB).bucket_bytes == 3 * MB
+
+
+def test_compression_is_advised_only_when_it_would_pay():
+    native = _seconds([100, 100, 100, 100])  # a slow link: 16 MB in 168 ms
+    slow_link = LinkMeasurements(SIZES, {"native": native}, int8_seconds=native[-1] / 3)
+    advice = choose_collective(slow_link, 32 * MB, shares_cores=True).compression
+    assert advice is not None and "int8" in advice and "collective.compression: int8" in advice
+    fast_link = LinkMeasurements(SIZES, {"native": native}, int8_seconds=native[-1] * 0.9)
+    assert choose_collective(fast_link, 32 * MB, shares_cores=True).compression is None
+
+
+def test_bad_measurements_are_refused():
+    with pytest.raises(ValueError, match="ascending"):
+        LinkMeasurements((MB, 256 << 10), {"native": (0.1, 0.1)})
+    with pytest.raises(ValueError, match="native: need a positive time"):
+        LinkMeasurements(SIZES, {"native": (0.1, 0.1)})
+    with pytest.raises(ValueError, match="no algorithm"):
+        LinkMeasurements(SIZES, {})
+
+
+def test_choice_reports_itself():
+    choice = choose_collective(LinkMeasurements(SIZES[:2], {"native": _seconds([50, 100]), "ring": _seconds([100, 200])}), MB, shares_cores=True)
+    record = choice.to_json()
+    assert record["by_size"] == [{"up_to_bytes": 256 << 10, "algorithm": "ring"}, {"up_to_bytes": MB, "algorithm": "ring"}]
+    assert record["bandwidth_mb_s"] == {"native": [50.0, 100.0], "ring": [100.0, 200.0]}
+    assert record["bucket_mb"] == 1.0 and record["compression"] is None
+
+
+def test_candidates_and_probe_sizes():
+    assert candidate_algorithms(["a", "a"]) == ("native", "ring")
+    assert candidate_algorithms(["a", "b"]) == ("native", "ring")  # one rank per node: hierarchical is the ring
+    assert candidate_algorithms(["a", "a", "b"]) == ("native", "ring", "hierarchical")
+    assert probe_sizes(100_000, 4) == (100_000,)
+    assert probe_sizes(5 * MB + 2, 4) == (256 << 10, MB, 4 * MB, 5 * MB)
+    assert probe_sizes(64 * MB, 4) == SIZES
+
+
+def _auto_worker(rank: int, world: int, port: int, results: dict, nodes: list[str], numel: int) -> None:
+    group = comm_group(rank, world, port)
+    grads = torch.zeros(numel)
+    communicator, choice = auto_communicator(group, nodes, grads, None)
+    results[(rank, "choice")] = choice
+    results[(rank, "bytes_after_probe")] = group.bytes_sent
+    for length in (7, 70_001, numel):  # sizes falling in different entries of the choice
+        tensor = torch.arange(length, dtype=torch.float32) * (rank + 1)
+        communicator.start_sum(tensor).wait()
+        results[(rank, length)] = tensor
+    group.close()
+
+
+def test_probe_agrees_on_every_rank_and_sums_stay_exact():
+    nodes = ["a", "a", "b"]  # hierarchical is a candidate
+    numel = 600_000  # 2.4 MB: probe sizes 256K, 1M, 2.4M
+    results = run_ranks(_auto_worker, len(nodes), nodes, numel)
+    choices = [results[(r, "choice")] for r in range(len(nodes))]
+    assert all(c == choices[0] for c in choices)  # identical decisions: identical sequences of collectives
+    assert choices[0].sizes == (256 << 10, MB, numel * 4)
+    assert set(choices[0].bandwidth_mb_s) == {"native", "ring", "hierarchical"}
+    assert all(results[(r, "bytes_after_probe")] == 0 for r in range(len(nodes)))  # the probe's traffic is not the job's
+    for length in (7, 70_001, numel):
+        expected = torch.arange(length, dtype=torch.float32) * sum(r + 1 for r in range(len(nodes)))
+        for rank in range(len(nodes)):
+            torch.testing.assert_close(results[(rank, length)], expected, rtol=0, atol=0)
+
+
+def _abort_worker(rank: int, world: int, port: int, results: dict, abort_after: float | None) -> None:
+    """Rank 1 never probes: rank 0's probe must end by the driver's abort, or by its timeout."""
+    group = comm_group(rank, world, port, timeout_s=2.0)
+    if rank == 1:
+        time.sleep(4.0)
+        group.close()
+        return
+    if abort_after is not None:
+        threading.Timer(abort_after, group.abort_flag.set).start()  # what the actor's abort() does
+    started = time.monotonic()
+    try:
+        auto_communicator(group, ["n"] * world, torch.zeros(100_000), None)
+        results["error"] = "none"
+    except (CollectiveAborted, CollectiveTimeout) as err:
+        results["error"] = type(err).__name__
+    results["seconds"] = time.monotonic() - started
+    group.close()
+
+
+@pytest.mark.parametrize("abort_after", [None, 0.3], ids=["timeout", "abort"])
+def test_probe_keeps_the_abort_and_timeout_guarantees(abort_after):
+    results = run_ranks(_abort_worker, 2, abort_after)
+    assert results["error"] == ("CollectiveTimeout" if abort_after is None else "CollectiveAborted")
+    assert results["seconds"] < (2.0 if abort_after is None else abort_after) + 1.0
+
+
+def _single_worker(rank: int, world: int, port: int, results: dict) -> None:
+    group = comm_group(rank, world, port)
+    communicator, choice = auto_communicator(group, ["n"], torch.zeros(1000), None)
+    tensor = torch.ones(1000)
+    communicator.start_sum(tensor).wait()
+    results["choice"], results["sum"] = choice, tensor
+    group.close()
+
+
+def test_a_single_rank_needs_no_probe():
+    results = run_ranks(_single_worker, 1)
+    assert results["choice"].sizes == () and results["choice"].algorithms == ("ring",)
+    torch.testing.assert_close(results["sum"], torch.ones(1000))

@@ -1,0 +1,123 @@
+"""``collective.algorithm: auto``: time the all-reduce algorithms on this group's links at its
+formation, and sum each bucket with the one measured fastest for its size.
+
+The probe runs on the communication thread like any collective (so it keeps the abort and
+timeout guarantees), on a scratch buffer of the gradient's dtype and device: for each probe
+size, one warm-up all-reduce per algorithm (it also synchronises the ranks), then a few more,
+each timed, of which the fastest counts. The slowest rank's times are agreed on by one MAX all-reduce, so every
+rank makes the same choice (``policies/collective_choice.py``) and issues the same sequence
+of collectives afterwards. Its traffic is not counted in the group's ``bytes_sent``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from policies.collective_choice import CollectiveChoice, LinkMeasurements, choose_collective
+from workers.comm_group import CommGroup, PendingOp
+from workers.communicator import Communicator, make_communicator
+from workers.overlap import DEFAULT_BUCKET_BYTES
+from workers.compression import Int8RingAllReduce
+from workers.ring import node_groups
+
+PROBE_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
+# Timed all-reduces per algorithm and size, after one warm-up. The fastest counts: on a shared
+# machine interference only ever adds time, so the minimum is the steadiest estimate of what
+# an algorithm costs (timeit's reasoning).
+REPEATS = 3
+
+
+class AutoAllReduce:
+    """Sums each tensor with the algorithm ``choice`` picked for its size in bytes."""
+
+    def __init__(self, choice: CollectiveChoice, communicators: Mapping[str, Communicator]) -> None:
+        missing = set(choice.algorithms) - set(communicators)
+        if missing:
+            raise ValueError(f"no communicator for {sorted(missing)}")
+        self.choice = choice
+        self._communicators = dict(communicators)
+
+    def start_sum(self, tensor: torch.Tensor) -> PendingOp:
+        algorithm = self.choice.algorithm_for(tensor.numel() * tensor.element_size())
+        return self._communicators[algorithm].start_sum(tensor)
+
+
+def candidate_algorithms(nodes: Sequence[str]) -> tuple[str, ...]:
+    """``native`` and ``ring``, and ``hierarchical`` where it differs from the ring: several
+    nodes, some with several ranks."""
+    groups = len(node_groups(nodes))
+    return ("native", "ring", "hierarchical") if 1 < groups < len(nodes) else ("native", "ring")
+
+
+def probe_sizes(gradient_bytes: int, element_size: int) -> tuple[int, ...]:
+    """The probe sizes below the gradient's, then the gradient's own size (at most the largest
+    probe size), in whole elements."""
+    top = min(gradient_bytes, PROBE_SIZES[-1]) // element_size * element_size
+    return tuple(s for s in PROBE_SIZES if s < top) + ((top,) if top > 0 else ())
+
+
+def measure_links(
+    group: CommGroup,
+    communicators: Mapping[str, Communicator],
+    sizes: Sequence[int],
+    like: torch.Tensor,
+    *,
+    int8: Communicator | None = None,
+) -> LinkMeasurements:
+    """Seconds per all-reduce of each algorithm in ``communicators`` at each of ``sizes``
+    (bytes, ascending), the slowest rank's; ``int8`` (if given) is timed at the largest size.
+    ``like``: the dtype and device to probe with. Raises CollectiveAborted/CollectiveTimeout."""
+    element = like.element_size()
+    scratch = torch.zeros(max(sizes) // element, dtype=like.dtype, device=like.device)
+    bytes_before = group.bytes_sent
+    timed = list(communicators.items())
+    local: list[float] = []
+    for size in sizes:
+        for _, communicator in timed:
+            local.append(_time_sums(communicator, scratch[: size // element]))
+    if int8 is not None:
+        local.append(_time_sums(int8, scratch[: sizes[-1] // element]))
+    agreed = torch.tensor(local, dtype=torch.float64, device=like.device)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+    group.submit(lambda: group.complete(group.pg.allreduce([agreed], options)), "link probe agreement").wait()
+    group.bytes_sent = bytes_before
+    values = agreed.tolist()
+    seconds = {name: tuple(values[i * len(timed) + k] for i in range(len(sizes))) for k, (name, _) in enumerate(timed)}
+    return LinkMeasurements(
+        tuple(sizes), seconds, int8_seconds=values[-1] if int8 is not None else None
+    )
+
+
+def _time_sums(communicator: Communicator, buffer: torch.Tensor) -> float:
+    communicator.start_sum(buffer).wait()  # warm-up: connections, scratch buffers; syncs the ranks
+    times = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        communicator.start_sum(buffer).wait()
+        times.append(time.perf_counter() - started)
+    return max(min(times), 1e-9)
+
+
+def auto_communicator(
+    group: CommGroup, nodes: Sequence[str], grads: torch.Tensor, bucket_bytes: int | None
+) -> tuple[AutoAllReduce, CollectiveChoice]:
+    """Probe this group's links (every rank calls this at the same point) and return the
+    communicator and the choice for the gradient buffer ``grads``; ``bucket_bytes`` set by the
+    user is kept. A group of one rank has nothing to measure: the ring (a no-op there)."""
+    gradient_bytes = grads.numel() * grads.element_size()
+    if group.size == 1:
+        ring = make_communicator("ring", group, nodes)
+        choice = CollectiveChoice(((gradient_bytes, "ring"),), bucket_bytes or DEFAULT_BUCKET_BYTES, sizes=())
+        return AutoAllReduce(choice, {"ring": ring}), choice
+    communicators = {name: make_communicator(name, group, nodes) for name in candidate_algorithms(nodes)}
+    sizes = probe_sizes(gradient_bytes, grads.element_size())
+    measured = measure_links(group, communicators, sizes, grads, int8=Int8RingAllReduce(group))
+    choice = choose_collective(
+        measured, gradient_bytes, shares_cores=grads.device.type == "cpu", bucket_bytes=bucket_bytes
+    )
+    return AutoAllReduce(choice, communicators), choice
