@@ -2,6 +2,9 @@
 
 Every run is a fresh process launched from here, so launch-to-first-step counts everything a
 user waits for (interpreter, imports, ``ray.init`` where it applies, actors, rendezvous).
+``ringleader`` and ``ray_train`` start a fresh local Ray each (cold); ``ringleader_attached``
+is ``ringleader run --address`` to a Ray head started once for the benchmark (a running
+cluster: what a Tune trial, a resume or a second job meets).
 Frameworks run interleaved (A B C A B C ...) so drift on a shared machine hits all alike.
 Step time is the median interval between consecutive step completions as the training loop
 sees them; samples/s counts every step after the first over the time they took.
@@ -9,6 +12,7 @@ sees them; samples/s counts every step after the first over the time they took.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -20,10 +24,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks.ray_head import RayHead, start_head
 from benchmarks.workloads import workload_job
 from orchestrator.config import JobConfig
 
-FRAMEWORKS = ("ringleader", "ray_train", "torchrun")
+FRAMEWORKS = ("ringleader", "ringleader_attached", "ray_train", "torchrun")
 RUN_TIMEOUT_S = 900
 
 
@@ -45,6 +50,15 @@ class RunRow:
 
 def _command_ringleader(job_file: Path, result: Path) -> list[str]:
     return [sys.executable, "-m", "orchestrator.cli", "run", str(job_file), "--run-dir", str(result), "--no-progress"]
+
+
+def _command_attached(head: RayHead | None) -> Callable[[Path, Path], list[str]]:
+    def command(job_file: Path, result: Path) -> list[str]:
+        if head is None:
+            raise ValueError("ringleader_attached needs a running Ray head")
+        return [*_command_ringleader(job_file, result), "--address", head.gcs_address]
+
+    return command
 
 
 def _command_ray_train(job_file: Path, result: Path) -> list[str]:
@@ -74,25 +88,31 @@ def _ringleader_result(run_dir: Path) -> dict[str, Any]:
     return {"step_ends": [e["time"] for e in steps], "step_weights": [e["weight"] for e in steps], "eval": summary["eval"]}
 
 
-def run_once(framework: str, job: JobConfig, workdir: Path) -> RunRow:
-    """Launch one framework on ``job`` in a fresh process and measure it."""
+def run_once(framework: str, job: JobConfig, workdir: Path, head: RayHead | None = None) -> RunRow:
+    """Launch one framework on ``job`` in a fresh process and measure it; ``head``: the running
+    Ray that ``ringleader_attached`` joins."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_file = workdir / "job.json"
     job_file.write_text(job.model_dump_json())
-    result = workdir / ("run" if framework == "ringleader" else "result.json")
+    ours = framework.startswith("ringleader")
+    result = workdir / ("run" if ours else "result.json")
     command = {
         "ringleader": _command_ringleader,
+        "ringleader_attached": _command_attached(head),
         "ray_train": _command_ray_train,
         "torchrun": _command_torchrun(job),
     }[framework](job_file, result)
-    # Each framework starts its own Ray, never one this process or the shell points at.
+    # Each framework starts its own Ray, never one this process or the shell points at; the
+    # attached run reaches the benchmark's head (its token under the head's HOME).
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if framework == "ringleader_attached" and head is not None:
+        env.update(HOME=head.env["HOME"], RAY_AUTH_MODE=head.env["RAY_AUTH_MODE"])
     launched = time.time()
     proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
     wall_s = time.time() - launched
     if proc.returncode != 0:
         raise BenchmarkError(f"{framework} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    data = _ringleader_result(result) if framework == "ringleader" else json.loads(result.read_text())
+    data = _ringleader_result(result) if ours else json.loads(result.read_text())
     ends: list[float] = data["step_ends"]
     if len(ends) < 2:
         raise BenchmarkError(f"{framework}: need at least 2 steps to time, got {len(ends)}")
@@ -115,17 +135,18 @@ def run_benchmark(
 ) -> list[RunRow]:
     rows: list[RunRow] = []
     with tempfile.TemporaryDirectory(prefix="rl-bench-") as scratch:
-        for repeat in range(repeats):
-            for workload in workloads:
-                job = workload_job(workload, workers, steps)
-                for framework in FRAMEWORKS:
-                    row = run_once(framework, job, Path(scratch) / f"{repeat}-{workload}-{framework}")
-                    log(
-                        f"  [{repeat + 1}/{repeats}] {workload:7s} {framework:10s} first step "
-                        f"{row.first_step_s:6.2f}s  step {row.step_s * 1e3:7.2f}ms  "
-                        f"{row.samples_per_s:9.0f} samples/s {row.tokens_per_s:10.0f} tokens/s"
-                    )
-                    rows.append(row)
+        with contextlib.contextmanager(start_head)(Path(scratch) / "head", num_cpus=os.cpu_count() or 2) as head:
+            for repeat in range(repeats):
+                for workload in workloads:
+                    job = workload_job(workload, workers, steps)
+                    for framework in FRAMEWORKS:
+                        row = run_once(framework, job, Path(scratch) / f"{repeat}-{workload}-{framework}", head)
+                        log(
+                            f"  [{repeat + 1}/{repeats}] {workload:7s} {framework:19s} first step "
+                            f"{row.first_step_s:6.2f}s  step {row.step_s * 1e3:7.2f}ms  "
+                            f"{row.samples_per_s:9.0f} samples/s {row.tokens_per_s:10.0f} tokens/s"
+                        )
+                        rows.append(row)
     return rows
 
 
@@ -146,13 +167,13 @@ def medians(rows: list[RunRow]) -> dict[str, dict[str, dict[str, float]]]:
 
 def format_table(table: dict[str, dict[str, dict[str, float]]]) -> str:
     lines = [
-        f"{'workload':8s} {'framework':10s} {'first_step_s':>12s} {'step_ms':>9s} {'samples/s':>10s} "
+        f"{'workload':8s} {'framework':19s} {'first_step_s':>12s} {'step_ms':>9s} {'samples/s':>10s} "
         f"{'tokens/s':>10s} {'wall_s':>8s}"
     ]
     for workload, by_framework in table.items():
         for framework, m in by_framework.items():
             lines.append(
-                f"{workload:8s} {framework:10s} {m['first_step_s']:12.2f} {m['step_s'] * 1e3:9.2f} "
+                f"{workload:8s} {framework:19s} {m['first_step_s']:12.2f} {m['step_s'] * 1e3:9.2f} "
                 f"{m['samples_per_s']:10.0f} {m['tokens_per_s']:10.0f} {m['wall_s']:8.2f}"
             )
         ours = by_framework["ringleader"]
@@ -160,6 +181,10 @@ def format_table(table: dict[str, dict[str, dict[str, float]]]) -> str:
             f"{workload:8s} ratios: samples/s ours/ray_train {ours['samples_per_s'] / by_framework['ray_train']['samples_per_s']:.2f}x"
             f", ours/torchrun {ours['samples_per_s'] / by_framework['torchrun']['samples_per_s']:.2f}x;"
             f" first step ours/ray_train {ours['first_step_s'] / by_framework['ray_train']['first_step_s']:.2f}x"
+        )
+        lines.append(
+            f"{workload:8s} launch to first step: cold {ours['first_step_s']:.2f}s, attached to a running Ray "
+            f"{by_framework['ringleader_attached']['first_step_s']:.2f}s, torchrun {by_framework['torchrun']['first_step_s']:.2f}s"
         )
     return "\n".join(lines)
 

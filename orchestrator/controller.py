@@ -54,7 +54,7 @@ from policies.elasticity import pick_root
 from policies.goodput import Goodput
 from policies.work_stealing import StepPlan
 from workers.claims import open_step
-from workers.protocol import StepTelemetry
+from workers.protocol import StepTelemetry, WorkerInfo
 
 class JobController:
     """Runs one job on ``group`` (not started yet), meeting its workers at ``store``: start,
@@ -102,6 +102,16 @@ class JobController:
     def mark(self, milestone: str, seconds: float | None = None) -> None:
         """Record a start-up milestone, in seconds since launch (now, unless given)."""
         self.startup_s[milestone] = time.perf_counter() - self.launched if seconds is None else seconds
+
+    def _mark_worker_launch(self, info: list[WorkerInfo]) -> None:
+        """The slowest worker's process start, code loaded and model built, in seconds since
+        launch (wall clocks: on a cluster as exact as the nodes' clocks agree)."""
+        launched_at = time.time() - (time.perf_counter() - self.launched)
+        started = [i.started_at for i in info if i.started_at is not None]
+        if started:
+            self.mark("worker_process_started", max(started) - launched_at)
+        self.mark("worker_code_loaded", max(i.imported_at for i in info) - launched_at)
+        self.mark("worker_built", max(i.built_at for i in info) - launched_at)
 
     def execute(self) -> JobResult:
         """Run the job to a terminal state; returns the run directory and its summary (also
@@ -162,6 +172,7 @@ class JobController:
     def _starting(self) -> State:
         info = self.group.start(self.job.scaling.workers)
         self.mark("workers_started")
+        self._mark_worker_launch(info)
         self.num_steps = info[0].num_steps
         if self.resume is not None:
             self._restore(self.resume)

@@ -3,10 +3,12 @@ to the same loss, which is what makes the comparison fair."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 
+from benchmarks.ray_head import start_head
 from benchmarks.collectives import MB, allreduce_rows, format_allreduce, overlap_result
 from benchmarks.straggler import VARIANTS as STRAGGLER_VARIANTS
 from benchmarks.straggler import run_benchmark as run_straggler
@@ -21,7 +23,8 @@ def test_each_runner_gives_a_row_and_all_reach_the_same_loss(tmp_path):
     job = workload_job("digits", workers=2, steps=4)
     # Half a CPU each: the test suite's machine has two cores for everything.
     job = job.model_copy(update={"scaling": job.scaling.model_copy(update={"resources_per_worker": {"CPU": 0.5}})})
-    rows = [run_once(framework, job, tmp_path / framework) for framework in FRAMEWORKS]
+    with contextlib.contextmanager(start_head)(tmp_path / "head") as head:  # what the attached run joins
+        rows = [run_once(framework, job, tmp_path / framework, head) for framework in FRAMEWORKS]
     for row in rows:
         assert row.first_step_s > 0 and row.step_s > 0 and row.samples_per_s > 0 and row.wall_s > row.first_step_s
         assert row.eval_loss is not None and math.isfinite(row.eval_loss)
@@ -30,7 +33,7 @@ def test_each_runner_gives_a_row_and_all_reach_the_same_loss(tmp_path):
         assert row.eval_loss == pytest.approx(ours, rel=1e-4), f"{row.framework} trained a different model"
     table = medians(rows)
     assert set(table["digits"]) == set(FRAMEWORKS)
-    assert "ours/ray_train" in format_table(table)
+    assert "ours/ray_train" in format_table(table) and "attached to a running Ray" in format_table(table)
 
 
 def test_allreduce_benchmark_rows_have_the_promised_fields():

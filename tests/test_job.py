@@ -84,6 +84,12 @@ def test_builtin_example_end_to_end(tmp_path, capsys):
     assert not any(summary["events"][k] for k in ("failures", "recoveries", "steps_redone", "checkpoints"))
     for key in ("wall_s", "samples_per_s", "final_loss"):
         assert summary[key] > 0
+    # The launch's breakdown: the workers' code loaded, then their models built, before the
+    # driver saw them started, the group formed and the first step done.
+    launch = summary["startup_s"]
+    order = ["worker_code_loaded", "worker_built", "workers_started", "group_formed", "first_step"]
+    assert [launch[k] for k in order] == sorted(launch[k] for k in order) and launch["worker_code_loaded"] > 0
+    assert launch["worker_process_started"] <= launch["worker_code_loaded"]
 
     events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
     kinds = [e["event"] for e in events]

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.helpers.ray_head import RayHead, start_head
+from benchmarks.ray_head import RayHead, start_head
 
 REPO = Path(__file__).resolve().parent.parent
 SUBMIT_TIMEOUT_S = 300

@@ -66,6 +66,21 @@ from workers.step import BOOKKEEPING_SLOTS, LOSS_SLOT, SAMPLES_SLOT, WEIGHT_SLOT
 from workers.training import FlatParameters, evaluate_job, finish_gradient
 
 
+#: When this module (and with it torch and the worker's code) had loaded: the launch's breakdown.
+IMPORTED_AT = time.time()
+
+
+def process_started_at() -> float | None:
+    """This process's start, epoch seconds (Linux: from /proc, to the clock tick), else None."""
+    try:
+        with open("/proc/self/stat") as stat:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - age_s
+
+
 class ShardCensusError(RuntimeError):
     """After the all-reduce some shard was counted zero or several times: the step is invalid."""
 
@@ -133,6 +148,7 @@ class TrainWorker:
         self.next_step = 0
         self._phase: tuple[int, Phase, float] = (-1, Phase.DONE, time.monotonic())
         self.chaos = ChaosSchedule.for_worker(job.chaos, worker_id, self.abort_flag)
+        self._built_at = time.time()
         self.objective = Objective(job.loss.name, job.loss.kwargs)
         self.runner = StepRunner(
             self.model, self.flat, self.sampler, self.dataset, self.objective, job.seed, job.worker.fuse_shards,
@@ -153,6 +169,9 @@ class TrainWorker:
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local",
             hostname=socket.gethostname(),
             pid=os.getpid(),
+            started_at=process_started_at(),
+            imported_at=IMPORTED_AT,
+            built_at=self._built_at,
         )
 
     @ray.method(concurrency_group="compute")

@@ -3,8 +3,8 @@ formation, and sum each bucket with the one measured fastest for its size.
 
 The probe runs on the communication thread like any collective (so it keeps the abort and
 timeout guarantees), on a scratch buffer of the gradient's dtype and device: for each probe
-size, one warm-up all-reduce per algorithm (it also synchronises the ranks), then a few more,
-each timed, of which the fastest counts. The slowest rank's times are agreed on by one MAX all-reduce, so every
+size, one warm-up all-reduce per algorithm (it also synchronises the ranks), then a few more
+in turns, each timed, of which the fastest counts. The slowest rank's times are agreed on by one MAX all-reduce, so every
 rank makes the same choice (``policies/collective_choice.py``) and issues the same sequence
 of collectives afterwards. Its traffic is not counted in the group's ``bytes_sent``.
 """
@@ -28,7 +28,7 @@ PROBE_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
 # Timed all-reduces per algorithm and size, after one warm-up. The fastest counts: on a shared
 # machine interference only ever adds time, so the minimum is the steadiest estimate of what
 # an algorithm costs (timeit's reasoning).
-REPEATS = 3
+REPEATS = 5
 
 
 class AutoAllReduce:
@@ -75,32 +75,36 @@ def measure_links(
     scratch = torch.zeros(max(sizes) // element, dtype=like.dtype, device=like.device)
     bytes_before = group.bytes_sent
     timed = list(communicators.items())
+    if int8 is not None:
+        timed.append(("int8", int8))
     local: list[float] = []
     for size in sizes:
-        for _, communicator in timed:
-            local.append(_time_sums(communicator, scratch[: size // element]))
-    if int8 is not None:
-        local.append(_time_sums(int8, scratch[: sizes[-1] // element]))
+        candidates = [c for name, c in timed if name != "int8" or size == sizes[-1]]
+        local += _time_sums(candidates, scratch[: size // element])
     agreed = torch.tensor(local, dtype=torch.float64, device=like.device)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MAX
     group.submit(lambda: group.complete(group.pg.allreduce([agreed], options)), "link probe agreement").wait()
     group.bytes_sent = bytes_before
     values = agreed.tolist()
-    seconds = {name: tuple(values[i * len(timed) + k] for i in range(len(sizes))) for k, (name, _) in enumerate(timed)}
-    return LinkMeasurements(
-        tuple(sizes), seconds, int8_seconds=values[-1] if int8 is not None else None
-    )
+    exact = len(communicators)
+    seconds = {name: tuple(values[i * exact + k] for i in range(len(sizes))) for k, name in enumerate(communicators)}
+    return LinkMeasurements(tuple(sizes), seconds, int8_seconds=values[-1] if int8 is not None else None)
 
 
-def _time_sums(communicator: Communicator, buffer: torch.Tensor) -> float:
-    communicator.start_sum(buffer).wait()  # warm-up: connections, scratch buffers; syncs the ranks
-    times = []
-    for _ in range(REPEATS):
-        started = time.perf_counter()
+def _time_sums(communicators: list[Communicator], buffer: torch.Tensor) -> list[float]:
+    """The fastest of ``REPEATS`` timed sums of ``buffer`` by each communicator, taken in turns
+    (a disturbance then hits all alike), after one warm-up each (connections, scratch buffers;
+    it also lines the ranks up)."""
+    for communicator in communicators:
         communicator.start_sum(buffer).wait()
-        times.append(time.perf_counter() - started)
-    return max(min(times), 1e-9)
+    times: list[list[float]] = [[] for _ in communicators]
+    for _ in range(REPEATS):
+        for k, communicator in enumerate(communicators):
+            started = time.perf_counter()
+            communicator.start_sum(buffer).wait()
+            times[k].append(time.perf_counter() - started)
+    return [max(min(t), 1e-9) for t in times]
 
 
 def auto_communicator(

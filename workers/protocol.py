@@ -45,7 +45,10 @@ class WorkerInfo:
 
     ``worker``: its id for life (ranks change when the group re-forms); ``node_id``: the Ray
     node it runs on (topology for the hierarchical all-reduce, node chaos); ``pid``: its
-    process; ``num_steps``: the job's steps as this worker's sampler counts them."""
+    process; ``num_steps``: the job's steps as this worker's sampler counts them.
+    ``started_at``: when its process started (epoch seconds; None where unknown),
+    ``imported_at``: when its code (torch, the worker's modules) had loaded, ``built_at``: when
+    its model, data and optimizer were built; the launch's breakdown."""
 
     worker: int
     num_samples: int
@@ -55,6 +58,9 @@ class WorkerInfo:
     node_id: str
     hostname: str
     pid: int
+    started_at: float | None = None
+    imported_at: float = 0.0
+    built_at: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -128,7 +128,11 @@ class FakeWorkerGroup:
     def _new_worker(self) -> FakeWorker:
         worker = self._next_id
         self._next_id += 1
-        info = WorkerInfo(worker, 1000, self._num_steps, 10, "cpu", f"node{worker % 2}", "fake", 10_000 + worker)
+        now = time.time()
+        info = WorkerInfo(
+            worker, 1000, self._num_steps, 10, "cpu", f"node{worker % 2}", "fake", 10_000 + worker,
+            started_at=None, imported_at=now, built_at=now,
+        )
         return FakeWorker(info)
 
     def start(self, count: int) -> list[WorkerInfo]:

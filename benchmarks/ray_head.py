@@ -1,7 +1,7 @@
-"""A real Ray head for tests: ``ray start --head --block`` in its own process session, on free
-ports, with the dashboard (the job server), a metrics export port and token authentication,
-stopped by its process group id (never ``ray stop``, which would stop every Ray on the
-machine)."""
+"""A real Ray head for tests and for measuring a launch attached to a running Ray: ``ray start
+--head --block`` in its own process session, on free ports, with the dashboard (the job
+server), a metrics export port and token authentication, stopped by its process group id
+(never ``ray stop``, which would stop every Ray on the machine)."""
 
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ def _answers(url: str, token: str) -> bool:
         return False
 
 
-def start_head(scratch: Path) -> Iterator[RayHead]:
-    """Start a head whose files live under ``scratch``; yields it, then stops it."""
+def start_head(scratch: Path, num_cpus: int = 3) -> Iterator[RayHead]:
+    """Start a head of ``num_cpus`` CPUs whose files live under ``scratch``; yields it, then
+    stops it."""
     home = scratch / "home"
     home.mkdir(parents=True)
     ray_tmp = Path(tempfile.mkdtemp(prefix="rlh-", dir="/tmp"))  # Ray's socket paths must be short
@@ -65,7 +66,7 @@ def start_head(scratch: Path) -> Iterator[RayHead]:
     head = subprocess.Popen(
         [
             f"{bin_dir}/ray", "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dashboard}",
-            "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=3", f"--temp-dir={ray_tmp}",
+            "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--num-cpus={num_cpus}", f"--temp-dir={ray_tmp}",
             f"--ray-client-server-port={free_port()}", f"--metrics-export-port={metrics}", "--disable-usage-stats",
             # Off the defaults: the test session's own Ray holds them (a head whose job agent
             # cannot bind answers every submission "no available agent").
