@@ -3,8 +3,8 @@
 Every run is a fresh process launched from here, so launch-to-first-step counts everything a
 user waits for (interpreter, imports, ``ray.init`` where it applies, actors, rendezvous).
 ``ringleader`` and ``ray_train`` start a fresh local Ray each (cold); ``ringleader_attached``
-is ``ringleader run --address`` to a Ray head started once for the benchmark (a running
-cluster: what a Tune trial, a resume or a second job meets).
+is ``ringleader run --address`` to a Ray head already running (started before the run and
+stopped after it: what a Tune trial, a resume or a second job meets).
 Frameworks run interleaved (A B C A B C ...) so drift on a shared machine hits all alike.
 Step time is the median interval between consecutive step completions as the training loop
 sees them; samples/s counts every step after the first over the time they took.
@@ -135,19 +135,28 @@ def run_benchmark(
 ) -> list[RunRow]:
     rows: list[RunRow] = []
     with tempfile.TemporaryDirectory(prefix="rl-bench-") as scratch:
-        with contextlib.contextmanager(start_head)(Path(scratch) / "head", num_cpus=os.cpu_count() or 2) as head:
-            for repeat in range(repeats):
-                for workload in workloads:
-                    job = workload_job(workload, workers, steps)
-                    for framework in FRAMEWORKS:
-                        row = run_once(framework, job, Path(scratch) / f"{repeat}-{workload}-{framework}", head)
-                        log(
-                            f"  [{repeat + 1}/{repeats}] {workload:7s} {framework:19s} first step "
-                            f"{row.first_step_s:6.2f}s  step {row.step_s * 1e3:7.2f}ms  "
-                            f"{row.samples_per_s:9.0f} samples/s {row.tokens_per_s:10.0f} tokens/s"
-                        )
-                        rows.append(row)
+        for repeat in range(repeats):
+            for workload in workloads:
+                job = workload_job(workload, workers, steps)
+                for framework in FRAMEWORKS:
+                    workdir = Path(scratch) / f"{repeat}-{workload}-{framework}"
+                    row = _run_alone(framework, job, workdir)
+                    log(
+                        f"  [{repeat + 1}/{repeats}] {workload:7s} {framework:19s} first step "
+                        f"{row.first_step_s:6.2f}s  step {row.step_s * 1e3:7.2f}ms  "
+                        f"{row.samples_per_s:9.0f} samples/s {row.tokens_per_s:10.0f} tokens/s"
+                    )
+                    rows.append(row)
     return rows
+
+
+def _run_alone(framework: str, job: JobConfig, workdir: Path) -> RunRow:
+    """``run_once``; for the attached run, with a Ray head started for it and stopped after, so
+    no idle cluster shares the machine with the other runs."""
+    if framework != "ringleader_attached":
+        return run_once(framework, job, workdir)
+    with contextlib.contextmanager(start_head)(workdir / "head", num_cpus=os.cpu_count() or 2) as head:
+        return run_once(framework, job, workdir, head)
 
 
 def medians(rows: list[RunRow]) -> dict[str, dict[str, dict[str, float]]]:
