@@ -106,6 +106,8 @@ def run_once(framework: str, job: JobConfig, workdir: Path, head: RayHead | None
     # attached run reaches the benchmark's head (its token under the head's HOME).
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     if framework == "ringleader_attached" and head is not None:
+        for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):  # the head's token, not the shell's
+            env.pop(key, None)
         env.update(HOME=head.env["HOME"], RAY_AUTH_MODE=head.env["RAY_AUTH_MODE"])
     launched = time.time()
     proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)

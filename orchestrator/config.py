@@ -284,7 +284,11 @@ class CollectiveConfig(_Strict):
     (ours, over point-to-point sends), ``hierarchical`` (ours: within each Ray node, then a
     ring across nodes) or ``native`` (torch.distributed.all_reduce: gloo's or NCCL's own).
     ``bucket_mb``: the most gradient data in one collective call (the first bucket is at most
-    1 MB, so communication starts early); unset: chosen by the probe under ``auto``, else 4. ``overlap``: reduce buckets during backward, as
+    1 MB, so communication starts early); unset: chosen by the probe under ``auto``, else 4.
+    The algorithms sum in different float orders and ``auto``'s choice rests on timings, so
+    under ``auto`` two runs agree to float rounding, not bit for bit: name an algorithm for
+    bitwise-repeatable runs. With ``int8``/``topk`` compression ``auto`` probes nothing
+    (they run their own ring) and buckets stay at ``bucket_mb`` or 4. ``overlap``: reduce buckets during backward, as
     their gradients become ready, instead of after it. ``compression``: ``bf16``/``fp16``
     (sum in half precision), ``int8`` (per-block scales) or ``topk`` (send the largest
     ``topk_ratio`` of entries, keep the rest as error feedback); int8 and topk run on our ring

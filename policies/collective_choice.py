@@ -124,7 +124,10 @@ class LinkModel:
         st = sum(w * t for w, t in zip(weights, seconds))
         sst = sum(w * s * t for w, s, t in zip(weights, sizes, seconds))
         det = sw * sss - ss * ss
-        alpha, slope = ((sss * st - ss * sst) / det, (sw * sst - ss * st) / det) if det > 0 else (-1.0, 0.0)
+        # One size (or sizes too close to tell apart) fixes no latency: the determinant is 0
+        # up to rounding, and dividing by it would give noise.
+        separable = len(set(sizes)) > 1 and det > 1e-9 * sw * sss
+        alpha, slope = ((sss * st - ss * sst) / det, (sw * sst - ss * st) / det) if separable else (-1.0, 0.0)
         if alpha < 0:  # through the origin
             alpha, slope = 0.0, sst / sss
         if slope <= 0:
@@ -148,7 +151,8 @@ def choose_collective(
             chosen = sizes[-1]
         else:
             model = models[best[-1]]
-            chosen = int(model.alpha_s * model.beta_bytes_s * BANDWIDTH_SHARE / (1 - BANDWIDTH_SHARE))
+            # At most the largest size measured: beyond it the fit is extrapolation.
+            chosen = min(sizes[-1], int(model.alpha_s * model.beta_bytes_s * BANDWIDTH_SHARE / (1 - BANDWIDTH_SHARE)))
         bucket_bytes = max(MIN_BUCKET_BYTES, chosen)
     return CollectiveChoice(
         by_size=by_size,

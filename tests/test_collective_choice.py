@@ -17,7 +17,8 @@ from policies.collective_choice import (
     choose_collective,
 )
 from workers.comm_group import CollectiveAborted, CollectiveTimeout
-from workers.link_probe import auto_communicator, candidate_algorithms, probe_sizes
+from workers.communicator import make_communicator
+from workers.link_probe import auto_communicator, candidate_algorithms, measure_links, probe_sizes
 
 MB = 1 << 20
 SIZES = (256 << 10, MB, 4 * MB, 16 * MB)
@@ -37,6 +38,17 @@ def test_the_fit_recovers_latency_and_bandwidth():
     assert LinkModel.fit(SIZES, _alpha_beta(0.0, 2e9)).alpha_s == pytest.approx(0.0, abs=1e-9)
     flat = LinkModel.fit(SIZES, (1e-3,) * 4)  # no growth with size: all latency
     assert flat.alpha_s == pytest.approx(1e-3) and flat.seconds(SIZES[-1]) == pytest.approx(1e-3, rel=0.05)
+
+
+def test_a_single_size_fits_through_the_origin():
+    # A gradient of at most 256 KiB is probed at one size: no latency can be told apart, and
+    # the model must reproduce the measurement (a near-zero determinant once turned noise into
+    # a fit that preferred a ring measured slower than native).
+    for size, native_s, ring_s in ((140032, 3.71e-4, 3.83e-4), (256 << 10, 1e-3, 1.1e-3), (4, 2e-5, 2.1e-5)):
+        for seconds in (native_s, ring_s):
+            assert LinkModel.fit((size,), (seconds,)).seconds(size) == pytest.approx(seconds, rel=1e-9)
+        measured = LinkMeasurements((size,), {"native": (native_s,), "ring": (ring_s,)})
+        assert choose_collective(measured, size, shares_cores=True).algorithms == ("native",)
 
 
 def test_each_size_takes_the_fastest_but_ours_must_beat_native_clearly():
@@ -69,6 +81,9 @@ def test_bucket_size_follows_where_the_collective_runs():
     # Never below the floor, and the user's bucket size is kept.
     tiny = LinkMeasurements(SIZES, {"native": _alpha_beta(1e-5, 1e9)})
     assert choose_collective(tiny, 64 * MB, shares_cores=False).bucket_bytes == MIN_BUCKET_BYTES
+    # ...and never past the largest size measured (a flat fit's huge bandwidth would say so).
+    flat = LinkMeasurements(SIZES, {"native": (2e-3,) * 4})
+    assert choose_collective(flat, 64 * MB, shares_cores=False).bucket_bytes == 16 * MB
     assert choose_collective(measured, 64 * MB, shares_cores=True, bucket_bytes=3 * MB).bucket_bytes == 3 * MB
 
 
@@ -134,6 +149,21 @@ def test_probe_agrees_on_every_rank_and_sums_stay_exact():
         expected = torch.arange(length, dtype=torch.float32) * sum(r + 1 for r in range(len(nodes)))
         for rank in range(len(nodes)):
             torch.testing.assert_close(results[(rank, length)], expected, rtol=0, atol=0)
+
+
+def _budget_worker(rank: int, world: int, port: int, results: dict) -> None:
+    group = comm_group(rank, world, port)
+    communicators = {"native": make_communicator("native", group, ["n"] * world)}
+    if rank == 1:
+        time.sleep(0.3)  # this rank alone is over budget: every rank must stop where it stops
+    measured = measure_links(group, communicators, (1 << 10, 1 << 12, 1 << 14), torch.zeros(1), budget_s=0.2)
+    results[rank] = measured.sizes
+    group.close()
+
+
+def test_a_probe_over_its_budget_stops_on_every_rank_alike():
+    results = run_ranks(_budget_worker, 2)
+    assert results[0] == results[1] == (1 << 10,)
 
 
 def _abort_worker(rank: int, world: int, port: int, results: dict, abort_after: float | None) -> None:

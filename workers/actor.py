@@ -46,7 +46,7 @@ from workers.comm_group import (
     new_process_group,
 )
 from workers.communicator import Communicator, make_communicator, pick_backend
-from workers.compression import TopKAllReduce, compress
+from workers.compression import OWN_TRANSPORT, TopKAllReduce, compress
 from workers.generic_optimizer import make_optimizer
 from workers.link_probe import auto_communicator
 from workers.loss_scaler import LossScaler
@@ -211,22 +211,26 @@ class TrainWorker:
         )
         previous = self.reducer_comm
         residuals = getattr(previous, "residuals", None) or self._restored_residuals
-        self._restored_residuals = {}
         self.group = CommGroup(
             pg, request.rank, request.world_size, timeout_s, self.abort_flag, poll_completion=backend == "nccl"
         )
         self.rank, self.world_size = request.rank, request.world_size
         bucket_bytes = int(collective.bucket_mb * 2**20) if collective.bucket_mb else None
         choice = None
-        if collective.algorithm == "auto":
+        if collective.algorithm == "auto" and collective.compression not in OWN_TRANSPORT:
             exact, choice = auto_communicator(self.group, request.nodes, self.flat.buffer, bucket_bytes)
             bucket_bytes = choice.bucket_bytes
         else:
-            exact = make_communicator(collective.algorithm, self.group, request.nodes)
+            # int8 and top-k run their own ring whatever the algorithm (nothing to choose: the
+            # exact one sums only the bookkeeping), and top-k's residuals are keyed by bucket,
+            # so its bucket size must not move with a probe's noise between generations.
+            algorithm = "native" if collective.algorithm == "auto" else collective.algorithm
+            exact = make_communicator(algorithm, self.group, request.nodes)
         compressed = compress(collective.compression, exact, self.group, collective.topk_ratio)
         if residuals and isinstance(compressed, TopKAllReduce):
             compressed.residuals = residuals  # this worker's unsent gradient outlives the generation
         self.reducer_comm = compressed
+        self._restored_residuals = {}  # only now: a join that failed before keeps them for the next
         self.reducer = GradientReducer(
             self.flat,
             compressed,

@@ -37,8 +37,14 @@ class NativeAllReduce:
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.SUM
         size = self.group.size
-        self.group.bytes_sent += tensor.numel() * tensor.element_size() * 2 * (size - 1) // size
-        return self.group.submit(lambda: self.group.complete(self.group.pg.allreduce([tensor], options)), "native all-reduce")
+
+        def reduce() -> None:
+            # Counted here, on the communication thread, like our algorithms' sends: one
+            # thread updates the counter.
+            self.group.bytes_sent += tensor.numel() * tensor.element_size() * 2 * (size - 1) // size
+            self.group.complete(self.group.pg.allreduce([tensor], options))
+
+        return self.group.submit(reduce, "native all-reduce")
 
 
 ALGORITHMS = ("ring", "hierarchical", "native")

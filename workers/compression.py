@@ -25,6 +25,8 @@ from workers.communicator import Communicator, PendingReduce
 from workers.ring import chunk_bounds, ring_all_gather
 
 COMPRESSIONS = ("none", "bf16", "fp16", "int8", "topk")
+#: Compressions that run on their own ring, not on the job's algorithm.
+OWN_TRANSPORT = ("int8", "topk")
 INT8_BLOCK = 256
 
 

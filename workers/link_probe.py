@@ -4,9 +4,11 @@ formation, and sum each bucket with the one measured fastest for its size.
 The probe runs on the communication thread like any collective (so it keeps the abort and
 timeout guarantees), on a scratch buffer of the gradient's dtype and device: for each probe
 size, one warm-up all-reduce per algorithm (it also synchronises the ranks), then a few more
-in turns, each timed, of which the fastest counts. The slowest rank's times are agreed on by one MAX all-reduce, so every
-rank makes the same choice (``policies/collective_choice.py``) and issues the same sequence
-of collectives afterwards. Its traffic is not counted in the group's ``bytes_sent``.
+in turns, each timed, of which the fastest counts. The slowest rank's times are agreed on by
+a MAX all-reduce after each size, so every rank makes the same choice
+(``policies/collective_choice.py``) and issues the same sequence of collectives afterwards;
+past ``PROBE_BUDGET_S`` (slow links) the larger sizes are skipped, on every rank alike. Its
+traffic is not counted in the group's ``bytes_sent``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ PROBE_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
 # machine interference only ever adds time, so the minimum is the steadiest estimate of what
 # an algorithm costs (timeit's reasoning).
 REPEATS = 5
+# A probe that has spent this long stops after the size it is on (slow links: the state
+# transfer and the rendezvous deadline come after it).
+PROBE_BUDGET_S = 2.0
 
 
 class AutoAllReduce:
@@ -67,29 +72,42 @@ def measure_links(
     like: torch.Tensor,
     *,
     int8: Communicator | None = None,
+    budget_s: float = PROBE_BUDGET_S,
 ) -> LinkMeasurements:
     """Seconds per all-reduce of each algorithm in ``communicators`` at each of ``sizes``
-    (bytes, ascending), the slowest rank's; ``int8`` (if given) is timed at the largest size.
-    ``like``: the dtype and device to probe with. Raises CollectiveAborted/CollectiveTimeout."""
+    (bytes, ascending), the slowest rank's; ``int8`` (if given) is timed at the largest size
+    measured. ``like``: the dtype and device to probe with. Sizes are measured smallest first
+    until one ends past ``budget_s`` on some rank (the ranks agree on that too), so slow links
+    cost a bounded probe. Raises CollectiveAborted/CollectiveTimeout."""
     element = like.element_size()
     scratch = torch.zeros(max(sizes) // element, dtype=like.dtype, device=like.device)
     bytes_before = group.bytes_sent
-    timed = list(communicators.items())
-    if int8 is not None:
-        timed.append(("int8", int8))
-    local: list[float] = []
+    exact = list(communicators.values())
+    started = time.perf_counter()
+    measured: list[list[float]] = []
+    int8_seconds = None
     for size in sizes:
-        candidates = [c for name, c in timed if name != "int8" or size == sizes[-1]]
-        local += _time_sums(candidates, scratch[: size // element])
-    agreed = torch.tensor(local, dtype=torch.float64, device=like.device)
+        last = size == sizes[-1]
+        timed = exact + ([int8] if int8 is not None and last else [])
+        local = _time_sums(timed, scratch[: size // element])
+        agreed = _agree_on_max(group, [*local, time.perf_counter() - started], like.device)
+        measured.append(agreed[: len(exact)])
+        if last and int8 is not None:
+            int8_seconds = agreed[len(exact)]
+        if agreed[-1] > budget_s:
+            break
+    group.bytes_sent = bytes_before
+    seconds = {name: tuple(row[k] for row in measured) for k, name in enumerate(communicators)}
+    return LinkMeasurements(tuple(sizes[: len(measured)]), seconds, int8_seconds=int8_seconds)
+
+
+def _agree_on_max(group: CommGroup, values: list[float], device: torch.device) -> list[float]:
+    """Every rank's ``values``, element-wise maximum over the ranks (one small all-reduce)."""
+    agreed = torch.tensor(values, dtype=torch.float64, device=device)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MAX
     group.submit(lambda: group.complete(group.pg.allreduce([agreed], options)), "link probe agreement").wait()
-    group.bytes_sent = bytes_before
-    values = agreed.tolist()
-    exact = len(communicators)
-    seconds = {name: tuple(values[i * exact + k] for i in range(len(sizes))) for k, name in enumerate(communicators)}
-    return LinkMeasurements(tuple(sizes), seconds, int8_seconds=values[-1] if int8 is not None else None)
+    return agreed.tolist()
 
 
 def _time_sums(communicators: list[Communicator], buffer: torch.Tensor) -> list[float]:
