@@ -55,6 +55,13 @@ def start_head(scratch: Path, num_cpus: int = 3) -> Iterator[RayHead]:
     home = scratch / "home"
     home.mkdir(parents=True)
     ray_tmp = Path(tempfile.mkdtemp(prefix="rlh-", dir="/tmp"))  # Ray's socket paths must be short
+    try:
+        yield from _run_head(scratch, home, ray_tmp, num_cpus)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _run_head(scratch: Path, home: Path, ray_tmp: Path, num_cpus: int) -> Iterator[RayHead]:
     bin_dir = str(Path(sys.executable).parent)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
     env.update(HOME=str(home), RAY_TMPDIR=str(ray_tmp), RAY_AUTH_MODE="token", PATH=f"{bin_dir}:{env.get('PATH', '')}")
@@ -88,7 +95,6 @@ def start_head(scratch: Path, num_cpus: int = 3) -> Iterator[RayHead]:
     finally:
         _stop(head)
         log.close()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def _stop(head: subprocess.Popen[bytes]) -> None:
