@@ -28,14 +28,16 @@ class Communicator(Protocol):
 
 
 class NativeAllReduce:
-    """torch.distributed's own all-reduce (gloo's or NCCL's algorithm): the baseline."""
+    """torch.distributed's own all-reduce (gloo's or NCCL's algorithm): the baseline. ``op``:
+    the reduction (``SUM`` for gradients; the link probe agrees on ``MAX``)."""
 
-    def __init__(self, group: CommGroup) -> None:
+    def __init__(self, group: CommGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         self.group = group
+        self.op = op
 
     def start_sum(self, tensor: torch.Tensor) -> PendingOp:
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.SUM
+        options.reduceOp = self.op
         size = self.group.size
 
         def reduce() -> None:

@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from policies.collective_choice import CollectiveChoice, LinkMeasurements, choose_collective
 from workers.comm_group import CommGroup, PendingOp
-from workers.communicator import Communicator, make_communicator
+from workers.communicator import Communicator, NativeAllReduce, make_communicator
 from workers.overlap import DEFAULT_BUCKET_BYTES
 from workers.compression import Int8RingAllReduce
-from workers.ring import node_groups
+from workers.ring import is_flat, node_groups
 
 PROBE_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
 # Timed all-reduces per algorithm and size, after one warm-up. The fastest counts: on a shared
@@ -54,8 +54,8 @@ class AutoAllReduce:
 def candidate_algorithms(nodes: Sequence[str]) -> tuple[str, ...]:
     """``native`` and ``ring``, and ``hierarchical`` where it differs from the ring: several
     nodes, some with several ranks."""
-    groups = len(node_groups(nodes))
-    return ("native", "ring", "hierarchical") if 1 < groups < len(nodes) else ("native", "ring")
+    flat = is_flat(node_groups(nodes), len(nodes))
+    return ("native", "ring") if flat else ("native", "ring", "hierarchical")
 
 
 def probe_sizes(gradient_bytes: int, element_size: int) -> tuple[int, ...]:
@@ -104,9 +104,7 @@ def measure_links(
 def _agree_on_max(group: CommGroup, values: list[float], device: torch.device) -> list[float]:
     """Every rank's ``values``, element-wise maximum over the ranks (one small all-reduce)."""
     agreed = torch.tensor(values, dtype=torch.float64, device=device)
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MAX
-    group.submit(lambda: group.complete(group.pg.allreduce([agreed], options)), "link probe agreement").wait()
+    NativeAllReduce(group, dist.ReduceOp.MAX).start_sum(agreed).wait()
     return agreed.tolist()
 
 

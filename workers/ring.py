@@ -151,6 +151,12 @@ def node_groups(nodes: Sequence[str]) -> list[list[int]]:
     return list(groups.values())
 
 
+def is_flat(groups: Sequence[Sequence[int]], size: int) -> bool:
+    """Whether ``groups`` (``node_groups``) of ``size`` ranks leave the hierarchical all-reduce
+    nothing to gain over the flat ring: one node, or one rank per node."""
+    return len(groups) in (1, size)
+
+
 def hierarchical_sum(group: CommGroup, flat: torch.Tensor, nodes: list[list[int]], scratch: _Scratch) -> None:
     """Sum ``flat`` in place: into each node's leader (its first rank), ring across leaders,
     back out to each node's ranks. Blocking; every rank makes the same call."""
@@ -181,7 +187,7 @@ class HierarchicalAllReduce:
             raise ValueError(f"need a node id for each of {group.size} ranks, got {len(nodes)}")
         self.group = group
         self._nodes = node_groups(nodes)
-        self.flat_ring = len(self._nodes) in (1, group.size)
+        self.flat_ring = is_flat(self._nodes, group.size)
         self._scratch = _Scratch()
 
     def start_sum(self, tensor: torch.Tensor) -> PendingOp:
