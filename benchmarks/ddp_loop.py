@@ -99,14 +99,16 @@ def train_ddp(
     collate = optional_callable(job.dataset.collate)
     device = next(module.parameters()).device
     my_shards = ShardAssignment.balanced(job.shards, world).shards_by_rank[rank]
-    # The job's injected slowness, exactly as a ringleader worker injects it (rank = worker id:
-    # DDP never re-forms its group). Only slow_down/record are used: stalls and kills are not.
+    # The job's injected slowness and stalls, exactly as a ringleader worker injects them (rank
+    # = worker id: DDP never re-forms its group). A stall is slept in full: nothing here can
+    # take a stalled rank's batch over. Kills are not injected.
     chaos = ChaosSchedule.for_worker(job.chaos, rank, threading.Event())
     step_ends: list[float] = []
     step_weights: list[float] = []
     for step in range(start_step, job.steps or 0):
         indices = np.concatenate([sampler.shard_indices(step, s) for s in my_shards])
         batch = fetch_batch(dataset, indices, collate)
+        chaos.stall(step)
         optimizer.zero_grad(set_to_none=True)
         chaos.slow_down(step, len(my_shards), lambda: False)
         started = time.perf_counter()
@@ -117,7 +119,7 @@ def train_ddp(
         weight = global_weight(result.weight, world, device)
         loss = result.total * (world / weight)
         scaler.scale(loss).backward()
-        chaos.record(time.perf_counter() - started, len(my_shards))
+        chaos.record(step, time.perf_counter() - started, len(my_shards))
         if after_backward is not None:
             after_backward(step)
         if job.optimizer.clip_grad_norm is not None:

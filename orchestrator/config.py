@@ -401,15 +401,34 @@ class SlowChaos(_WorkerChaos):
         return self
 
 
+#: What a stall holds up (docs/architecture.md, "Rescue"): ``fetch``, the worker's wait for
+#: its step's data before it takes its shards (its peers can take them and the worker stops
+#: waiting); ``compute``, the worker itself after it has sealed its shards (everyone waits).
+StallPoint = Literal["fetch", "compute"]
+
+
 class StallChaos(_WorkerChaos):
-    """Worker ``worker`` (the worker id: its rank at job start) stops for ``seconds`` at the
-    start of step ``at_step``."""
+    """Worker ``worker`` (the worker id: its rank at job start) is held up for ``seconds`` in
+    step ``at_step``, ``during`` its data fetch (before it takes its shards) or its compute
+    (after it has sealed them)."""
 
     _kind = "stall"
 
     worker: int = Field(ge=0, description="the worker id: its rank at job start")
     at_step: int = Field(ge=0)
     seconds: float = Field(gt=0)
+    during: StallPoint = "fetch"
+
+
+class RandomStalls(_Strict):
+    """Transient stalls at random: each step of each worker stalls with ``probability`` for
+    ``seconds``, ``during`` its fetch or compute (as in StallChaos). Drawn from ``seed``, the
+    worker id and the step alone, so every run (and the benchmark's peers) sees the same ones."""
+
+    probability: float = Field(gt=0, le=1)
+    seconds: float = Field(gt=0)
+    seed: int = 0
+    during: StallPoint = "fetch"
 
 
 #: Where a worker can SIGKILL itself (``KillChaos.during``).
@@ -462,13 +481,14 @@ class ChaosConfig(_Strict):
     ``shuffle_shards``: deal each step's shards to workers at random (seeded, uneven counts,
     some workers may get none) instead of by the rebalancer; the result must not change.
     ``slow``/``stall``: make a worker (by its worker id) really compute slower, or stop, in
-    given steps.
+    given steps; ``stalls``: random transient stalls of every worker (null: none).
     ``kill``/``add_node``: worker and node failures, and nodes joining (see KillChaos).
     """
 
     shuffle_shards: bool = False
     slow: list[SlowChaos] = Field(default_factory=list)
     stall: list[StallChaos] = Field(default_factory=list)
+    stalls: RandomStalls | None = None
     kill: list[KillChaos] = Field(default_factory=list)
     add_node: list[AddNodeChaos] = Field(default_factory=list)
 

@@ -78,13 +78,24 @@ class StragglerControl:
             self.counters["stolen_shards"] += report.stolen
             self.counters["speculative_shards"] += report.backups
             self.counters["speculative_won"] += report.backups_won
+            self.counters["races_lost"] += report.races_lost
             if report.stolen or report.backups:
                 self.event(
                     "mitigation", step=step, worker=report.worker, stolen=report.stolen,
                     backups=report.backups, backups_won=report.backups_won, races_lost=report.races_lost,
                 )
+        if reports and reports[0].rescued:
+            # The census that starts a rescue pass is the same on every rank: count it once.
+            self.counters["rescues"] += 1
+            self.counters["rescued_shards"] += reports[0].rescued
+            self.event(
+                "rescue", step=step, shards=reports[0].rescued,
+                stalled={r.worker: round(r.stalled_s, 3) for r in reports if r.stalled_s > 0},
+                rescue_s=round(max(r.rescue_s for r in reports), 4),
+            )
+        # Lateness is judged on arrival at the all-reduce (stalls included), speed on shard_s.
         verdict = self.detector.observe(
-            step, [WorkerStep(r.worker, r.shards_run, r.shard_s) for r in reports]
+            step, [WorkerStep(r.worker, r.shards_run, r.shard_s, r.compute_s + r.stalled_s) for r in reports]
         )
         for worker in verdict.late:
             self.counters["stragglers_detected"] += 1

@@ -138,6 +138,17 @@ def _late(plan: StepPlan, shard: int, state: ClaimState, age_s: float) -> bool:
     return plan.expected_shard_s > 0 and age_s > plan.late_after_s(owner, state.kind)
 
 
+def block_late(plan: StepPlan, rank: int, states: dict[int, ClaimState], ages_s: dict[int, float]) -> bool:
+    """Whether ``rank`` has shards and all of them still sit ``free`` (its block unsealed: it
+    has not started) after ``late_factor`` x the time it should need for them all. A peer that
+    has finished its own shards and waits in the all-reduce rescues such a rank (opens its
+    block), though it was never a suspect: a transient stall nobody predicted."""
+    shards = plan.shards_by_rank[rank]
+    return bool(shards) and all(
+        states[s].kind is ClaimKind.FREE and _late(plan, s, states[s], ages_s.get(s, 0.0)) for s in shards
+    )
+
+
 def pick_work(me: int, plan: StepPlan, states: dict[int, ClaimState], ages_s: dict[int, float]) -> WorkDecision:
     """What rank ``me`` does next. ``states[s]``: shard s's claim state; ``ages_s[s]``: seconds
     ``me`` has seen it in that state. Without mitigation: own shards in one pass, then finish.

@@ -102,3 +102,15 @@ def test_exactly_once_under_racing_threads():
         final = ShardClaims(store, step, plan, me=-1).states()
         for shard, (winner,) in winners.items():
             assert final[shard].owner == winner and final[shard].kind in (ClaimKind.DONE, ClaimKind.SEALED)
+
+
+def test_an_opened_block_is_seen_by_its_owner_and_read_with_the_states():
+    store = _store()
+    open_step(store, 0, PLAN3)
+    owner, peer = ShardClaims(store, 0, PLAN3, me=0), ShardClaims(store, 0, PLAN3, me=1)
+    assert not owner.block_taken()
+    assert peer.open_block(0) and owner.block_taken() and not owner.claim_block()
+    states, blocks = peer.read()
+    assert blocks == ["open", "free"] and all(s.kind is ClaimKind.FREE for s in states.values())
+    assert peer.claim_block() and not owner.open_block(1)  # a sealed block stays closed
+    assert peer.read()[1] == ["open", "sealed:1"]

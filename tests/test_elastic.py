@@ -34,8 +34,9 @@ def test_a_worker_sigkilled_mid_step_is_replaced_and_the_trajectory_is_unchanged
         # threads while the rank kills itself and can finish step 5 first (then at_step is 6).
         "collective.algorithm=ring",
         _kills("{at_step: 5, worker: 1, how: sigkill}"),
-        # A pause after the kill, so the replacement has loaded and joins before the end.
-        "chaos.stall=[{worker: 0, at_step: 12, seconds: 15}]",
+        # A pause after the kill, so the replacement has loaded and joins before the end (in
+        # compute: a stall in the data fetch would be rescued by the others).
+        "chaos.stall=[{worker: 0, at_step: 12, seconds: 15, during: compute}]",
     )
     summary = result.summary
     assert summary["events"]["failures"] == 1 and summary["events"]["recoveries"] == 1
@@ -128,7 +129,7 @@ def test_the_group_grows_to_max_workers_when_there_is_room(tmp_path, reference):
     result = run(
         tmp_path, "grow", "scaling.workers=2", "scaling.max_workers=3",
         # The newcomer needs a few seconds to load: both workers pause so it can join mid-run.
-        "chaos.stall=[{worker: 0, at_step: 3, seconds: 15}, {worker: 1, at_step: 3, seconds: 15}]",
+        "chaos.stall=[{worker: 0, at_step: 3, seconds: 15, during: compute}, {worker: 1, at_step: 3, seconds: 15, during: compute}]",
     )
     assert result.summary["workers"] == {"start": 2, "end": 3} and result.summary["events"]["joins"] == 1
     (grow,) = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "grow"]

@@ -45,8 +45,8 @@ def test_a_removed_node_is_survived_and_a_new_node_grows_the_group_back(tmp_path
         "--set", "chaos.kill=[{at_step: 4, node: 1, how: remove_node}]",
         "--set", "chaos.add_node=[{at_step: 6}]",
         # Time for the replacements to load on the new node before the job ends (whichever
-        # workers survive: they stall side by side).
-        "--set", "chaos.stall=[" + ", ".join(f"{{worker: {r}, at_step: 10, seconds: 15}}" for r in range(4)) + "]",
+        # workers survive: they stall side by side, in compute, where no peer can take over).
+        "--set", "chaos.stall=[" + ", ".join(f"{{worker: {r}, at_step: 10, seconds: 15, during: compute}}" for r in range(4)) + "]",
     ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -18,6 +18,7 @@ from policies.work_stealing import (
     RunShards,
     StepPlan,
     Wait,
+    block_late,
     pick_work,
 )
 from workers.protocol import Phase, Progress
@@ -66,6 +67,22 @@ def test_detector_judges_finish_time_so_a_rebalanced_slow_worker_is_not_late():
     for step in range(30):
         report = detector.observe(step, _step(rng, [1.0, 1.0, 1.0, 1 / 3], noise=0.05, shards=[5, 5, 5, 1]))
     assert report.late == () and report.persistent == (3,)
+
+
+def test_detector_judges_arrival_so_a_stall_is_late_once_and_never_persistent():
+    rng = random.Random(3)
+    detector = StragglerDetector()
+    for step in range(45):
+        workers = _step(rng, [1.0] * 4, noise=0.05)
+        stall_s = 10 * workers[0].arrival
+        if step % 20 == 9:  # worker 2 stalls and its shards are taken: no speed to judge
+            workers[2] = WorkerStep(2, 0, 0.0, arrival_s=stall_s)
+        elif step % 20 == 19:  # it stalls, then computes its shards at its usual speed
+            workers[2] = WorkerStep(2, 4, workers[2].shard_s, arrival_s=stall_s + workers[2].arrival)
+        report = detector.observe(step, workers)
+        assert report.late == ((2,) if step % 10 == 9 else ()), (step, report)
+        assert report.persistent == ()
+    assert report.lateness[2] < 1.5
 
 
 def test_detector_rejects_bad_settings():
@@ -158,6 +175,21 @@ def test_a_late_running_shard_gets_one_backup_and_then_the_idle_worker_waits():
     assert pick_work(0, PLAN, states, {5: late, 4: late / 2}) == Backup(5, owner=1)
     states[5] = ClaimState(ClaimKind.RACE, 1, 0)
     assert pick_work(0, PLAN, states, {5: late}) == Wait()
+
+
+def test_a_block_is_late_once_all_its_shards_sat_unstarted_past_late_factor():
+    late = PLAN.late_after_s(1, ClaimKind.FREE)
+    assert late == pytest.approx(3.0 * 4 * 0.01)
+    states = _states(PLAN, **{f"s{s}": ClaimState(ClaimKind.SEALED, 0) for s in range(4)})
+    assert not block_late(PLAN, 1, states, dict.fromkeys(range(8), late * 0.9))
+    assert block_late(PLAN, 1, states, dict.fromkeys(range(8), late * 1.1))
+    # One of its shards started (or its owner sealed them): not a block to rescue.
+    states[5] = ClaimState(ClaimKind.RUN, 1)
+    assert not block_late(PLAN, 1, states, dict.fromkeys(range(8), late * 1.1))
+    # Without an expected time nothing is late, and a rank without shards never is.
+    unknown = StepPlan(PLAN.shards_by_rank)
+    assert not block_late(unknown, 1, _states(unknown), dict.fromkeys(range(8), 100.0))
+    assert not block_late(StepPlan(((0, 1), ()), expected_shard_s=0.01), 1, _states(StepPlan(((0, 1), ()))), {})
 
 
 def test_finished_once_every_shard_is_done_or_sealed():

@@ -46,6 +46,58 @@ def test_stealing_and_backups_under_random_slowness_keep_every_shard_once(tmp_pa
     assert logged and all("slowness" in e and "cutoff" in e for e in logged)
 
 
+def test_a_stall_nobody_predicted_is_rescued_within_its_step(tmp_path, reference):
+    stall_s = 20.0
+    result = run(
+        tmp_path, "rescue", "scaling.workers=4", f"chaos.stall=[{{worker: 2, at_step: 8, seconds: {stall_s}}}]",
+        "stragglers.evict=false",
+    )
+    assert_same_params(params(result.run_dir), reference, "rescue")
+    events = result.summary["events"]
+    # Rescued by the watch of the waiting workers, after the all-reduce: had worker 2 been a
+    # suspect, its shards would have been stolen inside the step and no rescue pass run.
+    assert events["rescues"] == 1
+    (rescue,) = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "rescue"]
+    assert rescue["step"] == 8 and set(rescue["stalled"]) == {"2"}
+    telemetry = jsonl(result.run_dir / "telemetry.jsonl")
+    step8 = {r["worker"]: r for r in telemetry if r["step"] == 8}
+    assert max(r["step_s"] for r in step8.values()) < 0.1 * stall_s
+    assert step8[2]["shards"] == [] and step8[2]["stalled_s"] < 0.1 * stall_s
+    assert sorted(s for r in step8.values() for s in r["shards"]) == list(range(16))
+    assert rescue["shards"] == events["rescued_shards"] == step8[0]["rescued"] > 0
+    assert sum(r["stolen"] for r in step8.values()) == rescue["shards"]
+    # Worker 2 found its shards taken, and goes on with its own from the next step.
+    step9 = {r["worker"]: r for r in telemetry if r["step"] == 9}
+    assert step9[2]["shards"] and step9[2]["stalled_s"] == 0 and step9[2]["rescued"] == 0
+    assert result.summary["wall_s"] < stall_s
+
+
+def test_random_stalls_are_rescued_and_the_counters_add_up(tmp_path, reference):
+    seed, probability, stall_s = 3, 0.1, 2.0
+    result = run(
+        tmp_path, "stalls", "scaling.workers=4",
+        f"chaos.stalls={{probability: {probability}, seconds: {stall_s}, seed: {seed}}}",
+        # Every worker keeps shards (a worker with none has no data to wait for).
+        "stragglers.rebalance=false", "stragglers.evict=false",
+    )
+    assert_same_params(params(result.run_dir), reference, "stalls")
+    telemetry = jsonl(result.run_dir / "telemetry.jsonl")
+    drawn = {(w, s) for w in range(4) for s in range(25) if random.Random(f"{seed}/{w}/{s}").random() < probability}
+    assert {(r["worker"], r["step"]) for r in telemetry if r["stalled_s"] > 0} == drawn
+    steps = {s: [r for r in telemetry if r["step"] == s] for s in range(25)}
+    for step, reports in steps.items():
+        assert sorted(s for r in reports for s in r["shards"]) == list(range(16)), step
+        if step >= 3 and any((r["worker"], step) in drawn for r in reports):
+            assert max(r["step_s"] for r in reports) < stall_s / 2, (step, reports)
+    events = result.summary["events"]
+    assert events["rescues"] == sum(1 for reports in steps.values() if reports[0]["rescued"]) >= 1
+    assert events["rescued_shards"] == sum(reports[0]["rescued"] for reports in steps.values())
+    for counter, field in (("stolen_shards", "stolen"), ("speculative_shards", "backups"),
+                           ("speculative_won", "backups_won"), ("races_lost", "races_lost")):
+        assert events[counter] == sum(r[field] for r in telemetry), counter
+    assert events["speculative_won"] <= events["speculative_shards"]
+
+
 def test_a_persistently_slow_worker_gets_fewer_shards(tmp_path, reference):
     result = run(
         tmp_path, "rebalance", "scaling.workers=4", "steps=25",
@@ -77,7 +129,8 @@ def test_without_mitigation_the_plan_is_kept(tmp_path):
 def test_a_stalled_worker_is_removed_as_a_failure_and_the_job_finishes_without_waiting(tmp_path, reference):
     result = run(
         tmp_path, "stall", "scaling.workers=4",
-        "chaos.stall=[{worker: 2, at_step: 6, seconds: 120}]", "stragglers.silent_s=2",
+        # Stalled after sealing its shards: nobody can take them, everyone waits for it.
+        "chaos.stall=[{worker: 2, at_step: 6, seconds: 120, during: compute}]", "stragglers.silent_s=2",
     )
     assert_same_params(params(result.run_dir), reference, "stall")
     summary = result.summary

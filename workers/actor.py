@@ -62,7 +62,7 @@ from workers.protocol import (
     StepTelemetry,
     WorkerInfo,
 )
-from workers.step import BOOKKEEPING_SLOTS, LOSS_SLOT, SAMPLES_SLOT, WEIGHT_SLOT, StepRunner
+from workers.step import BOOKKEEPING_SLOTS, LOSS_SLOT, SAMPLES_SLOT, WEIGHT_SLOT, ClaimedStep, RescuePass, StepRunner
 from workers.training import FlatParameters, evaluate_job, finish_gradient
 
 
@@ -316,26 +316,30 @@ class TrainWorker:
             raise RuntimeError(f"asked for step {step}, but this replica's next step is {self.next_step}")
         started = time.perf_counter()
         self._reducing_step = step
-        self._enter(step, Phase.STALL)
-        stalled_s = self.chaos.stall(step)
         self._enter(step, Phase.COMPUTE)
         self.flat.zero()
         self.runner.loss_scale = self.scaler.scale
+        watch = None
         if plan.mitigating:
             claims = ShardClaims(self.claims_store, step, plan, self.rank)
-            work = self.runner.run_claimed(
-                step, plan, claims, self.reducer, self.job.timeouts.collective_s, self.abort_flag
-            )
+            claimed = ClaimedStep(step, plan, claims, self.reducer, self.job.timeouts.collective_s, self.abort_flag)
+            work = self.runner.run_claimed(claimed)
+            watch = self.runner.watch(claimed, work)
         else:
             work = self.runner.run_fixed(step, list(plan.shards_by_rank[self.rank]), plan.num_shards, self.reducer)
-        self.chaos.record(work.compute_s, work.shards_run)
         computed = time.perf_counter()
+        compute_s = computed - started - work.idle_s - work.stalled_s  # before any rescue pass
         self._enter(step, Phase.REDUCE)
         if self.chaos.kill_due("step", step):
             kill_self(self._record_death)  # mid all-reduce: overlapped buckets are on the wire
-        comm_s = self.reducer.finish()
+        comm_s = self.reducer.finish(watch)
+        rescue = RescuePass()
+        if plan.mitigating:
+            rescue = self.runner.rescue(claimed, work)
+            comm_s += rescue.comm_s
         extra = self.flat.extra.cpu()
         counts = extra[: plan.num_shards]
+        self.chaos.record(step, work.compute_s, work.shards_run)
         if not torch.all(counts == 1):
             bad = {i: float(c) for i, c in enumerate(counts.tolist()) if c != 1}
             raise ShardCensusError(f"step {step}: shards not committed exactly once: {bad}")
@@ -375,7 +379,7 @@ class TrainWorker:
             weight=weight,
             grad_norm=update.grad_norm,
             skipped=skipped,
-            compute_s=computed - started - work.idle_s - stalled_s,
+            compute_s=compute_s,
             comm_s=comm_s,
             optim_s=done - reduced,
             step_s=done - started,
@@ -384,7 +388,9 @@ class TrainWorker:
             samples_per_s=work.total.samples / busy_s if busy_s > 0 else 0.0,
             weight_per_s=work.total.weight / busy_s if busy_s > 0 else 0.0,
             idle_s=work.idle_s,
-            stalled_s=stalled_s,
+            stalled_s=work.stalled_s,
+            rescued=rescue.shards,
+            rescue_s=rescue.seconds,
             bytes_sent=self.group.bytes_sent if self.group is not None else 0,
             stolen=work.stolen,
             backups=work.backups,

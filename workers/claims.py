@@ -56,22 +56,34 @@ class ShardClaims:
         self.me = me
         self._opened: set[int] = set()
 
-    def states(self) -> dict[int, ClaimState]:
+    def read(self) -> tuple[dict[int, ClaimState], list[str]]:
+        """Every shard's state, and every rank's block value (``free``, ``open`` or
+        ``sealed:<rank>``), in one round trip."""
         values = [v.decode() for v in self.store.multi_get(self.all_keys)]
-        sealed = {rank for rank, v in enumerate(values[self.num_shards :]) if v == f"sealed:{rank}"}
-        return {
+        blocks = values[self.num_shards :]
+        sealed = {rank for rank, v in enumerate(blocks) if v == f"sealed:{rank}"}
+        states = {
             shard: ClaimState(ClaimKind.SEALED, self.owner_of[shard])
             if self.owner_of[shard] in sealed
             else ClaimState.decode(value)
             for shard, value in enumerate(values[: self.num_shards])
         }
+        return states, blocks
+
+    def states(self) -> dict[int, ClaimState]:
+        return self.read()[0]
+
+    def block_taken(self) -> bool:
+        """Whether someone has opened my block (only I open it otherwise, by claiming one of
+        my shards alone): my shards are no longer all mine to seal."""
+        return self.store.get(self.blocks[self.me]).decode() == OPEN
 
     def claim_block(self) -> bool:
         """Seal all my planned shards at once: fails if someone has opened my block."""
         mine = ClaimState(ClaimKind.SEALED, self.me).encode()
         return self.store.compare_set(self.blocks[self.me], FREE.encode(), mine).decode() == mine
 
-    def _open_block(self, rank: int) -> bool:
+    def open_block(self, rank: int) -> bool:
         """Open ``rank``'s block for single-shard moves; False if its owner sealed it whole."""
         if rank not in self._opened:
             if self.store.compare_set(self.blocks[rank], FREE.encode(), OPEN).decode() != OPEN:
@@ -87,7 +99,7 @@ class ShardClaims:
     def claim(self, shard: int, *, seal: bool = False) -> bool:
         """free -> run by me (sealed by me with ``seal``: certain to count, never backed up)."""
         mine = ClaimState(ClaimKind.SEALED if seal else ClaimKind.RUN, self.me)
-        return self._open_block(self.owner_of[shard]) and self._move(shard, FREE, mine) == mine
+        return self.open_block(self.owner_of[shard]) and self._move(shard, FREE, mine) == mine
 
     def start_backup(self, shard: int, owner: int) -> bool:
         """run by ``owner`` -> race between ``owner`` and me."""

@@ -53,6 +53,10 @@ class PendingOp:
         self._group = group
         self._what = what
 
+    def done(self) -> bool:
+        """Whether the operation has ended (``wait`` then returns or raises at once)."""
+        return self._future.done()
+
     def wait(self) -> None:
         """Block until done. Raises CollectiveAborted, CollectiveTimeout (both break the group)
         or the error the operation itself raised; a RuntimeError from the operation (gloo/NCCL:

@@ -13,6 +13,10 @@ from workers.ring import HierarchicalAllReduce, RingAllReduce
 
 
 class PendingReduce(Protocol):
+    def done(self) -> bool:
+        """Whether the sum has ended (``wait`` then returns or raises at once)."""
+        ...
+
     def wait(self) -> None:
         """Block until the sum is in place; raises CollectiveTimeout/CollectiveAborted."""
         ...

@@ -37,6 +37,9 @@ class _Then:
         self._pending = pending
         self._then = then
 
+    def done(self) -> bool:
+        return self._pending.done()
+
     def wait(self) -> None:
         self._pending.wait()
         self._then()

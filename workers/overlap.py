@@ -13,6 +13,7 @@ whose backward skipped some parameters, launches the rest in ``finish`` in that 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ from workers.training import FlatParameters
 FIRST_BUCKET_BYTES = 1 << 20
 # Buckets of an explicitly chosen algorithm when the job sets no bucket_mb.
 DEFAULT_BUCKET_BYTES = 4 << 20
+# How often a rank waiting for the all-reduce looks at the step's claims (a store round trip).
+WATCH_POLL_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -125,8 +128,13 @@ class GradientReducer:
         self._pending = []
         self._armed = self.overlap
 
-    def finish(self) -> float:
-        """Launch what backward did not, wait for every bucket; returns seconds waited."""
+    def finish(self, watch: Callable[[], bool] | None = None) -> float:
+        """Launch what backward did not, wait for every bucket; returns seconds waited.
+
+        ``watch`` (the step's rescue watch, ``workers/step.py``) is called every
+        ``WATCH_POLL_S`` while a bucket is still being summed, until it returns False; it must
+        return False once it has nothing more to do or the abort flag is up (the wait proper,
+        with its abort and timeout, comes after it)."""
         started = time.perf_counter()
         if not self._armed:
             self._pending = []
@@ -136,8 +144,19 @@ class GradientReducer:
         if self.extra_comm is not None and self.grads.extra.numel():
             self._pending.append(self.extra_comm.start_sum(self.grads.extra))
         try:
+            if watch is not None:
+                while not all(p.done() for p in self._pending) and watch():
+                    time.sleep(WATCH_POLL_S)
             for pending in self._pending:
                 pending.wait()
         finally:
             self._pending = []
+        return time.perf_counter() - started
+
+    def sum_whole(self) -> float:
+        """Sum the whole buffer, bookkeeping included, exactly (never compressed) in one
+        collective after backward; returns seconds waited. The rescue pass of a step uses it:
+        it is rare, and its shards' gradient then counts the same whoever computed it."""
+        started = time.perf_counter()
+        (self.extra_comm or self.comm).start_sum(self.grads.buffer).wait()
         return time.perf_counter() - started

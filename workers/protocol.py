@@ -156,6 +156,9 @@ class StepTelemetry:
     token-level loss) per second of its compute;
     ``bytes_sent``: by this worker's process group since it was formed (cumulative).
     ``stolen``/``backups``/``backups_won``/``races_lost``: this step's straggler mitigation.
+    ``rescued``: shards nobody brought to the step's all-reduce (their owner was stalled and
+    stopped waiting), run in its rescue pass (the same on every rank); ``rescue_s``: the
+    seconds that pass took here, its all-reduce included (also counted in ``comm_s``).
     """
 
     step: int
@@ -180,6 +183,8 @@ class StepTelemetry:
     weight_per_s: float = 0.0
     idle_s: float = 0.0
     stalled_s: float = 0.0
+    rescued: int = 0
+    rescue_s: float = 0.0
     bytes_sent: int = 0
     stolen: int = 0
     backups: int = 0

@@ -24,13 +24,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from policies.work_stealing import Backup, ClaimKind, Finished, RunShards, StepPlan, Wait, pick_work
+from policies.work_stealing import (
+    FREE, Backup, ClaimKind, ClaimState, Finished, RunShards, StepPlan, Wait, block_late, pick_work,
+)
 from workers.chaos import ChaosSchedule
 from workers.claims import ShardClaims
 from workers.comm_group import CollectiveAborted, CollectiveTimeout
@@ -87,8 +89,8 @@ BOOKKEEPING_SLOTS = 3
 
 @dataclass
 class StepWork:
-    """What this worker did in a step: the shards whose gradient it contributes, and counts
-    (``total``: their loss sum, weight and samples)."""
+    """What this worker did in a step (or in its rescue pass): the shards whose gradient it
+    contributes, and counts (``total``: their loss sum, weight and samples)."""
 
     committed: list[int] = field(default_factory=list)
     total: PassResult = PassResult()
@@ -96,10 +98,57 @@ class StepWork:
     compute_s: float = 0.0  # forward + backward, all passes
     slowed_s: float = 0.0  # injected slowness (chaos), part of the compute it stands for
     idle_s: float = 0.0  # waiting for other workers' shards before the all-reduce
+    stalled_s: float = 0.0  # injected stalls (chaos)
+    #: Until when (time.monotonic) a fetch stall this worker stopped waiting out would have
+    #: held its data up: it computes nothing before then (its shards went to the rescue pass).
+    stalled_until: float = 0.0
     stolen: int = 0
     backups: int = 0
     backups_won: int = 0
     races_lost: int = 0
+    #: Each shard's claim state as this worker last saw it, and since when (time.monotonic):
+    #: how long a shard has sat in one state, as this worker observed it (no clock is shared).
+    seen: dict[int, tuple[str, float]] = field(default_factory=dict, repr=False)
+
+    def ages(self, states: dict[int, ClaimState], now: float) -> dict[int, float]:
+        """Seconds each shard has been in its current state, as far as this worker has seen."""
+        ages = {}
+        for shard, state in states.items():
+            code = state.encode()
+            if self.seen.get(shard, ("", 0.0))[0] != code:
+                self.seen[shard] = (code, now)
+            ages[shard] = now - self.seen[shard][1]
+        return ages
+
+    def add(self, other: "StepWork") -> None:
+        """Count ``other``'s passes (a rescue pass's) in this one's totals; its idle time is
+        not this part's (it was spent after the all-reduce, not before)."""
+        for name in ("shards_run", "compute_s", "slowed_s", "stolen", "backups", "backups_won", "races_lost"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass(frozen=True)
+class ClaimedStep:
+    """One step run through the claims: its ``plan``, this rank's ``claims`` on it, the
+    ``reducer`` its sealed pass overlaps with, how long any wait may last (``deadline_s``) and
+    the driver's ``abort`` flag."""
+
+    step: int
+    plan: StepPlan
+    claims: ShardClaims
+    reducer: GradientReducer
+    deadline_s: float
+    abort: threading.Event
+
+
+@dataclass(frozen=True)
+class RescuePass:
+    """A step's rescue pass: ``shards`` run in it (0: there was none), the ``seconds`` it took
+    on this worker, ``comm_s`` of them in its all-reduce."""
+
+    shards: int = 0
+    seconds: float = 0.0
+    comm_s: float = 0.0
 
 
 class StepRunner:
@@ -189,8 +238,12 @@ class StepRunner:
         extra[num_shards + WEIGHT_SLOT] = work.total.weight
 
     def run_fixed(self, step: int, shards: list[int], num_shards: int, reducer: GradientReducer) -> StepWork:
-        """Exactly ``shards``; the final pass overlaps with the all-reduce."""
+        """Exactly ``shards``, after sitting out any stall; the final pass overlaps with the all-reduce."""
         work = StepWork()
+        if self.chaos.stall_s(step, "fetch") + self.chaos.stall_s(step, "compute") > 0:
+            self.on_phase(Phase.STALL)
+            work.stalled_s = self.chaos.stall(step)
+            self.on_phase(Phase.COMPUTE)
         work.slowed_s += self.chaos.slow_down(step, len(shards), lambda: False)
         self._final_passes(step, shards, num_shards, reducer, work)
         return work
@@ -218,43 +271,125 @@ class StepRunner:
             if not final:
                 work.total = work.total + result
 
-    def run_claimed(
-        self,
-        step: int,
-        plan: StepPlan,
-        claims: ShardClaims,
-        reducer: GradientReducer,
-        deadline_s: float,
-        abort: threading.Event,
-    ) -> StepWork:
-        """Claim, steal and back up shards until every shard is done or sealed."""
+    def run_claimed(self, ctx: ClaimedStep) -> StepWork:
+        """Wait out a fetch stall, then claim, steal and back up shards until every shard is
+        done or sealed. A fetch stall is waited out watching my block: once a peer has opened
+        it (docs/architecture.md, "Rescue") my shards are no longer mine to seal, so I stop
+        waiting and bring nothing to the all-reduce; the rescue pass (``rescue``) runs them."""
         work = StepWork()
-        seen: dict[int, tuple[str, float]] = {}
+        claims, step = ctx.claims, ctx.step
+        # A rank with no shards this step has no data to wait for.
+        fetch_s = self.chaos.stall_s(step, "fetch") if ctx.plan.shards_by_rank[claims.me] else 0.0
+        if fetch_s > 0:
+            taken = False
+
+            def given_up() -> bool:
+                nonlocal taken
+                taken = claims.block_taken()
+                return taken
+
+            self.on_phase(Phase.STALL)
+            work.stalled_s = self.chaos.stall(step, "fetch", given_up)
+            self.on_phase(Phase.COMPUTE)
+            if taken:
+                work.stalled_until = time.monotonic() + fetch_s - work.stalled_s
+                self._write_bookkeeping(work, ctx.plan.num_shards)
+                return work
+        self._claim_loop(ctx, ctx.plan, work, overlap=True)
+        return work
+
+    def watch(self, ctx: ClaimedStep, work: StepWork) -> Callable[[], bool]:
+        """What this rank does while it waits for the step's all-reduce: open the block of any
+        peer whose shards all still sit unstarted after ``late_factor`` x their expected time
+        (``block_late``). The peer, seeing it while it waits for its data, stops waiting and
+        brings nothing to the all-reduce; its shards go to the rescue pass. The returned
+        callable does one look (a store round trip) and says whether to look again: while some
+        peer with shards has not sealed its block or had it opened, and neither the driver's
+        abort nor the deadline came first."""
+        until = time.monotonic() + ctx.deadline_s
+        plan, claims = ctx.plan, ctx.claims
+
+        def look() -> bool:
+            if not plan.steal or ctx.abort.is_set() or time.monotonic() > until:
+                return False
+            states, blocks = claims.read()
+            ages = work.ages(states, time.monotonic())
+            undecided = [
+                rank for rank, value in enumerate(blocks)
+                if value == FREE.encode() and rank != claims.me and plan.shards_by_rank[rank]
+            ]
+            for rank in undecided:
+                if block_late(plan, rank, states, ages):
+                    claims.open_block(rank)
+            return bool(undecided)
+
+        return look
+
+    def rescue(self, ctx: ClaimedStep, work: StepWork) -> RescuePass:
+        """After the step's all-reduce: if its census (the same on every rank) shows shards
+        nobody brought (their owner stopped waiting for its data, see ``run_claimed``), run the
+        rescue pass for them, on every rank alike. The reduced gradient is set aside and the
+        buffer zeroed; every rank claims, steals and backs up the shards still free until all
+        are done; nobody seals (every rank counts as a suspect), so each shard counts through a
+        compare-and-set commit; a rank whose data is still held up (``work.stalled_until``)
+        only waits. The pass is summed exactly in one more all-reduce and added back. Its
+        passes and commits are added to ``work``. A census that is not all 0s and 1s is left
+        for the caller to reject."""
+        counts = self.flat.extra[: ctx.plan.num_shards]
+        missing = int((counts == 0).sum())
+        if not missing or not bool(torch.all((counts == 0) | (counts == 1))):
+            return RescuePass()
+        started = time.perf_counter()
+        reduced = self.flat.buffer.clone()
+        self.flat.zero()
+        self.on_phase(Phase.COMPUTE)
+        rescue = StepWork(seen=work.seen)
+        everyone = frozenset(range(len(ctx.plan.shards_by_rank)))
+        self._claim_loop(
+            ctx, replace(ctx.plan, suspects=everyone), rescue, overlap=False,
+            can_compute=lambda: time.monotonic() >= work.stalled_until,
+        )
+        self.on_phase(Phase.REDUCE)
+        comm_s = ctx.reducer.sum_whole()
+        self.flat.buffer.add_(reduced)
+        work.add(rescue)
+        work.committed += rescue.committed
+        work.total = work.total + rescue.total
+        return RescuePass(missing, time.perf_counter() - started, comm_s)
+
+    def _claim_loop(
+        self,
+        ctx: ClaimedStep,
+        plan: StepPlan,
+        work: StepWork,
+        *,
+        overlap: bool,
+        can_compute: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Claim, steal and back up shards of ``plan`` until every shard is done or sealed, or
+        (``overlap``) until my sealed final pass is on its way in the all-reduce. While
+        ``can_compute()`` is False, work found is left to others (as if there were none)."""
+        step, claims = ctx.step, ctx.claims
         waited_since: float | None = None
+        compute_stall = self.chaos.stall_s(step, "compute") if overlap else 0.0
         while True:
-            if abort.is_set():
+            if ctx.abort.is_set():
                 raise CollectiveAborted(f"step {step} aborted by the driver")
             states = claims.states()
             now = time.monotonic()
-            ages = {}
-            for shard, state in states.items():
-                code = state.encode()
-                if seen.get(shard, ("", 0.0))[0] != code:
-                    seen[shard] = (code, now)
-                ages[shard] = now - seen[shard][1]
-            decision = pick_work(claims.me, plan, states, ages)
+            decision = pick_work(claims.me, plan, states, work.ages(states, now))
             if isinstance(decision, Finished):
                 if waited_since is not None:
                     work.idle_s += now - waited_since
                 break
-            if isinstance(decision, Wait):
+            if isinstance(decision, Wait) or not can_compute():
                 if waited_since is None:
                     waited_since = now
                     self.on_phase(Phase.IDLE)
-                if now - waited_since > deadline_s:
+                if now - waited_since > ctx.deadline_s:
                     raise CollectiveTimeout(
                         f"step {step}: shards {[s for s, st in states.items() if st.kind is not ClaimKind.DONE]} "
-                        f"not committed within {deadline_s:.0f}s"
+                        f"not committed within {ctx.deadline_s:.0f}s"
                     )
                 time.sleep(POLL_S)
                 continue
@@ -276,13 +411,19 @@ class StepRunner:
                 continue
             if decision.stolen_from >= 0:
                 work.stolen += len(claimed)
+            elif compute_stall > 0:  # held up in my own shards' compute, now they are mine
+                self.on_phase(Phase.STALL)
+                work.stalled_s += self.chaos.stall(step, "compute")
+                self.on_phase(Phase.COMPUTE)
+                compute_stall = 0.0
             if decision.seal:
+                if not overlap:
+                    raise AssertionError("sealed shards in a pass with no all-reduce to overlap")
                 work.slowed_s += self.chaos.slow_down(step, len(claimed), lambda: False)
-                self._final_passes(step, claimed, plan.num_shards, reducer, work)
-                return work  # the all-reduce of this pass is under way: no more gradient may be added
+                self._final_passes(step, claimed, plan.num_shards, ctx.reducer, work)
+                return  # the all-reduce of this pass is under way: no more gradient may be added
             self._own_pass(step, claimed, claims, work)
         self._write_bookkeeping(work, plan.num_shards)
-        return work
 
     def _own_pass(self, step: int, claimed: list[int], claims: ShardClaims, work: StepWork) -> None:
         """Run shards claimed (not sealed) by me; only those whose commit wins keep their gradient."""

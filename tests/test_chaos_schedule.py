@@ -1,0 +1,66 @@
+"""The injected slowness and stalls of one worker (``workers/chaos.py``): pure timing, no Ray."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from orchestrator.config import ChaosConfig
+from workers.chaos import ChaosSchedule
+
+
+def _schedule(chaos: dict, worker: int = 0) -> ChaosSchedule:
+    return ChaosSchedule.for_worker(ChaosConfig.model_validate(chaos), worker, threading.Event())
+
+
+def test_a_slowdown_multiplies_the_compute_measured_before_it_began():
+    schedule = _schedule({"slow": [{"worker": 0, "factor": 4, "from_step": 5}]})
+    for step in range(5):
+        schedule.record(step, 0.010 * 2, shards=2)
+    # Slowed, the worker's compute looks slower (contention, few shards per pass, lost races):
+    # none of that may feed the sleep, or a 4x worker ends up far slower than 4x.
+    for step in range(5, 30):
+        schedule.record(step, 0.050, shards=1)
+    assert schedule.base_shard_s() == pytest.approx(0.010)
+    slept = schedule.slow_down(30, shards=1, interrupted=lambda: False)
+    assert slept == pytest.approx(3 * 0.010, abs=0.008)
+    # After the spell the base follows the worker's compute again.
+    late = _schedule({"slow": [{"worker": 0, "factor": 4, "from_step": 5, "to_step": 10}]})
+    late.record(0, 0.010, 1)
+    late.record(12, 0.020, 1)
+    assert 0.010 < late.base_shard_s() < 0.020
+
+
+def test_a_slowdown_from_the_first_step_takes_its_base_from_its_first_steps():
+    schedule = _schedule({"slow": [{"worker": 0, "factor": 4}]})
+    assert schedule.slow_down(0, 1, lambda: False) == 0.0  # nothing measured yet
+    for step, shard_s in enumerate([0.200, 0.010, 0.012]):  # step 0 warms up
+        schedule.record(step, shard_s, 1)
+    for step in range(3, 20):
+        schedule.record(step, 0.080, 1)
+    assert schedule.base_shard_s() == pytest.approx(0.012)
+
+
+def test_random_stalls_are_drawn_from_seed_worker_and_step_alone():
+    chaos = {"stalls": {"probability": 0.05, "seconds": 2.0, "seed": 7}}
+    drawn = {w: [s for s in range(4000) if _schedule(chaos, w).stall_s(s, "fetch")] for w in (0, 1)}
+    again = [s for s in range(4000) if _schedule(chaos, 0).stall_s(s, "fetch")]
+    assert drawn[0] == again and drawn[0] != drawn[1]
+    assert 0.035 < len(drawn[0]) / 4000 < 0.065
+    assert all(_schedule(chaos, 0).stall_s(s, "fetch") == 2.0 for s in drawn[0][:5])
+    assert not any(_schedule(chaos, 0).stall_s(s, "compute") for s in drawn[0])  # only where asked
+    other_seed = {"stalls": {**chaos["stalls"], "seed": 8}}
+    assert drawn[0] != [s for s in range(4000) if _schedule(other_seed, 0).stall_s(s, "fetch")]
+
+
+def test_a_planned_stall_holds_up_its_point_and_is_cut_short_once_given_up():
+    schedule = _schedule({"stall": [{"worker": 0, "at_step": 3, "seconds": 5}, {"worker": 0, "at_step": 4, "seconds": 0.05, "during": "compute"}]})
+    assert schedule.stall_s(3, "fetch") == 5 and schedule.stall_s(3, "compute") == 0
+    assert schedule.stall_s(4, "compute") == 0.05 and schedule.stall(2) == 0.0
+    asked = []
+    started = time.perf_counter()
+    slept = schedule.stall(3, "fetch", given_up=lambda: asked.append(1) or len(asked) >= 3)
+    assert slept < 1 and time.perf_counter() - started < 1 and len(asked) == 3
+    assert schedule.stall(4) == pytest.approx(0.05, abs=0.03)  # all points: the compute one
