@@ -1,10 +1,20 @@
-"""Straggler benchmark: one of four workers computes ``factor`` times slower.
+"""Straggler benchmark: one worker slowed, or random transient stalls on every worker.
 
-In one run, interleaved and repeated: (a) ringleader with no slowness, (b) slowness with
-mitigation off, (c) slowness with mitigation on, (d) Ray Train ``TorchTrainer`` (DDP) with the
-same slowness injected the same way (``workers/chaos.py``), and (e) no slowness with mitigation
-off, which prices the mitigation when nothing is slow (a / e). The ideal for (c) is (a) scaled
-by the workers' summed speed: a x (n - 1 + 1/factor) / n.
+``--kind slow``: the last of the workers computes ``factor`` times slower throughout.
+``--kind stall``: each step of each worker stalls with ``probability`` for ``stall_steps`` x the
+clean step time (measured first, in a calibration run), ``during`` its data fetch (which the
+mitigation can rescue) or its compute (after it sealed its shards: nobody can take them over).
+The stalls are drawn from a seed, the worker id and the step alone, so every variant and Ray
+Train see exactly the same ones (``workers/chaos.py``).
+
+In one run, interleaved and repeated: (a) ringleader clean, (b) the chaos with mitigation off,
+(c) the chaos with mitigation on, (d) Ray Train ``TorchTrainer`` (DDP) with the same chaos
+injected the same way, and (e) clean with mitigation off, which prices the mitigation when
+nothing is slow (a / e). For ``slow`` the ideal for (c) is (a) scaled by the workers' summed
+speed, a x (n - 1 + 1/factor) / n; for ``stall`` it is (a) (a stalled worker uses no CPU, so
+on this machine the others can absorb its work), and ``hidden`` is the share of the time the
+stalls cost without mitigation that the mitigation won back, in seconds per sample:
+(1/b - 1/c) / (1/b - 1/a).
 """
 
 from __future__ import annotations
@@ -13,8 +23,9 @@ import json
 import os
 import statistics
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from benchmarks.throughput import run_once
 from benchmarks.workloads import workload_job
@@ -23,9 +34,37 @@ from orchestrator.config import JobConfig
 VARIANTS = ("clean", "unmitigated", "mitigated", "ray_train", "clean_unmitigated")
 
 
-def variant_job(base: JobConfig, variant: str, factor: float) -> tuple[str, JobConfig]:
-    """(framework, job) for one variant; the last worker is the slow one."""
-    slow = [{"worker": base.scaling.workers - 1, "factor": factor}] if variant in ("unmitigated", "mitigated", "ray_train") else []
+@dataclass(frozen=True)
+class StragglerChaos:
+    """What goes wrong: ``kind`` ``slow`` (the last worker ``factor`` x slower) or ``stall``
+    (each worker-step stalls with ``probability`` for ``stall_steps`` clean steps, ``during``
+    its fetch or compute, drawn from ``seed``)."""
+
+    kind: str = "slow"
+    factor: float = 3.0
+    probability: float = 0.02
+    stall_steps: float = 20.0
+    during: str = "fetch"
+    seed: int = 0
+
+    def entries(self, workers: int, step_s: float) -> dict[str, Any]:
+        """The job's ``chaos`` section, given the clean step time ``step_s`` (seconds)."""
+        if self.kind == "slow":
+            return {"slow": [{"worker": workers - 1, "factor": self.factor}]}
+        if self.kind == "stall":
+            seconds = self.stall_steps * step_s
+            return {"stalls": {"probability": self.probability, "seconds": seconds, "seed": self.seed, "during": self.during}}
+        raise ValueError(f"unknown straggler kind {self.kind!r}; expected 'slow' or 'stall'")
+
+    def describe(self, workers: int) -> str:
+        if self.kind == "slow":
+            return f"worker {workers - 1} {self.factor:g}x slower"
+        return (f"each worker-step stalls with p={self.probability:g} for {self.stall_steps:g} clean steps "
+                f"during its {self.during} (seed {self.seed})")
+
+
+def variant_job(base: JobConfig, variant: str, chaos: dict[str, Any]) -> tuple[str, JobConfig]:
+    """(framework, job) for one variant, ``chaos`` injected where the variant has it."""
     mitigation = variant in ("clean", "mitigated")
     # Fit all workers on this machine: a CPU share each, at most one.
     cpus = min(1.0, (os.cpu_count() or 1) / base.scaling.workers)
@@ -33,7 +72,7 @@ def variant_job(base: JobConfig, variant: str, factor: float) -> tuple[str, JobC
         {
             **base.model_dump(),
             "scaling": {**base.scaling.model_dump(), "resources_per_worker": {"CPU": cpus}},
-            "chaos": {"slow": slow},
+            "chaos": chaos if variant in ("unmitigated", "mitigated", "ray_train") else {},
             "stragglers": {**base.stragglers.model_dump(), "mitigation": mitigation},
         }
     )
@@ -41,46 +80,70 @@ def variant_job(base: JobConfig, variant: str, factor: float) -> tuple[str, JobC
 
 
 def run_benchmark(
-    workload: str, workers: int, steps: int, factor: float, repeats: int, log: Callable[[str], None] = print
-) -> dict[str, list[float]]:
-    """samples/s of every variant in every repeat."""
+    workload: str, workers: int, steps: int, chaos: StragglerChaos, repeats: int, log: Callable[[str], None] = print
+) -> tuple[float, dict[str, list[float]]]:
+    """(the clean step time the chaos was scaled by, samples/s of every variant in every repeat)."""
     base = workload_job(workload, workers, steps)
     rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="rl-straggler-") as scratch:
+        step_s = 0.0
+        if chaos.kind == "stall":  # calibrate: the clean step time sets the stalls' length
+            framework, job = variant_job(base, "clean", {})
+            step_s = run_once(framework, job, Path(scratch) / "calibration").step_s
+            log(f"  calibration: clean step {step_s * 1000:.1f} ms, stalls of {chaos.stall_steps * step_s:.2f} s")
+        entries = chaos.entries(workers, step_s)
         for repeat in range(repeats):
             for variant in VARIANTS:
-                framework, job = variant_job(base, variant, factor)
+                framework, job = variant_job(base, variant, entries)
                 row = run_once(framework, job, Path(scratch) / f"{repeat}-{variant}")
                 rates[variant].append(row.samples_per_s)
                 log(f"  [{repeat + 1}/{repeats}] {variant:18s} {row.samples_per_s:9.0f} samples/s")
-    return rates
+    return step_s, rates
 
 
-def summarize(rates: dict[str, list[float]], workers: int, factor: float) -> dict[str, object]:
+def summarize(rates: dict[str, list[float]], workers: int, chaos: StragglerChaos) -> dict[str, object]:
     medians = {v: statistics.median(r) for v, r in rates.items()}
-    ideal = medians["clean"] * (workers - 1 + 1 / factor) / workers
-    return {
+    clean, unmitigated, mitigated = medians["clean"], medians["unmitigated"], medians["mitigated"]
+    ideal = clean * (workers - 1 + 1 / chaos.factor) / workers if chaos.kind == "slow" else clean
+    ratios = {
+        "mitigated/clean": mitigated / clean,
+        "mitigated/ideal": mitigated / ideal,
+        "mitigated/unmitigated": mitigated / unmitigated,
+        "mitigated/ray_train": mitigated / medians["ray_train"],
+        "clean/clean_unmitigated": clean / medians["clean_unmitigated"],
+    }
+    # The price of mitigation when nothing is slow, per repeat: its spread is the noise.
+    per_repeat = [a / b for a, b in zip(rates["clean"], rates["clean_unmitigated"])]
+    result: dict[str, object] = {
         "samples_per_s": {k: medians[k] for k in ("clean", "unmitigated", "mitigated", "ray_train")},
         "ideal": ideal,
         "clean_unmitigated": medians["clean_unmitigated"],
-        "ratios": {
-            "mitigated/ideal": medians["mitigated"] / ideal,
-            "mitigated/unmitigated": medians["mitigated"] / medians["unmitigated"],
-            "mitigated/ray_train": medians["mitigated"] / medians["ray_train"],
-            "clean/clean_unmitigated": medians["clean"] / medians["clean_unmitigated"],
-        },
+        "ratios": ratios,
+        "clean/clean_unmitigated per repeat": per_repeat,
     }
+    lost = 1 / unmitigated - 1 / clean  # seconds per sample the chaos cost without mitigation
+    if chaos.kind == "stall" and lost > 0:
+        result["hidden"] = (1 / unmitigated - 1 / mitigated) / lost
+    return result
 
 
-def main(workload: str, workers: int, steps: int, factor: float, repeats: int, json_path: str | None) -> int:
-    print(f"straggler: {workload}, {workers} workers, worker {workers - 1} {factor:g}x slower, {steps} steps, {repeats} repeats")
-    result = summarize(run_benchmark(workload, workers, steps, factor, repeats), workers, factor)
+def main(
+    workload: str, workers: int, steps: int, chaos: StragglerChaos, repeats: int, json_path: str | None
+) -> int:
+    print(f"straggler: {workload}, {workers} workers, {chaos.describe(workers)}, {steps} steps, {repeats} repeats")
+    step_s, rates = run_benchmark(workload, workers, steps, chaos, repeats)
+    result = summarize(rates, workers, chaos)
+    result["clean_step_s"] = step_s
     print(f"{'variant':18s} {'samples/s':>10s}")
     for name, value in result["samples_per_s"].items():  # type: ignore[union-attr]
         print(f"{name:18s} {value:10.0f}")
     print(f"{'ideal':18s} {result['ideal']:10.0f}")
     print(f"{'clean_unmitigated':18s} {result['clean_unmitigated']:10.0f}")
     print("  ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))  # type: ignore[union-attr]
+    spread = result["clean/clean_unmitigated per repeat"]
+    print(f"clean/clean_unmitigated per repeat: {' '.join(f'{r:.2f}' for r in spread)}")  # type: ignore[union-attr]
+    if "hidden" in result:
+        print(f"stall time hidden by mitigation: {result['hidden']:.0%}")
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
         print(f"wrote {json_path}")

@@ -82,12 +82,17 @@ def _parser() -> argparse.ArgumentParser:
     overlap.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
 
     straggler = benches.add_parser(
-        "straggler", help="one worker slowed: clean vs unmitigated vs mitigated vs Ray Train"
+        "straggler", help="a slowed worker or random stalls: clean vs unmitigated vs mitigated vs Ray Train"
     )
+    straggler.add_argument("--kind", choices=["slow", "stall"], default="slow")
     straggler.add_argument("--workload", choices=["digits", "tinylm"], default="digits")
     straggler.add_argument("--workers", type=int, default=4)
     straggler.add_argument("--steps", type=int, default=100)
-    straggler.add_argument("--factor", type=float, default=3.0, help="how many times slower the last worker is")
+    straggler.add_argument("--factor", type=float, default=3.0, help="slow: how many times slower the last worker is")
+    straggler.add_argument("--probability", type=float, default=0.02, help="stall: chance each worker-step stalls")
+    straggler.add_argument("--stall-steps", type=float, default=20.0, help="stall: its length, in clean step times")
+    straggler.add_argument("--during", choices=["fetch", "compute"], default="fetch", help="stall: where it strikes")
+    straggler.add_argument("--seed", type=int, default=0, help="stall: seed of the draws")
     straggler.add_argument("--repeats", type=int, default=2)
     straggler.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
 
@@ -250,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "straggler":
         from benchmarks import straggler
 
-        return straggler.main(args.workload, args.workers, args.steps, args.factor, args.repeats, args.json_path)
+        chaos = straggler.StragglerChaos(
+            args.kind, args.factor, args.probability, args.stall_steps, args.during, args.seed
+        )
+        return straggler.main(args.workload, args.workers, args.steps, chaos, args.repeats, args.json_path)
     if args.command == "bench" and args.bench == "recovery":
         from benchmarks import recovery
 

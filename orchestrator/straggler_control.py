@@ -90,12 +90,18 @@ class StragglerControl:
             self.counters["rescued_shards"] += reports[0].rescued
             self.event(
                 "rescue", step=step, shards=reports[0].rescued,
-                stalled={r.worker: round(r.stalled_s, 3) for r in reports if r.stalled_s > 0},
+                gave_up={r.worker: round(r.stalled_s, 3) for r in reports if r.gave_up},
                 rescue_s=round(max(r.rescue_s for r in reports), 4),
             )
-        # Lateness is judged on arrival at the all-reduce (stalls included), speed on shard_s.
+        # Lateness is judged on arrival at the all-reduce (stalls included), speed on shard_s;
+        # a worker that ran nothing (none planned) arrives at once and says nothing of either,
+        # but one that gave up its shards held the step up for as long as it waited.
         verdict = self.detector.observe(
-            step, [WorkerStep(r.worker, r.shards_run, r.shard_s, r.compute_s + r.stalled_s) for r in reports]
+            step,
+            [
+                WorkerStep(r.worker, r.shards_run, r.shard_s, r.compute_s + r.stalled_s if r.shards_run or r.gave_up else 0.0)
+                for r in reports
+            ],
         )
         for worker in verdict.late:
             self.counters["stragglers_detected"] += 1

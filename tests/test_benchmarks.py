@@ -11,6 +11,7 @@ import pytest
 from benchmarks.ray_head import start_head
 from benchmarks.collectives import MB, allreduce_rows, format_allreduce, overlap_result
 from benchmarks.straggler import VARIANTS as STRAGGLER_VARIANTS
+from benchmarks.straggler import StragglerChaos
 from benchmarks.straggler import run_benchmark as run_straggler
 from benchmarks.straggler import summarize as summarize_straggler
 from benchmarks.straggler import variant_job as straggler_variant_job
@@ -56,19 +57,35 @@ def test_overlap_benchmark_reports_both_modes():
         assert values["step_s"] > 0 and values["exposed_comm_s"] >= 0
 
 
+def test_straggler_benchmark_injects_the_same_chaos_into_every_variant_that_has_it():
+    base = workload_job("digits", 2, 5)
+    for chaos, field in ((StragglerChaos("slow", factor=3.0), "slow"), (StragglerChaos("stall", probability=0.1), "stalls")):
+        entries = chaos.entries(workers=2, step_s=0.05)
+        for variant in STRAGGLER_VARIANTS:
+            framework, job = straggler_variant_job(base, variant, entries)
+            chaotic = variant in ("unmitigated", "mitigated", "ray_train")
+            assert bool(getattr(job.chaos, field)) == chaotic
+            assert job.stragglers.mitigation == (variant in ("clean", "mitigated"))
+            assert framework == ("ray_train" if variant == "ray_train" else "ringleader")
+    assert [c.worker for c in straggler_variant_job(base, "ray_train", StragglerChaos().entries(2, 0.05))[1].chaos.slow] == [1]
+    stalls = straggler_variant_job(base, "mitigated", StragglerChaos("stall", stall_steps=20).entries(2, 0.05))[1].chaos.stalls
+    assert stalls.seconds == pytest.approx(1.0) and stalls.probability == 0.02
+
+
 @pytest.mark.usefixtures("private_ray_home")
-def test_straggler_benchmark_runs_every_variant_and_slows_the_same_worker():
-    rates = run_straggler(workload="digits", workers=2, steps=5, factor=3.0, repeats=1, log=lambda line: None)
+def test_straggler_benchmark_runs_every_variant_with_the_stalls_in_both_frameworks():
+    # Every step of every worker stalls (for 4 clean steps): nobody is left to rescue anyone,
+    # so each chaotic variant, Ray Train's included, must run far below clean.
+    chaos = StragglerChaos("stall", probability=1.0, stall_steps=4)
+    step_s, rates = run_straggler(workload="digits", workers=2, steps=5, chaos=chaos, repeats=1, log=lambda line: None)
+    assert step_s > 0
     assert set(rates) == set(STRAGGLER_VARIANTS) and all(len(r) == 1 and r[0] > 0 for r in rates.values())
-    result = summarize_straggler(rates, workers=2, factor=3.0)
+    result = summarize_straggler(rates, workers=2, chaos=chaos)
     assert set(result["samples_per_s"]) == {"clean", "unmitigated", "mitigated", "ray_train"}
-    assert result["ideal"] == pytest.approx(result["samples_per_s"]["clean"] * (1 + 1 / 3) / 2)
-    for variant in STRAGGLER_VARIANTS:  # the slow worker is the last one, in both frameworks
-        framework, job = straggler_variant_job(workload_job("digits", 2, 5), variant, 3.0)
-        slowed = variant in ("unmitigated", "mitigated", "ray_train")
-        assert [c.worker for c in job.chaos.slow] == ([1] if slowed else [])
-        assert job.stragglers.mitigation == (variant in ("clean", "mitigated"))
-        assert framework == ("ray_train" if variant == "ray_train" else "ringleader")
+    clean = result["samples_per_s"]["clean"]
+    for variant in ("unmitigated", "mitigated", "ray_train"):
+        assert result["samples_per_s"][variant] < clean / 2, (variant, result)
+    assert "hidden" in result and result["ideal"] == clean
 
 
 @pytest.mark.usefixtures("private_ray_home")

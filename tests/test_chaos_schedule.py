@@ -1,10 +1,12 @@
-"""The injected slowness and stalls of one worker (``workers/chaos.py``): pure timing, no Ray."""
+"""The injected slowness and stalls of one worker (`workers/chaos.py`) and the read ahead of
+its first batch (`workers/prefetch.py`): pure timing, no Ray."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from orchestrator.config import ChaosConfig
@@ -64,3 +66,23 @@ def test_a_planned_stall_holds_up_its_point_and_is_cut_short_once_given_up():
     slept = schedule.stall(3, "fetch", given_up=lambda: asked.append(1) or len(asked) >= 3)
     assert slept < 1 and time.perf_counter() - started < 1 and len(asked) == 3
     assert schedule.stall(4) == pytest.approx(0.05, abs=0.03)  # all points: the compute one
+
+
+def test_a_batch_read_ahead_is_waited_for_watching_and_taken_once_by_its_indices():
+    from workers.prefetch import BatchPrefetch
+
+    release = threading.Event()
+    prefetch = BatchPrefetch(lambda indices: indices * 10)
+    prefetch.start(np.arange(3), before=lambda: release.wait(5))
+    asked = []
+    assert not prefetch.wait(lambda: asked.append(1) or len(asked) >= 2)  # given up, read goes on
+    assert not prefetch.ready() and prefetch.take(np.arange(3)) is None
+    release.set()
+    assert prefetch.wait(lambda: False) and prefetch.ready()
+    assert prefetch.take(np.arange(4)) is None  # other indices: read them yourself
+    assert list(prefetch.take(np.arange(3))) == [0, 10, 20]
+    assert prefetch.take(np.arange(3)) is None  # once
+    prefetch.start(np.arange(2), before=lambda: 1 / 0)
+    assert prefetch.wait(lambda: False)
+    with pytest.raises(ZeroDivisionError):
+        prefetch.take(np.arange(2))

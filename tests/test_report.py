@@ -18,11 +18,12 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 @pytest.fixture(scope="module")
 def chaotic_run(tmp_path_factory):
     """A run where a worker is slow (stragglers, rebalancing), one is SIGKILLed (a failure, a
-    recovery, a replacement joining) and checkpoints are taken."""
+    recovery, a replacement joining: a pause in compute, which nobody can take over, gives it
+    time to load) and checkpoints are taken."""
     return run(
         tmp_path_factory.mktemp("report"), "chaos", "steps=200", "scaling.workers=3", "checkpoint.every_steps=50",
         "chaos.slow=[{worker: 2, factor: 3, from_step: 3}]", "chaos.kill=[{at_step: 10, worker: 1, how: sigkill}]",
-        "stragglers.evict=false",
+        "chaos.stall=[{worker: 0, at_step: 20, seconds: 12, during: compute}]", "stragglers.evict=false",
     ).run_dir
 
 

@@ -316,7 +316,7 @@ class TrainWorker:
             raise RuntimeError(f"asked for step {step}, but this replica's next step is {self.next_step}")
         started = time.perf_counter()
         self._reducing_step = step
-        self._enter(step, Phase.COMPUTE)
+        self._enter(step, Phase.STALL)  # until its data is there (and any injected stall is over)
         self.flat.zero()
         self.runner.loss_scale = self.scaler.scale
         watch = None
@@ -389,6 +389,7 @@ class TrainWorker:
             weight_per_s=work.total.weight / busy_s if busy_s > 0 else 0.0,
             idle_s=work.idle_s,
             stalled_s=work.stalled_s,
+            gave_up=work.gave_up,
             rescued=rescue.shards,
             rescue_s=rescue.seconds,
             bytes_sent=self.group.bytes_sent if self.group is not None else 0,

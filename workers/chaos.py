@@ -34,6 +34,8 @@ from orchestrator.config import ChaosConfig, KillChaos, KillPoint, RandomStalls,
 from policies.ewma import ewma
 
 CHECK_EVERY_S = 0.01
+# A stalled worker's look at its block (one store read): its peers wait on it once they open it.
+STALL_CHECK_S = 0.002
 # Slowed steps whose compute sets the base of a slowdown that started before any unslowed step.
 BASE_SAMPLES = 3
 
@@ -120,15 +122,15 @@ class ChaosSchedule:
         extra = (self.factor(step) - 1.0) * self.base_shard_s() * shards
         return self._sleep(extra, interrupted)
 
-    def _sleep(self, seconds: float, interrupted: Callable[[], bool]) -> float:
+    def _sleep(self, seconds: float, interrupted: Callable[[], bool], check_every_s: float = CHECK_EVERY_S) -> float:
         """Sleep ``seconds`` unless the driver aborts or ``interrupted()`` (asked every
-        CHECK_EVERY_S); returns seconds slept."""
+        ``check_every_s``); returns seconds slept."""
         if seconds <= 0:
             return 0.0
         started = time.perf_counter()
         end = started + seconds
         while (left := end - time.perf_counter()) > 0:
-            if self.abort_flag.wait(min(CHECK_EVERY_S, left)) or interrupted():
+            if self.abort_flag.wait(min(check_every_s, left)) or interrupted():
                 break
         return time.perf_counter() - started
 
@@ -147,7 +149,7 @@ class ChaosSchedule:
         """Sleep through the stalls of ``step`` (those ``during`` that point, or all); stop
         early if the driver aborts or ``given_up()`` (its reason gone); returns seconds slept."""
         points: tuple[StallPoint, ...] = (during,) if during else ("fetch", "compute")
-        return self._sleep(sum(self.stall_s(step, point) for point in points), given_up)
+        return self._sleep(sum(self.stall_s(step, point) for point in points), given_up, STALL_CHECK_S)
 
     def kill_due(self, during: str, step: int) -> bool:
         """Whether this worker dies now, at ``during`` of ``step``: in ``step`` itself, or for

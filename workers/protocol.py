@@ -139,7 +139,9 @@ class StepTelemetry:
 
     ``compute_s``: forward and backward over its shards, with any injected slowness (with
     overlap, the all-reduce of early buckets runs inside it), not counting ``idle_s`` (waiting
-    for other workers' shards before the all-reduce) or ``stalled_s`` (an injected stall);
+    for other workers' shards before the all-reduce) or ``stalled_s`` (waiting for its first
+    batch, and injected stalls); ``gave_up``: it brought nothing to the all-reduce, its block
+    taken before it sealed it (its shards went to the rescue pass);
     ``comm_s``: time spent waiting for the all-reduce after backward, the exposed part of
     communication; ``optim_s``: the optimizer step. ``loss``, ``global_samples`` and
     ``shards_counted`` (the census total: shards counted in the reduced gradient) are the whole
@@ -183,6 +185,7 @@ class StepTelemetry:
     weight_per_s: float = 0.0
     idle_s: float = 0.0
     stalled_s: float = 0.0
+    gave_up: bool = False
     rescued: int = 0
     rescue_s: float = 0.0
     bytes_sent: int = 0

@@ -11,6 +11,9 @@ Two ways, chosen by the step's plan:
   from a snapshot of the gradient buffer, restored if it loses; an owner that loses a race
   after computing removes the shard's gradient with a negated pass. The final own pass is
   overlapped only when sealed (no backup can start any more, so its commit is certain).
+  It reads its first batch before sealing, watching its block meanwhile, and watches its
+  peers' blocks while it waits in the all-reduce: a peer stalled before sealing is rescued
+  (``run_claimed``, ``watch``, ``rescue``; docs/architecture.md, "Rescue").
 
 Every pass is one forward/backward over a group of shards (split into passes of at most
 ``max_samples_per_pass`` samples): the backward of the loss sum (``workers/objective.py``)
@@ -21,18 +24,15 @@ after the all-reduce, which carries it with the gradient; the worker divides the
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from policies.work_stealing import (
-    FREE, Backup, ClaimKind, ClaimState, Finished, RunShards, StepPlan, Wait, block_late, pick_work,
-)
+from policies.work_stealing import FREE, Backup, ClaimKind, Finished, RunShards, StepPlan, Wait, block_late, pick_work
 from workers.chaos import ChaosSchedule
 from workers.claims import ShardClaims
 from workers.comm_group import CollectiveAborted, CollectiveTimeout
@@ -40,6 +40,8 @@ from workers.overlap import GradientReducer
 from workers.sampler import ShardSampler
 from workers.protocol import Phase
 from workers.objective import Objective
+from workers.prefetch import BatchPrefetch
+from workers.step_work import ClaimedStep, PassResult, RescuePass, StepWork
 from workers.training import FlatParameters, autocast, fetch_batch, move_to
 
 # How often an idle worker looks at the claims again (store round trips are ~50-150 us).
@@ -67,88 +69,9 @@ def seed_forward(seed: int, device: torch.device) -> None:
             torch.cuda.manual_seed(seed)
 
 
-@dataclass(frozen=True)
-class PassResult:
-    """A pass's loss sum, the weight normalising it and its sample count."""
-
-    loss: float = 0.0
-    weight: float = 0.0
-    samples: int = 0
-
-    def __add__(self, other: "PassResult") -> "PassResult":
-        return PassResult(self.loss + other.loss, self.weight + other.weight, self.samples + other.samples)
-
-    def __neg__(self) -> "PassResult":
-        return PassResult(-self.loss, -self.weight, -self.samples)
-
-
 #: Where the step's bookkeeping sits after the census in the buffer's extra slots.
 LOSS_SLOT, SAMPLES_SLOT, WEIGHT_SLOT = 0, 1, 2
 BOOKKEEPING_SLOTS = 3
-
-
-@dataclass
-class StepWork:
-    """What this worker did in a step (or in its rescue pass): the shards whose gradient it
-    contributes, and counts (``total``: their loss sum, weight and samples)."""
-
-    committed: list[int] = field(default_factory=list)
-    total: PassResult = PassResult()
-    shards_run: int = 0  # passes' shards, including lost races and discarded backups
-    compute_s: float = 0.0  # forward + backward, all passes
-    slowed_s: float = 0.0  # injected slowness (chaos), part of the compute it stands for
-    idle_s: float = 0.0  # waiting for other workers' shards before the all-reduce
-    stalled_s: float = 0.0  # injected stalls (chaos)
-    #: Until when (time.monotonic) a fetch stall this worker stopped waiting out would have
-    #: held its data up: it computes nothing before then (its shards went to the rescue pass).
-    stalled_until: float = 0.0
-    stolen: int = 0
-    backups: int = 0
-    backups_won: int = 0
-    races_lost: int = 0
-    #: Each shard's claim state as this worker last saw it, and since when (time.monotonic):
-    #: how long a shard has sat in one state, as this worker observed it (no clock is shared).
-    seen: dict[int, tuple[str, float]] = field(default_factory=dict, repr=False)
-
-    def ages(self, states: dict[int, ClaimState], now: float) -> dict[int, float]:
-        """Seconds each shard has been in its current state, as far as this worker has seen."""
-        ages = {}
-        for shard, state in states.items():
-            code = state.encode()
-            if self.seen.get(shard, ("", 0.0))[0] != code:
-                self.seen[shard] = (code, now)
-            ages[shard] = now - self.seen[shard][1]
-        return ages
-
-    def add(self, other: "StepWork") -> None:
-        """Count ``other``'s passes (a rescue pass's) in this one's totals; its idle time is
-        not this part's (it was spent after the all-reduce, not before)."""
-        for name in ("shards_run", "compute_s", "slowed_s", "stolen", "backups", "backups_won", "races_lost"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-
-@dataclass(frozen=True)
-class ClaimedStep:
-    """One step run through the claims: its ``plan``, this rank's ``claims`` on it, the
-    ``reducer`` its sealed pass overlaps with, how long any wait may last (``deadline_s``) and
-    the driver's ``abort`` flag."""
-
-    step: int
-    plan: StepPlan
-    claims: ShardClaims
-    reducer: GradientReducer
-    deadline_s: float
-    abort: threading.Event
-
-
-@dataclass(frozen=True)
-class RescuePass:
-    """A step's rescue pass: ``shards`` run in it (0: there was none), the ``seconds`` it took
-    on this worker, ``comm_s`` of them in its all-reduce."""
-
-    shards: int = 0
-    seconds: float = 0.0
-    comm_s: float = 0.0
 
 
 class StepRunner:
@@ -186,6 +109,7 @@ class StepRunner:
         #: The fp16 loss scale of the step being run (1 otherwise), set by the worker.
         self.loss_scale = 1.0
         self.on_phase = on_phase  # told IDLE while waiting for others' shards, then COMPUTE
+        self.prefetch = BatchPrefetch(lambda indices: fetch_batch(self.dataset, indices, self.collate))
 
     def _groups(self, shards: list[int]) -> list[list[int]]:
         """Shards run together in one pass (``fuse_shards``), or one at a time."""
@@ -216,7 +140,8 @@ class StepRunner:
         pieces = [indices[lo : lo + piece] for lo in range(0, len(indices), piece)]
         factor = sign * self.loss_scale / self.sampler.step_batch_size(step)
         for number, chunk in enumerate(pieces):
-            batch = move_to(fetch_batch(self.dataset, chunk, self.collate), self.device)
+            read = self.prefetch.take(chunk) if number == 0 else None
+            batch = move_to(read if read is not None else fetch_batch(self.dataset, chunk, self.collate), self.device)
             seed_forward(piece_seed(shard_seed(self.seed, step, shards[0]), number), self.device)
             with autocast(self.device, self.precision):
                 loss = self.objective(self.model, batch, len(chunk))
@@ -239,11 +164,8 @@ class StepRunner:
 
     def run_fixed(self, step: int, shards: list[int], num_shards: int, reducer: GradientReducer) -> StepWork:
         """Exactly ``shards``, after sitting out any stall; the final pass overlaps with the all-reduce."""
-        work = StepWork()
-        if self.chaos.stall_s(step, "fetch") + self.chaos.stall_s(step, "compute") > 0:
-            self.on_phase(Phase.STALL)
-            work.stalled_s = self.chaos.stall(step)
-            self.on_phase(Phase.COMPUTE)
+        work = StepWork(stalled_s=self.chaos.stall(step))
+        self.on_phase(Phase.COMPUTE)
         work.slowed_s += self.chaos.slow_down(step, len(shards), lambda: False)
         self._final_passes(step, shards, num_shards, reducer, work)
         return work
@@ -272,30 +194,29 @@ class StepRunner:
                 work.total = work.total + result
 
     def run_claimed(self, ctx: ClaimedStep) -> StepWork:
-        """Wait out a fetch stall, then claim, steal and back up shards until every shard is
-        done or sealed. A fetch stall is waited out watching my block: once a peer has opened
-        it (docs/architecture.md, "Rescue") my shards are no longer mine to seal, so I stop
-        waiting and bring nothing to the all-reduce; the rescue pass (``rescue``) runs them."""
+        """Read my first batch, then claim, steal and back up shards until every shard is done
+        or sealed. The batch is read before I seal my shards (``workers/prefetch.py``), and
+        waited for watching my block: a peer that opened it (docs/architecture.md, "Rescue")
+        made my shards no longer mine to seal, so I stop waiting and bring nothing to the
+        all-reduce; the rescue pass (``rescue``) runs them. So I do, too, if I find my block
+        opened when I come to seal it."""
         work = StepWork()
         claims, step = ctx.claims, ctx.step
-        # A rank with no shards this step has no data to wait for.
-        fetch_s = self.chaos.stall_s(step, "fetch") if ctx.plan.shards_by_rank[claims.me] else 0.0
-        if fetch_s > 0:
-            taken = False
-
-            def given_up() -> bool:
-                nonlocal taken
-                taken = claims.block_taken()
-                return taken
-
-            self.on_phase(Phase.STALL)
-            work.stalled_s = self.chaos.stall(step, "fetch", given_up)
-            self.on_phase(Phase.COMPUTE)
-            if taken:
-                work.stalled_until = time.monotonic() + fetch_s - work.stalled_s
-                self._write_bookkeeping(work, ctx.plan.num_shards)
-                return work
-        self._claim_loop(ctx, ctx.plan, work, overlap=True)
+        mine = list(ctx.plan.shards_by_rank[claims.me])
+        if mine:  # a rank with no shards this step has no data to wait for
+            first = self._indices(step, self._groups(mine)[0])
+            started = time.monotonic()
+            self.prefetch.start(first[: self.max_samples_per_pass or len(first)], lambda: self.chaos.stall(step, "fetch"))
+            work.gave_up = not self.prefetch.wait(lambda: ctx.abort.is_set() or claims.block_taken())
+            if ctx.abort.is_set():
+                raise CollectiveAborted(f"step {step} aborted by the driver while reading its data")
+            work.stalled_s = time.monotonic() - started
+            work.data_ready = self.prefetch.ready
+        self.on_phase(Phase.COMPUTE)
+        if not work.gave_up:
+            self._claim_loop(ctx, ctx.plan, work, overlap=True)
+        if work.gave_up:
+            self._write_bookkeeping(work, ctx.plan.num_shards)
         return work
 
     def watch(self, ctx: ClaimedStep, work: StepWork) -> Callable[[], bool]:
@@ -310,8 +231,8 @@ class StepRunner:
         plan, claims = ctx.plan, ctx.claims
 
         def look() -> bool:
-            if not plan.steal or ctx.abort.is_set() or time.monotonic() > until:
-                return False
+            if not plan.steal or plan.expected_shard_s <= 0 or ctx.abort.is_set() or time.monotonic() > until:
+                return False  # (nothing is ever late before the driver knows what to expect)
             states, blocks = claims.read()
             ages = work.ages(states, time.monotonic())
             undecided = [
@@ -331,7 +252,7 @@ class StepRunner:
         rescue pass for them, on every rank alike. The reduced gradient is set aside and the
         buffer zeroed; every rank claims, steals and backs up the shards still free until all
         are done; nobody seals (every rank counts as a suspect), so each shard counts through a
-        compare-and-set commit; a rank whose data is still held up (``work.stalled_until``)
+        compare-and-set commit; a rank whose data is still being read (``work.data_ready``)
         only waits. The pass is summed exactly in one more all-reduce and added back. Its
         passes and commits are added to ``work``. A census that is not all 0s and 1s is left
         for the caller to reject."""
@@ -347,7 +268,7 @@ class StepRunner:
         everyone = frozenset(range(len(ctx.plan.shards_by_rank)))
         self._claim_loop(
             ctx, replace(ctx.plan, suspects=everyone), rescue, overlap=False,
-            can_compute=lambda: time.monotonic() >= work.stalled_until,
+            can_compute=work.data_ready,
         )
         self.on_phase(Phase.REDUCE)
         comm_s = ctx.reducer.sum_whole()
@@ -405,6 +326,11 @@ class StepRunner:
             whole = decision.seal and decision.shards == plan.shards_by_rank[claims.me]
             if whole and claims.claim_block():
                 claimed = list(decision.shards)
+            elif whole and overlap and not work.shards_run:
+                # A peer opened my block before I sealed it (it found me late): I bring nothing
+                # and my shards go to the rescue pass, where everyone, me included, runs them.
+                work.gave_up = True
+                return
             else:
                 claimed = [s for s in decision.shards if claims.claim(s, seal=decision.seal)]
             if not claimed:
