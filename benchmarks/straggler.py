@@ -1,11 +1,14 @@
 """Straggler benchmark: one worker slowed, or random transient stalls on every worker.
 
-``--kind slow``: the last of the workers computes ``factor`` times slower throughout.
-``--kind stall``: each step of each worker stalls with ``probability`` for ``stall_steps`` x the
-clean step time (measured first, in a calibration run), ``during`` its data fetch (which the
-mitigation can rescue) or its compute (after it sealed its shards: nobody can take them over).
-The stalls are drawn from a seed, the worker id and the step alone, so every variant and Ray
-Train see exactly the same ones (``workers/chaos.py``).
+A calibration run (ringleader, clean) first measures the clean step time and the compute
+seconds per shard. ``--kind slow``: the last of the workers computes ``factor`` times slower
+throughout: before each pass it sleeps (factor - 1) x that measured compute per shard, in both
+frameworks alike (each measuring its own would not be alike: DDP's backward includes its
+all-reduce). ``--kind stall``: each step of each worker stalls with ``probability`` for
+``stall_steps`` x the clean step time, ``during`` its data fetch (which the mitigation can
+rescue) or its compute (after it sealed its shards: nobody can take them over). The stalls are
+drawn from a seed, the worker id and the step alone, so every variant and Ray Train see
+exactly the same ones (``workers/chaos.py``).
 
 In one run, interleaved and repeated: (a) ringleader clean, (b) the chaos with mitigation off,
 (c) the chaos with mitigation on, (d) Ray Train ``TorchTrainer`` (DDP) with the same chaos
@@ -47,10 +50,11 @@ class StragglerChaos:
     during: str = "fetch"
     seed: int = 0
 
-    def entries(self, workers: int, step_s: float) -> dict[str, Any]:
-        """The job's ``chaos`` section, given the clean step time ``step_s`` (seconds)."""
+    def entries(self, workers: int, step_s: float, shard_s: float) -> dict[str, Any]:
+        """The job's ``chaos`` section, given the clean step time ``step_s`` and compute per
+        shard ``shard_s`` (seconds)."""
         if self.kind == "slow":
-            return {"slow": [{"worker": workers - 1, "factor": self.factor}]}
+            return {"slow": [{"worker": workers - 1, "factor": self.factor, "shard_s": shard_s}]}
         if self.kind == "stall":
             seconds = self.stall_steps * step_s
             return {"stalls": {"probability": self.probability, "seconds": seconds, "seed": self.seed, "during": self.during}}
@@ -79,6 +83,15 @@ def variant_job(base: JobConfig, variant: str, chaos: dict[str, Any]) -> tuple[s
     return ("ray_train" if variant == "ray_train" else "ringleader"), job
 
 
+def calibrate(base: JobConfig, workdir: Path) -> tuple[float, float]:
+    """(median step seconds, median compute seconds per shard) of a clean ringleader run."""
+    framework, job = variant_job(base, "clean", {})
+    row = run_once(framework, job, workdir)
+    telemetry = [json.loads(line) for line in (workdir / "run" / "telemetry.jsonl").read_text().splitlines()]
+    warm = [r["shard_s"] for r in telemetry if r["step"] >= 3 and r["shards_run"]]
+    return row.step_s, statistics.median(warm)
+
+
 def run_benchmark(
     workload: str, workers: int, steps: int, chaos: StragglerChaos, repeats: int, log: Callable[[str], None] = print
 ) -> tuple[float, dict[str, list[float]]]:
@@ -86,12 +99,9 @@ def run_benchmark(
     base = workload_job(workload, workers, steps)
     rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="rl-straggler-") as scratch:
-        step_s = 0.0
-        if chaos.kind == "stall":  # calibrate: the clean step time sets the stalls' length
-            framework, job = variant_job(base, "clean", {})
-            step_s = run_once(framework, job, Path(scratch) / "calibration").step_s
-            log(f"  calibration: clean step {step_s * 1000:.1f} ms, stalls of {chaos.stall_steps * step_s:.2f} s")
-        entries = chaos.entries(workers, step_s)
+        step_s, shard_s = calibrate(base, Path(scratch) / "calibration")
+        log(f"  calibration: clean step {step_s * 1000:.1f} ms, compute {shard_s * 1000:.2f} ms per shard")
+        entries = chaos.entries(workers, step_s, shard_s)
         for repeat in range(repeats):
             for variant in VARIANTS:
                 framework, job = variant_job(base, variant, entries)

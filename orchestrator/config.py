@@ -385,7 +385,9 @@ class _WorkerChaos(_Strict):
 
 class SlowChaos(_WorkerChaos):
     """Worker ``worker`` (the worker id: its rank at job start) computes ``factor`` times
-    slower in steps ``from_step`` up to, not including, ``to_step`` (null: to the end)."""
+    slower in steps ``from_step`` up to, not including, ``to_step`` (null: to the end):
+    before each pass it sleeps (factor - 1) x ``shard_s`` per shard, or, if that is null, x
+    its own compute per shard measured before the slowdown began."""
 
     _kind = "slow"
 
@@ -393,6 +395,7 @@ class SlowChaos(_WorkerChaos):
     factor: float = Field(gt=1)
     from_step: int = Field(0, ge=0)
     to_step: int | None = Field(None, ge=1)
+    shard_s: float | None = Field(None, gt=0, description="seconds of compute per shard the slowdown multiplies")
 
     @model_validator(mode="after")
     def _ordered(self) -> "SlowChaos":

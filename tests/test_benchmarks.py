@@ -60,15 +60,16 @@ def test_overlap_benchmark_reports_both_modes():
 def test_straggler_benchmark_injects_the_same_chaos_into_every_variant_that_has_it():
     base = workload_job("digits", 2, 5)
     for chaos, field in ((StragglerChaos("slow", factor=3.0), "slow"), (StragglerChaos("stall", probability=0.1), "stalls")):
-        entries = chaos.entries(workers=2, step_s=0.05)
+        entries = chaos.entries(workers=2, step_s=0.05, shard_s=0.002)
         for variant in STRAGGLER_VARIANTS:
             framework, job = straggler_variant_job(base, variant, entries)
             chaotic = variant in ("unmitigated", "mitigated", "ray_train")
             assert bool(getattr(job.chaos, field)) == chaotic
             assert job.stragglers.mitigation == (variant in ("clean", "mitigated"))
             assert framework == ("ray_train" if variant == "ray_train" else "ringleader")
-    assert [c.worker for c in straggler_variant_job(base, "ray_train", StragglerChaos().entries(2, 0.05))[1].chaos.slow] == [1]
-    stalls = straggler_variant_job(base, "mitigated", StragglerChaos("stall", stall_steps=20).entries(2, 0.05))[1].chaos.stalls
+    (slow,) = straggler_variant_job(base, "ray_train", StragglerChaos().entries(2, 0.05, 0.002))[1].chaos.slow
+    assert slow.worker == 1 and slow.shard_s == 0.002  # the same sleep in both frameworks
+    stalls = straggler_variant_job(base, "mitigated", StragglerChaos("stall", stall_steps=20).entries(2, 0.05, 0.002))[1].chaos.stalls
     assert stalls.seconds == pytest.approx(1.0) and stalls.probability == 0.02
 
 

@@ -86,3 +86,10 @@ def test_a_batch_read_ahead_is_waited_for_watching_and_taken_once_by_its_indices
     assert prefetch.wait(lambda: False)
     with pytest.raises(ZeroDivisionError):
         prefetch.take(np.arange(2))
+
+
+def test_a_slowdown_with_a_given_compute_per_shard_sleeps_by_it():
+    schedule = _schedule({"slow": [{"worker": 0, "factor": 3, "from_step": 2, "shard_s": 0.004}]})
+    schedule.record(0, 0.050, 1)
+    assert schedule.base_shard_s(2) == 0.004 and schedule.base_shard_s(1) == pytest.approx(0.050)
+    assert schedule.slow_down(2, shards=2, interrupted=lambda: False) == pytest.approx(2 * 0.004 * 2, abs=0.008)

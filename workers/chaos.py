@@ -3,8 +3,9 @@
 
 A slowed worker really takes longer: before each pass it sleeps (factor - 1) x what that many
 shards took it before the slowdown began (its own measured compute per shard, an EWMA over its
-unslowed steps; for a slowdown from the first step, the median of its first slowed steps), so
-it computes at 1/factor of its speed. The base is frozen while slowed: measured during the
+unslowed steps; for a slowdown from the first step, the median of its first slowed steps; or
+the entry's ``shard_s``, the same for every framework in a benchmark), so it computes at
+1/factor of its speed. The base is frozen while slowed: measured during the
 slowdown it would include the contention and pass overhead the slowdown itself causes and feed
 back (a 4x worker was measured 12x slower). The sleep stops early when ``interrupted()`` says
 so (a backup took the shards over), as a real slow worker would notice between two pieces of
@@ -92,12 +93,14 @@ class ChaosSchedule:
             worker_id=worker_id,
         )
 
+    def _active(self, step: int) -> list[SlowChaos]:
+        return [s for s in self.slow if s.from_step <= step and (s.to_step is None or step < s.to_step)]
+
     def factor(self, step: int) -> float:
         """How many times slower this worker computes in ``step`` (1.0: not slowed)."""
         factor = 1.0
-        for s in self.slow:
-            if s.from_step <= step and (s.to_step is None or step < s.to_step):
-                factor *= s.factor
+        for s in self._active(step):
+            factor *= s.factor
         return factor
 
     def record(self, step: int, compute_s: float, shards: int) -> None:
@@ -111,15 +114,19 @@ class ChaosSchedule:
         elif self._shard_s is None and len(self._slowed_shard_s) < BASE_SAMPLES:
             self._slowed_shard_s.append(compute_s / shards)
 
-    def base_shard_s(self) -> float:
-        """Compute seconds per shard a slowdown multiplies (0 until something was measured)."""
+    def base_shard_s(self, step: int | None = None) -> float:
+        """Compute seconds per shard a slowdown at ``step`` multiplies: its entry's ``shard_s``
+        if set, else the measured one (0 until something was measured)."""
+        given = [s.shard_s for s in self._active(step) if s.shard_s] if step is not None else []
+        if given:
+            return given[0]
         if self._shard_s is not None:
             return self._shard_s
         return statistics.median(self._slowed_shard_s) if self._slowed_shard_s else 0.0
 
     def slow_down(self, step: int, shards: int, interrupted: Callable[[], bool]) -> float:
         """Sleep for a slowed pass of ``shards`` shards at ``step``; returns seconds slept."""
-        extra = (self.factor(step) - 1.0) * self.base_shard_s() * shards
+        extra = (self.factor(step) - 1.0) * self.base_shard_s(step) * shards
         return self._sleep(extra, interrupted)
 
     def _sleep(self, seconds: float, interrupted: Callable[[], bool], check_every_s: float = CHECK_EVERY_S) -> float:
