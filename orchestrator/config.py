@@ -114,7 +114,10 @@ class FactorySpec(_Strict):
 class DatasetSpec(FactorySpec):
     """A dataset factory, and ``collate`` (``module:function``, optional): turns a list of
     dataset items into a batch (default: torch's ``default_collate``, which stacks tensors,
-    tuples and dicts of tensors; variable-length items need one that pads)."""
+    tuples and dicts of tensors; variable-length items need one that pads). Items may be read
+    from two threads at once (a step's first batch is read ahead, and a read a worker stopped
+    waiting for goes on beside the next): indexing must be safe for that (tensors, memmaps
+    and files opened per read are; one shared file handle with seek and read is not)."""
 
     collate: ImportTarget | None = None
 

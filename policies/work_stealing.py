@@ -138,14 +138,24 @@ def _late(plan: StepPlan, shard: int, state: ClaimState, age_s: float) -> bool:
     return plan.expected_shard_s > 0 and age_s > plan.late_after_s(owner, state.kind)
 
 
+#: A block counts as late only after this long, whatever it should need: on a busy host a
+#: worker can start a step tens of ms after its peers (scheduling, not a stall), and each
+#: rescue costs the step one more all-reduce.
+RESCUE_AFTER_MIN_S = 0.05
+
+
 def block_late(plan: StepPlan, rank: int, states: dict[int, ClaimState], ages_s: dict[int, float]) -> bool:
     """Whether ``rank`` has shards and all of them still sit ``free`` (its block unsealed: it
-    has not started) after ``late_factor`` x the time it should need for them all. A peer that
-    has finished its own shards and waits in the all-reduce rescues such a rank (opens its
-    block), though it was never a suspect: a transient stall nobody predicted."""
+    has not started) after ``late_factor`` x the time it should need for them all (and at
+    least RESCUE_AFTER_MIN_S). A peer that has finished its own shards and waits in the
+    all-reduce rescues such a rank (opens its block), though it was never a suspect: a
+    transient stall nobody predicted."""
     shards = plan.shards_by_rank[rank]
     return bool(shards) and all(
-        states[s].kind is ClaimKind.FREE and _late(plan, s, states[s], ages_s.get(s, 0.0)) for s in shards
+        states[s].kind is ClaimKind.FREE
+        and _late(plan, s, states[s], ages_s.get(s, 0.0))
+        and ages_s.get(s, 0.0) > RESCUE_AFTER_MIN_S
+        for s in shards
     )
 
 

@@ -11,6 +11,7 @@ from policies.rebalance import Rebalancer, proportional_counts
 from policies.straggler import StragglerDetector, WorkerStep
 from policies.work_stealing import (
     FREE,
+    RESCUE_AFTER_MIN_S,
     Backup,
     ClaimKind,
     ClaimState,
@@ -179,7 +180,7 @@ def test_a_late_running_shard_gets_one_backup_and_then_the_idle_worker_waits():
 
 def test_a_block_is_late_once_all_its_shards_sat_unstarted_past_late_factor():
     late = PLAN.late_after_s(1, ClaimKind.FREE)
-    assert late == pytest.approx(3.0 * 4 * 0.01)
+    assert late == pytest.approx(3.0 * 4 * 0.01) and late > RESCUE_AFTER_MIN_S
     states = _states(PLAN, **{f"s{s}": ClaimState(ClaimKind.SEALED, 0) for s in range(4)})
     assert not block_late(PLAN, 1, states, dict.fromkeys(range(8), late * 0.9))
     assert block_late(PLAN, 1, states, dict.fromkeys(range(8), late * 1.1))
@@ -190,6 +191,10 @@ def test_a_block_is_late_once_all_its_shards_sat_unstarted_past_late_factor():
     unknown = StepPlan(PLAN.shards_by_rank)
     assert not block_late(unknown, 1, _states(unknown), dict.fromkeys(range(8), 100.0))
     assert not block_late(StepPlan(((0, 1), ()), expected_shard_s=0.01), 1, _states(StepPlan(((0, 1), ()))), {})
+    # A block that should take a millisecond is not late after a few: that is scheduling.
+    quick = StepPlan(PLAN.shards_by_rank, expected_shard_s=0.0001)
+    assert not block_late(quick, 1, _states(quick), dict.fromkeys(range(8), 0.02))
+    assert block_late(quick, 1, _states(quick), dict.fromkeys(range(8), RESCUE_AFTER_MIN_S + 0.01))
 
 
 def test_finished_once_every_shard_is_done_or_sealed():

@@ -68,9 +68,12 @@ def test_a_stall_nobody_predicted_is_rescued_within_its_step(tmp_path, reference
     assert sorted(s for r in step8.values() for s in r["shards"]) == list(range(16))
     assert rescue["shards"] == step8[0]["rescued"] > 0
     assert sum(r["stolen"] for r in step8.values()) == rescue["shards"]
-    # Worker 2 found its shards taken, and goes on with its own from the next step.
-    step9 = {r["worker"]: r for r in telemetry if r["step"] == 9}
-    assert step9[2]["shards"] and not step9[2]["gave_up"] and step9[2]["stalled_s"] < 1 and step9[2]["rescued"] == 0
+    # Worker 2 found its shards taken and goes on: its next reads do not queue behind the
+    # stalled one, and it runs its own shards again (a step where a busy machine made it
+    # start late may be rescued too).
+    later = [r for r in telemetry if r["worker"] == 2 and r["step"] > 8]
+    assert all(r["stalled_s"] < 1 for r in later)
+    assert sum(1 for r in later if r["shards"] and not r["gave_up"]) >= len(later) - 2
     assert result.summary["wall_s"] < stall_s
 
 

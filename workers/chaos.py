@@ -13,10 +13,10 @@ work.
 
 A stall holds a worker up for a number of seconds in one step (``chaos.stall`` at a given step,
 or ``chaos.stalls`` at random, drawn from the seed, worker id and step alone), ``during`` one of
-two points (docs/architecture.md, "Rescue"): ``fetch``, waiting for the step's data before the
-worker takes its shards, which it waits out watching whether its peers have taken them (then it
-stops waiting: the data is no longer needed); ``compute``, after it has sealed them, which
-nothing shortens but an abort. A kill is the worker SIGKILLing itself at a chosen point
+two points (docs/architecture.md, "Rescue"): ``fetch``, slept on the thread that reads the
+step's first batch before the worker seals its shards (a slow read: the worker waits for it
+watching whether its peers took its shards, and stops waiting if they did, the read going on);
+``compute``, after it has sealed them. Nothing shortens a stall but an abort. A kill is the worker SIGKILLing itself at a chosen point
 (``KILL_POINTS``), as a crash or an OOM kill would end it: no cleanup, no goodbye to its peers.
 """
 
@@ -35,8 +35,6 @@ from orchestrator.config import ChaosConfig, KillChaos, KillPoint, RandomStalls,
 from policies.ewma import ewma
 
 CHECK_EVERY_S = 0.01
-# A stalled worker's look at its block (one store read): its peers wait on it once they open it.
-STALL_CHECK_S = 0.002
 # Slowed steps whose compute sets the base of a slowdown that started before any unslowed step.
 BASE_SAMPLES = 3
 
@@ -129,15 +127,15 @@ class ChaosSchedule:
         extra = (self.factor(step) - 1.0) * self.base_shard_s(step) * shards
         return self._sleep(extra, interrupted)
 
-    def _sleep(self, seconds: float, interrupted: Callable[[], bool], check_every_s: float = CHECK_EVERY_S) -> float:
+    def _sleep(self, seconds: float, interrupted: Callable[[], bool]) -> float:
         """Sleep ``seconds`` unless the driver aborts or ``interrupted()`` (asked every
-        ``check_every_s``); returns seconds slept."""
+        CHECK_EVERY_S); returns seconds slept."""
         if seconds <= 0:
             return 0.0
         started = time.perf_counter()
         end = started + seconds
         while (left := end - time.perf_counter()) > 0:
-            if self.abort_flag.wait(min(check_every_s, left)) or interrupted():
+            if self.abort_flag.wait(min(CHECK_EVERY_S, left)) or interrupted():
                 break
         return time.perf_counter() - started
 
@@ -152,11 +150,11 @@ class ChaosSchedule:
                 planned += drawn.seconds
         return planned
 
-    def stall(self, step: int, during: StallPoint | None = None, given_up: Callable[[], bool] = lambda: False) -> float:
-        """Sleep through the stalls of ``step`` (those ``during`` that point, or all); stop
-        early if the driver aborts or ``given_up()`` (its reason gone); returns seconds slept."""
+    def stall(self, step: int, during: StallPoint | None = None) -> float:
+        """Sleep through the stalls of ``step`` (those ``during`` that point, or all), unless
+        the driver aborts; returns seconds slept."""
         points: tuple[StallPoint, ...] = (during,) if during else ("fetch", "compute")
-        return self._sleep(sum(self.stall_s(step, point) for point in points), given_up, STALL_CHECK_S)
+        return self._sleep(sum(self.stall_s(step, point) for point in points), lambda: False)
 
     def kill_due(self, during: str, step: int) -> bool:
         """Whether this worker dies now, at ``during`` of ``step``: in ``step`` itself, or for

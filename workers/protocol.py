@@ -23,7 +23,7 @@ from policies.collective_choice import CollectiveChoice
 class Phase(str, enum.Enum):
     """Where a worker is within a step (``Progress.phase``).
 
-    ``STALL`` (an injected stall before the step's work), ``COMPUTE`` (forward and backward over
+    ``STALL`` (waiting for its first batch, or an injected stall), ``COMPUTE`` (forward and backward over
     its shards), ``IDLE`` (its shards are done, waiting for others' before the all-reduce),
     ``REDUCE`` (in the all-reduce), ``DONE`` (the step is applied, or none has started)."""
 

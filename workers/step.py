@@ -204,7 +204,10 @@ class StepRunner:
         claims, step = ctx.claims, ctx.step
         mine = list(ctx.plan.shards_by_rank[claims.me])
         if mine:  # a rank with no shards this step has no data to wait for
-            first = self._indices(step, self._groups(mine)[0])
+            # What its first pass will run (pick_work): all its shards, or with suspects about
+            # the first of two passes.
+            first_pass = mine[: ctx.plan.pass_size(claims.me)] if ctx.plan.suspects else mine
+            first = self._indices(step, self._groups(first_pass)[0])
             started = time.monotonic()
             self.prefetch.start(first[: self.max_samples_per_pass or len(first)], lambda: self.chaos.stall(step, "fetch"))
             work.gave_up = not self.prefetch.wait(lambda: ctx.abort.is_set() or claims.block_taken())
