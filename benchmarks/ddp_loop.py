@@ -9,8 +9,10 @@ gradient, as in ringleader.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -60,6 +62,69 @@ def global_weight(weight: float, world: int, device: torch.device) -> float:
 StepHook = Callable[[int, torch.nn.Module, torch.optim.Optimizer, torch.Tensor, float], None]
 
 
+class PeerRecipe:
+    """The job's training recipe as a careful DDP user writes it, shared by the peers' loops
+    (stock DDP and torchft): data by step and shard, the model, the stock optimizer, the
+    schedule's rate set each step, autocast, a GradScaler for fp16, clipping the (already
+    averaged) gradient by its global norm. ``state`` (``{"model": ..., "optimizer": ...}``)
+    is loaded first (to resume)."""
+
+    def __init__(self, job: JobConfig, state: dict[str, Any] | None = None) -> None:
+        torch.manual_seed(job.seed)
+        self.job = job
+        self.dataset = factories.build(job.dataset.factory, job.dataset.kwargs)
+        self.sampler = ShardSampler(len(self.dataset), job.batch_size, job.shards, job.seed)
+        self.module: torch.nn.Module = factories.build(job.model.factory, job.model.kwargs)
+        if state is not None:
+            self.module.load_state_dict(state["model"])  # before DDP wraps it
+        self.objective = Objective(job.loss.name, job.loss.kwargs)
+        self.schedule = learning_rate_schedule(job.schedule)
+        self.horizon = job.schedule.total_steps or job.steps or 0
+        self.scaler = torch.amp.GradScaler("cpu", enabled=job.precision == "fp16")
+        self.collate = optional_callable(job.dataset.collate)
+        self.device = next(self.module.parameters()).device
+
+    def optimizer(self, model: torch.nn.Module, state: dict[str, Any] | None = None) -> torch.optim.Optimizer:
+        optimizer = stock_optimizer(self.job.optimizer, model.parameters())
+        if state is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        return optimizer
+
+    def batch(self, step: int, shards: Iterable[int]) -> tuple[Any, int]:
+        """The samples of ``shards`` in ``step``, collated, and how many there are."""
+        indices = np.concatenate([self.sampler.shard_indices(step, s) for s in shards])
+        return fetch_batch(self.dataset, indices, self.collate), len(indices)
+
+    def backward(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, batch: Any, samples: int,
+        scale: Callable[[float], tuple[float, float]],
+    ) -> tuple[torch.Tensor, float]:
+        """Set the step's rate, run forward and backward. ``scale(weight)`` takes this rank's
+        loss weight (samples, or tokens) and returns (the factor its loss sum is multiplied by,
+        the step's total weight): the wrapper averages gradients over ranks, so the factor is
+        ranks / total. Returns the scaled loss and the step's total loss weight."""
+        base_lr = float(getattr(optimizer, "optim", optimizer).defaults["lr"])
+        for group in optimizer.param_groups:
+            group["lr"] = base_lr * self.schedule.factor(step, self.horizon)
+        with autocast(self.device, self.job.precision):
+            result = self.objective(model, batch, samples)
+        factor, weight = scale(result.weight)
+        loss = result.total * factor
+        self.scaler.scale(loss).backward()
+        return loss, weight
+
+    def apply(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Clip (if the job says so) and step the optimizer."""
+        if self.job.optimizer.clip_grad_norm is not None:
+            self.scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.job.optimizer.clip_grad_norm)
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        return evaluate_job(getattr(model, "module", model), self.job, self.objective)
+
+
 def train_ddp(
     job: JobConfig,
     rank: int,
@@ -77,27 +142,11 @@ def train_ddp(
     ``after_backward(step)`` runs after a step's backward (gradients all-reduced), before its
     optimizer step; ``after_step`` after the optimizer step, with the step's completion time.
     Returns the wall-clock (epoch seconds) end time and the loss weight (samples, or tokens) of
-    each step, and on rank 0 the eval metrics.
+    each step, the final model state (``model``) and, on rank 0, the eval metrics.
     """
-    torch.manual_seed(job.seed)
-    dataset = factories.build(job.dataset.factory, job.dataset.kwargs)
-    sampler = ShardSampler(len(dataset), job.batch_size, job.shards, job.seed)
-    module = factories.build(job.model.factory, job.model.kwargs)
-    if state is not None:
-        module.load_state_dict(state["model"])  # before DDP wraps it (DDP broadcasts rank 0's anyway)
-    model = wrap(module)
-    optimizer = stock_optimizer(job.optimizer, model.parameters())
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    objective = Objective(job.loss.name, job.loss.kwargs)
-    # The recipe as a careful DDP user writes it: the schedule's rate set each step, autocast,
-    # a GradScaler for fp16, clipping the (already averaged) gradient by its global norm.
-    schedule = learning_rate_schedule(job.schedule)
-    base_lr = float(optimizer.defaults["lr"])
-    horizon = job.schedule.total_steps or job.steps or 0
-    scaler = torch.amp.GradScaler("cpu", enabled=job.precision == "fp16")
-    collate = optional_callable(job.dataset.collate)
-    device = next(module.parameters()).device
+    recipe = PeerRecipe(job, state)
+    model = wrap(recipe.module)
+    optimizer = recipe.optimizer(model, state)
     my_shards = ShardAssignment.balanced(job.shards, world).shards_by_rank[rank]
     # The job's injected slowness and stalls, exactly as a ringleader worker injects them (rank
     # = worker id: DDP never re-forms its group). A stall is slept in full: nothing here can
@@ -105,33 +154,35 @@ def train_ddp(
     chaos = ChaosSchedule.for_worker(job.chaos, rank, threading.Event())
     step_ends: list[float] = []
     step_weights: list[float] = []
+
+    def scale(weight: float) -> tuple[float, float]:
+        total = global_weight(weight, world, recipe.device)
+        return world / total, total
+
     for step in range(start_step, job.steps or 0):
-        indices = np.concatenate([sampler.shard_indices(step, s) for s in my_shards])
-        batch = fetch_batch(dataset, indices, collate)
+        batch, samples = recipe.batch(step, my_shards)
         chaos.stall(step)
         optimizer.zero_grad(set_to_none=True)
         chaos.slow_down(step, len(my_shards), lambda: False)
         started = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = base_lr * schedule.factor(step, horizon)
-        with autocast(device, job.precision):
-            result = objective(model, batch, len(indices))
-        weight = global_weight(result.weight, world, device)
-        loss = result.total * (world / weight)
-        scaler.scale(loss).backward()
+        loss, weight = recipe.backward(model, optimizer, step, batch, samples, scale)
         chaos.record(step, time.perf_counter() - started, len(my_shards))
         if after_backward is not None:
             after_backward(step)
-        if job.optimizer.clip_grad_norm is not None:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), job.optimizer.clip_grad_norm)
-        scaler.step(optimizer)
-        scaler.update()
+        recipe.apply(model, optimizer)
         step_ends.append(time.time())
         step_weights.append(weight)
         if after_step is not None:
             after_step(step, model, optimizer, loss.detach(), step_ends[-1])
-    metrics: dict[str, float] = {}
-    if rank == 0:
-        metrics = evaluate_job(getattr(model, "module", model), job, objective)
-    return {"step_ends": step_ends, "step_weights": step_weights, "eval": metrics}
+    metrics = recipe.evaluate(model) if rank == 0 else {}
+    return {"step_ends": step_ends, "step_weights": step_weights, "eval": metrics, "model": recipe.module.state_dict()}
+
+
+def write_result(result: dict[str, Any], path: str | Path, model_path: str | Path | None = None) -> None:
+    """Write a loop's result as JSON to ``path``; its final parameters (``result["model"]``, a
+    state dict) go to ``model_path`` with ``torch.save`` when given, else nowhere."""
+    result = dict(result)
+    model = result.pop("model", None)
+    if model_path is not None and model is not None:
+        torch.save(model, model_path)
+    Path(path).write_text(json.dumps(result))

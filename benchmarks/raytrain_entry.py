@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ import ray
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer, prepare_model
 
-from benchmarks.ddp_loop import train_ddp
+from benchmarks.ddp_loop import train_ddp, write_result
 from orchestrator.config import JobConfig
 
 
@@ -22,13 +21,14 @@ def _loop(config: dict[str, Any]) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     result = train_ddp(job, rank, world, prepare_model)
     if rank == 0:
-        Path(config["result"]).write_text(json.dumps(result))
+        write_result(result, config["result"], config["model"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--job", required=True, help="job as JSON")
     parser.add_argument("--result", required=True, help="where rank 0 writes its JSON")
+    parser.add_argument("--model", help="where rank 0 saves its final parameters")
     args = parser.parse_args()
     job_json = Path(args.job).read_text()
     job = JobConfig.model_validate_json(job_json)
@@ -37,7 +37,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as storage:
             trainer = TorchTrainer(
                 _loop,
-                train_loop_config={"job": job_json, "result": args.result},
+                train_loop_config={"job": job_json, "result": args.result, "model": args.model},
                 scaling_config=ScalingConfig(
                     num_workers=job.scaling.workers,
                     use_gpu=False,

@@ -2,7 +2,8 @@
 ``FailureConfig`` restarts the worker group from the latest reported checkpoint.
 
 Run as ``python -m benchmarks.raytrain_recovery_entry --job JOB.json --result OUT.json
---kill-step K --kill-rank R --checkpoint-every N``. It trains the job exactly as
+--kill-step K --kill-rank R --checkpoint-every N [--model FILE]`` (rank 0 saves its final
+parameters to FILE with ``torch.save``). It trains the job exactly as
 ``benchmarks.ddp_loop.train_ddp`` does (stock DDP through ``prepare_model``, same data, batch
 and optimizer), with three additions a Ray Train user would write:
 
@@ -24,6 +25,8 @@ The result JSON (written by this process once ``fit()`` has returned) has:
 * ``restart_s``: time the new attempt's training loop started (checkpoint loaded), minus the kill;
 * ``resumed_from``: the ``step`` of the checkpoint the new attempt started from (0: none);
 * ``first_step_after``: the step that first completed after the kill (= ``resumed_from``);
+* ``full_size_s``: the same as ``recovery_s`` (the whole group restarts); ``samples_dropped``:
+  samples of steps the trained trajectory skipped (0: a restart redoes them);
 * ``steps_lost``: ``K - resumed_from``, the committed steps recomputed. Rank 0 may also have
   finished step ``K`` itself (its all-reduce completed before rank ``R`` died), but rank ``R``
   never applied it, so it was never committed; ``steps_redone_rank0`` counts those too;
@@ -64,6 +67,7 @@ from ray.train.torch import TorchTrainer, prepare_model  # noqa: E402
 
 from benchmarks.ddp_loop import train_ddp  # noqa: E402
 from orchestrator.config import JobConfig  # noqa: E402
+from workers.sampler import ShardSampler  # noqa: E402
 
 # Files in the scratch directory, shared by the driver and the workers (one machine).
 STATE_FILE = "state.pt"  # inside each checkpoint directory
@@ -71,7 +75,7 @@ KILL_FILE = "kill.json"  # written by rank R just before it kills itself: the fi
 STEP_LOG = "steps.jsonl"  # rank 0's start and step-completion records, one JSON object a line
 EVAL_FILE = "eval.json"  # rank 0's final metrics
 
-def _append_json_line(path: Path, record: dict[str, Any]) -> None:
+def append_json_line(path: Path, record: dict[str, Any]) -> None:
     # One write per record, in the kernel's hands once the file is closed: the driver reads it
     # after the workers are gone, and a SIGKILLed process must not take buffered records with it.
     # (No fsync: the machine does not crash here, and a step should cost what train_ddp's does.)
@@ -79,7 +83,7 @@ def _append_json_line(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _read_json_lines(path: Path) -> list[dict[str, Any]]:
+def read_json_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
@@ -102,8 +106,8 @@ def _loop(config: dict[str, Any]) -> None:
     attempt = 0
     if rank == 0:
         # Only rank 0 writes the log, so counting its own start records numbers the attempts.
-        attempt = 1 + sum(r["event"] == "start" for r in _read_json_lines(step_log))
-        _append_json_line(step_log, {"event": "start", "attempt": attempt, "resumed_from": start_step, "time": time.time()})
+        attempt = 1 + sum(r["event"] == "start" for r in read_json_lines(step_log))
+        append_json_line(step_log, {"event": "start", "attempt": attempt, "resumed_from": start_step, "time": time.time()})
     # The kill file is the marker: once rank R has died, a restarted rank R finds it and trains on.
     kill_armed = rank == kill_rank and not (scratch / KILL_FILE).exists()
     last_loss: list[torch.Tensor] = []
@@ -117,12 +121,12 @@ def _loop(config: dict[str, Any]) -> None:
         # measure that race instead of the checkpoint interval. Waiting here is before the kill
         # time is taken, so it is not counted in recovery_s.
         ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
-        _append_json_line(scratch / KILL_FILE, {"time": time.time(), "step": step, "rank": rank})
+        append_json_line(scratch / KILL_FILE, {"time": time.time(), "step": step, "rank": rank})
         os.kill(os.getpid(), signal.SIGKILL)
 
     def after_step(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, done: float) -> None:
         if rank == 0:
-            _append_json_line(step_log, {"event": "step", "step": step, "time": done, "attempt": attempt})
+            append_json_line(step_log, {"event": "step", "step": step, "time": done, "attempt": attempt})
         last_loss[:] = [loss]  # kept as a tensor: no extra work per step
         if (step + 1) % every:
             return
@@ -138,22 +142,25 @@ def _loop(config: dict[str, Any]) -> None:
         else:
             ray.train.report(metrics, checkpoint=None)
 
-    metrics = train_ddp(
+    result = train_ddp(
         job, rank, world, prepare_model,
         start_step=start_step, state=state, after_backward=after_backward, after_step=after_step,
-    )["eval"]
+    )
+    metrics = result["eval"]
     if rank == 0:
+        if config["model"]:
+            torch.save(result["model"], config["model"])
         (scratch / EVAL_FILE).write_text(json.dumps({"eval": metrics, "train_loss": float(last_loss[0]) if last_loss else None}))
 
 
 def summarize(scratch: Path, job: JobConfig, kill_step: int, wall_s: float) -> dict[str, Any]:
     """The result from the files the workers left in ``scratch``; RuntimeError when the run did
     not kill a worker, did not restart, or did not finish."""
-    kills = _read_json_lines(scratch / KILL_FILE)
+    kills = read_json_lines(scratch / KILL_FILE)
     if not kills:
         raise RuntimeError(f"no worker was killed: the kill rank never reached step {kill_step} on the first attempt")
     killed_at = kills[0]["time"]
-    records = _read_json_lines(scratch / STEP_LOG)
+    records = read_json_lines(scratch / STEP_LOG)
     starts = [r for r in records if r["event"] == "start"]
     steps = [r for r in records if r["event"] == "step"]
     if len(starts) < 2:
@@ -168,10 +175,17 @@ def summarize(scratch: Path, job: JobConfig, kill_step: int, wall_s: float) -> d
     resumed_from = int(restart["resumed_from"])
     final = json.loads((scratch / EVAL_FILE).read_text()) if (scratch / EVAL_FILE).exists() else {}
     eval_metrics = final.get("eval") or {}
+    # The trained trajectory: the first attempt's steps up to its checkpoint, then the restart's.
+    trained = {r["step"] for r in steps if r["attempt"] < restart["attempt"] and r["step"] < resumed_from}
+    trained |= {r["step"] for r in after}
+    sampler = ShardSampler(1, job.batch_size, job.shards, job.seed)  # only batch sizes are read
     return {
         "recovery_s": first["time"] - killed_at,
+        # The whole group restarts: its first step is at full size.
+        "full_size_s": first["time"] - killed_at,
         "restart_s": restart["time"] - killed_at,
         "steps_lost": kill_step - resumed_from,
+        "samples_dropped": sum(sampler.step_batch_size(s) for s in range(job.steps or 0) if s not in trained),
         "steps_redone_rank0": sum(1 for r in steps if r["attempt"] < restart["attempt"] and r["step"] >= resumed_from),
         "resumed_from": resumed_from,
         "first_step_after": first["step"],
@@ -218,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-step", type=int, required=True, help="0-based step in which rank R dies")
     parser.add_argument("--kill-rank", type=int, required=True, help="the rank that SIGKILLs itself")
     parser.add_argument("--checkpoint-every", type=int, required=True, help="report a checkpoint every N steps")
+    parser.add_argument("--model", help="where rank 0 saves its final parameters")
     parser.add_argument("--scratch", help="keep storage, checkpoints and logs here (empty dir; default: a temp dir)")
     args = parser.parse_args(argv)
     job_json = Path(args.job).read_text()
@@ -237,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                     "kill_step": args.kill_step,
                     "kill_rank": args.kill_rank,
                     "checkpoint_every": args.checkpoint_every,
+                    "model": args.model,
                 },
                 scaling_config=ScalingConfig(
                     num_workers=job.scaling.workers,

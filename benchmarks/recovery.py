@@ -1,12 +1,18 @@
-"""``ringleader bench recovery``: one worker SIGKILLed at the same step of the same job, ours vs
-Ray Train (``TorchTrainer`` + ``FailureConfig``, checkpoints every N steps), in one run; and what
-asynchronous checkpoints every N steps cost our throughput.
+"""``ringleader bench recovery``: one worker SIGKILLed at the same step of the same job under
+ringleader, Ray Train (``TorchTrainer`` + ``FailureConfig``, checkpoints every N steps) and Ray
+Train + torchft (``TorchftConfig``: the dead replica group is replaced and heals from a live
+peer), in one run; and what asynchronous checkpoints every N steps cost our throughput.
 
-Numbers, per framework: ``recovery_s`` from the kill (the victim's own clock, just before it
-kills itself) to the next completed step; ``steps_lost``, steps that had been committed before
-the kill and were computed again; ``wall_s``, the whole run from launch. Both runs start their
-own local Ray in a fresh process. ``checkpoint_overhead`` is 1 - (samples/s with checkpoints
-every N steps) / (samples/s without), over alternating runs (medians).
+Numbers, per contender: ``recovery_s`` from the kill (the victim's own clock, just before it
+kills itself) to the next step the survivors commit; ``full_size_s`` to the first committed
+step the whole group took part in again; ``steps_lost``, steps that had been committed before
+the kill and were computed again; ``samples_dropped``, samples of the job's steps that no
+committed step trained on; ``max_param_diff``, the largest difference between the final
+parameters and those of a clean run of the same contender, and ``exact`` when it is within
+``EXACT_RTOL``/``EXACT_ATOL`` (float summation order); ``wall_s``, the whole run from launch.
+Every run starts its own local Ray in a fresh process.
+``checkpoint_overhead`` is 1 - (samples/s with checkpoints every N steps) / (samples/s without),
+over alternating runs (medians).
 """
 
 from __future__ import annotations
@@ -14,16 +20,23 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any, Callable
 
-from benchmarks.recovery_baseline import run_command, run_ray_train_recovery
-from benchmarks.throughput import BenchmarkError, read_run
+import torch
+
+from benchmarks.recovery_baseline import run_command, run_ray_train_recovery, run_torchft_recovery
+from benchmarks.throughput import BenchmarkError, model_file, read_run, run_once
 from benchmarks.workloads import workload_job
 from orchestrator.config import JobConfig
+from workers.sampler import ShardSampler
 
 RUN_TIMEOUT_S = 900.0
+CONTENDERS = ("ringleader", "ray_train", "torchft")
+#: Final parameters "equal" a clean run's within float summation order (the tests' tolerance).
+EXACT_RTOL, EXACT_ATOL = 1e-5, 1e-6
 
 
 def _with(job: JobConfig, **updates: Any) -> JobConfig:
@@ -45,7 +58,8 @@ def _run_ours(job: JobConfig, workdir: Path) -> tuple[dict[str, Any], list[dict[
 
 
 def ours_recovery(job: JobConfig, workdir: Path, kill_step: int, kill_rank: int, checkpoint_every: int) -> dict[str, Any]:
-    """Our run of ``job`` with worker ``kill_rank`` SIGKILLed in step ``kill_step``."""
+    """Our run of ``job`` with worker ``kill_rank`` SIGKILLed in step ``kill_step``; its final
+    parameters are in ``workdir/run/model.pt``."""
     chaos = {**job.chaos.model_dump(mode="json"), "kill": [{"at_step": kill_step, "worker": kill_rank, "how": "sigkill"}]}
     checkpoint = {**job.checkpoint.model_dump(mode="json"), "every_steps": checkpoint_every}
     summary, events, wall_s = _run_ours(_with(job, chaos=chaos, checkpoint=checkpoint), workdir)
@@ -54,15 +68,67 @@ def ours_recovery(job: JobConfig, workdir: Path, kill_step: int, kill_rank: int,
         raise BenchmarkError(f"expected one recovery, the run had {len(recovered)}")
     recovery = recovered[0]
     died = next(e["time"] for e in events if e["event"] == "failure") - recovery["detect_s"]
-    committed_before = sum(1 for e in events if e["event"] == "step" and e["time"] < died)
+    steps = {e["step"]: e for e in events if e["event"] == "step"}  # the committed one of each step
+    committed_before = sum(1 for e in steps.values() if e["time"] < died)
+    # Ranks that reported each committed step: the group's size in it.
+    telemetry = [json.loads(line) for line in (workdir / "run" / "telemetry.jsonl").read_text().splitlines()]
+    ranks = Counter(r["step"] for r in telemetry)
+    full = [e["time"] for s, e in steps.items() if e["time"] > died and ranks[s] == job.scaling.workers]
+    sampler = ShardSampler(1, job.batch_size, job.shards, job.seed)  # only batch sizes are read
+    expected = sum(sampler.step_batch_size(s) for s in range(job.steps or 0))
     return {
         "recovery_s": recovery["first_step_s"],
+        "full_size_s": min(full) - died if full else None,
         "steps_lost": max(0, committed_before - min(recovery["redo_steps"], default=committed_before)),
+        "samples_dropped": expected - sum(e["samples"] for e in steps.values()),
         "wall_s": wall_s,
         "split_s": {k: recovery[k] for k in ("detect_s", "reform_s", "transfer_s", "redo_s")},
         "steps_redone": summary["events"]["steps_redone"],
         "final_loss": summary["final_loss"],
     }
+
+
+def param_diff(got: Path, want: Path) -> tuple[float, bool]:
+    """(largest absolute difference, equal within EXACT_RTOL/EXACT_ATOL) between two saved state
+    dicts of the same model."""
+    a, b = torch.load(got, weights_only=True), torch.load(want, weights_only=True)
+    if a.keys() != b.keys():
+        raise BenchmarkError(f"{got} and {want} hold different parameters")
+    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in b)
+    exact = all(torch.allclose(a[k], b[k], rtol=EXACT_RTOL, atol=EXACT_ATOL) for k in b)
+    return diff, exact
+
+
+def killed_run(
+    contender: str, job: JobConfig, workdir: Path, kill_step: int, kill_rank: int, checkpoint_every: int
+) -> tuple[dict[str, Any], Path]:
+    """One contender's run of ``job`` with worker ``kill_rank`` SIGKILLed in step
+    ``kill_step``: (its figures, where its final parameters are)."""
+    if contender == "ringleader":
+        return ours_recovery(job, workdir, kill_step, kill_rank, checkpoint_every), workdir / "run" / "model.pt"
+    if contender == "ray_train":
+        return run_ray_train_recovery(job, workdir, kill_step, kill_rank, checkpoint_every, RUN_TIMEOUT_S), workdir / "model.pt"
+    if contender == "torchft":
+        return run_torchft_recovery(job, workdir, kill_step, kill_rank, RUN_TIMEOUT_S), workdir / "model.pt"
+    raise ValueError(f"unknown contender {contender!r}; choose from {CONTENDERS}")
+
+
+def exactness(
+    contender: str, job: JobConfig, workdir: Path, kill_step: int, kill_rank: int, checkpoint_every: int
+) -> dict[str, Any]:
+    """A killed run of ``job`` (short: float summation order aside, Adam turns differences of
+    1e-7 into 1e-4 over a few hundred steps) and a clean run of the same contender:
+    ``max_param_diff``, ``exact`` and the killed run's ``samples_dropped``."""
+    figures, model = killed_run(contender, job, workdir / "killed", kill_step, kill_rank, checkpoint_every)
+    clean = workdir / "clean"
+    if contender == "ringleader":  # the same job, checkpoints included, without the kill
+        checkpoint = {**job.checkpoint.model_dump(mode="json"), "every_steps": checkpoint_every}
+        _run_ours(_with(job, checkpoint=checkpoint), clean)
+    else:
+        run_once(contender, job, clean, keep_model=True)
+    diff, exact = param_diff(model, model_file(contender, clean))
+    return {"max_param_diff": diff, "exact": exact, "samples_dropped": figures["samples_dropped"],
+            "steps": job.steps, "kill_step": kill_step}
 
 
 def checkpoint_overhead(job: JobConfig, workdir: Path, every: int, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
@@ -88,55 +154,82 @@ def checkpoint_overhead(job: JobConfig, workdir: Path, every: int, repeats: int,
 
 def run_benchmark(
     workload: str, workers: int, steps: int, kill_step: int, checkpoint_every: int, repeats: int,
-    overhead_steps: int, log: Callable[[str], None] = print,
+    overhead_steps: int, exact_steps: int = 60, exact_kill_step: int = 35, log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     job = workload_job(workload, workers, steps)
+    short_job = workload_job(workload, workers, exact_steps)
     kill_rank = workers - 1
+    results: dict[str, Any] = {}
     with TemporaryDirectory(prefix="rl-recovery-") as scratch:
         root = Path(scratch)
-        log(f"recovery: {workload}, {workers} workers, {steps} steps, worker {kill_rank} SIGKILLed in step {kill_step}")
-        ours = ours_recovery(job, root / "ours", kill_step, kill_rank, checkpoint_every)
-        log(f"  ours       recovery {ours['recovery_s']:7.2f}s  lost {ours['steps_lost']}  wall {ours['wall_s']:.1f}s")
-        ray_train = run_ray_train_recovery(job, root / "ray_train", kill_step, kill_rank, checkpoint_every, RUN_TIMEOUT_S)
-        log(f"  ray_train  recovery {ray_train['recovery_s']:7.2f}s  lost {ray_train['steps_lost']}  "
-            f"wall {ray_train['wall_s']:.1f}s")
+        log(f"recovery: {workload}, {workers} workers, {steps} steps, worker {kill_rank} SIGKILLed in step {kill_step}; "
+            f"exactness: {exact_steps} steps, killed in step {exact_kill_step}, vs a clean run")
+        for contender in CONTENDERS:
+            figures, _ = killed_run(contender, job, root / contender / "timed", kill_step, kill_rank, checkpoint_every)
+            figures["exactness"] = exactness(
+                contender, short_job, root / contender / "exact", exact_kill_step, kill_rank, checkpoint_every
+            )
+            results[contender] = figures
+            log("  " + _row(contender, figures))
         log(f"checkpoint overhead: {overhead_steps} steps, every {checkpoint_every} vs none, {repeats} repeats")
         long_job = workload_job(workload, workers, overhead_steps)
         overhead = checkpoint_overhead(long_job, root / "overhead", checkpoint_every, repeats, log)
     return {
-        "ours": ours,
-        "ray_train": {k: ray_train[k] for k in ("recovery_s", "steps_lost", "wall_s", "resumed_from", "restart_s")},
+        "contenders": results,
         "checkpoint_overhead": overhead["overhead"],
         "checkpoint_samples_per_s": overhead["samples_per_s"],
         "checkpoint_snapshot_share": overhead["snapshot_share"],
         "setup": {"workload": workload, "workers": workers, "steps": steps, "kill_step": kill_step,
                   "kill_rank": kill_rank, "checkpoint_every": checkpoint_every, "repeats": repeats,
-                  "overhead_steps": overhead_steps},
+                  "overhead_steps": overhead_steps, "exact_steps": exact_steps, "exact_kill_step": exact_kill_step},
     }
 
 
+_HEADER = (f"{'':11} {'recovery_s':>10} {'full_size_s':>11} {'steps_lost':>10} {'samples_dropped':>15} "
+           f"{'wall_s':>7} {'exact':>6} {'max_param_diff':>14}")
+
+
+def _row(name: str, r: dict[str, Any]) -> str:
+    """One contender's line: the timed run's figures, then the short run's exactness."""
+    full = f"{r['full_size_s']:11.2f}" if r.get("full_size_s") is not None else f"{'never':>11}"
+    exact = r["exactness"]
+    return (f"{name:11} {r['recovery_s']:10.2f} {full} {r['steps_lost']:10d} {r['samples_dropped']:15d} "
+            f"{r['wall_s']:7.1f} {'yes' if exact['exact'] else 'no':>6} {exact['max_param_diff']:14.2e}")
+
+
 def format_result(result: dict[str, Any]) -> str:
-    ours, theirs = result["ours"], result["ray_train"]
+    contenders = result["contenders"]
+    ours = contenders["ringleader"]
+    setup = result["setup"]
     lines = [
-        f"{'':10} {'recovery_s':>10} {'steps_lost':>10} {'wall_s':>8}",
-        f"{'ours':10} {ours['recovery_s']:10.2f} {ours['steps_lost']:10d} {ours['wall_s']:8.1f}",
-        f"{'ray_train':10} {theirs['recovery_s']:10.2f} {theirs['steps_lost']:10d} {theirs['wall_s']:8.1f}",
-        f"recovery ray_train/ours {theirs['recovery_s'] / ours['recovery_s']:.1f}x; our split "
-        + ", ".join(f"{k} {v:.3f}" for k, v in ours["split_s"].items()),
+        f"timed run: {setup['steps']} steps, kill in step {setup['kill_step']}; exact: final parameters of a "
+        f"{setup['exact_steps']}-step run killed in step {setup['exact_kill_step']} vs its clean run "
+        f"(rtol {EXACT_RTOL:g}, atol {EXACT_ATOL:g})",
+        _HEADER, *(_row(name, r) for name, r in contenders.items()),
+    ]
+    lines.append(
+        "recovery vs ours: " + ", ".join(
+            f"{name} {r['recovery_s'] / ours['recovery_s']:.1f}x" for name, r in contenders.items() if name != "ringleader"
+        ) + "; our split " + ", ".join(f"{k} {v:.3f}" for k, v in ours["split_s"].items())
+    )
+    lines.append(
         f"checkpoint every {result['setup']['checkpoint_every']} steps: overhead {result['checkpoint_overhead']:+.1%} "
         f"({result['checkpoint_samples_per_s']}); snapshots held training up "
-        f"{result['checkpoint_snapshot_share']:.2%} of its time",
-    ]
+        f"{result['checkpoint_snapshot_share']:.2%} of its time"
+    )
     return "\n".join(lines)
 
 
 def main(workload: str, workers: int, steps: int, kill_step: int, checkpoint_every: int, repeats: int,
-         overhead_steps: int, json_path: str | None) -> int:
-    if not 0 < kill_step < steps:
-        print(f"ringleader: --kill-step must be in (0, {steps}), got {kill_step}", file=sys.stderr)
-        return 2
+         overhead_steps: int, json_path: str | None, exact_steps: int = 60, exact_kill_step: int = 35) -> int:
+    for flag, kill, total in (("--kill-step", kill_step, steps), ("--exact-kill-step", exact_kill_step, exact_steps)):
+        if not 0 < kill < total:
+            print(f"ringleader: {flag} must be in (0, {total}), got {kill}", file=sys.stderr)
+            return 2
     try:
-        result = run_benchmark(workload, workers, steps, kill_step, checkpoint_every, repeats, overhead_steps)
+        result = run_benchmark(
+            workload, workers, steps, kill_step, checkpoint_every, repeats, overhead_steps, exact_steps, exact_kill_step
+        )
     except BenchmarkError as err:
         print(f"ringleader: benchmark failed: {err}", file=sys.stderr)
         return 1

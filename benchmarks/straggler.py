@@ -11,8 +11,9 @@ drawn from a seed, the worker id and the step alone, so every variant and Ray Tr
 exactly the same ones (``workers/chaos.py``).
 
 In one run, interleaved and repeated: (a) ringleader clean, (b) the chaos with mitigation off,
-(c) the chaos with mitigation on, (d) Ray Train ``TorchTrainer`` (DDP) with the same chaos
-injected the same way, and (e) clean with mitigation off, which prices the mitigation when
+(c) the chaos with mitigation on, (d) Ray Train ``TorchTrainer`` (DDP) and (d') Ray Train +
+torchft (``benchmarks/torchft_loop.py``) with the same chaos injected the same way, and (e)
+clean with mitigation off, which prices the mitigation when
 nothing is slow (a / e). For ``slow`` the ideal for (c) is (a) scaled by the workers' summed
 speed, a x (n - 1 + 1/factor) / n; for ``stall`` it is (a) (a stalled worker uses no CPU, so
 on this machine the others can absorb its work), and ``hidden`` is the share of the time the
@@ -34,7 +35,9 @@ from benchmarks.throughput import run_once
 from benchmarks.workloads import workload_job
 from orchestrator.config import JobConfig
 
-VARIANTS = ("clean", "unmitigated", "mitigated", "ray_train", "clean_unmitigated")
+VARIANTS = ("clean", "unmitigated", "mitigated", "ray_train", "torchft", "clean_unmitigated")
+#: Variants that are a peer framework, not ringleader: they run the chaos, never our mitigation.
+PEERS = ("ray_train", "torchft")
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,11 @@ def variant_job(base: JobConfig, variant: str, chaos: dict[str, Any]) -> tuple[s
         {
             **base.model_dump(),
             "scaling": {**base.scaling.model_dump(), "resources_per_worker": {"CPU": cpus}},
-            "chaos": chaos if variant in ("unmitigated", "mitigated", "ray_train") else {},
+            "chaos": chaos if variant in ("unmitigated", "mitigated", *PEERS) else {},
             "stragglers": {**base.stragglers.model_dump(), "mitigation": mitigation},
         }
     )
-    return ("ray_train" if variant == "ray_train" else "ringleader"), job
+    return (variant if variant in PEERS else "ringleader"), job
 
 
 def calibrate(base: JobConfig, workdir: Path) -> tuple[float, float]:
@@ -121,12 +124,13 @@ def summarize(rates: dict[str, list[float]], workers: int, chaos: StragglerChaos
         "mitigated/ideal": mitigated / ideal,
         "mitigated/unmitigated": mitigated / unmitigated,
         "mitigated/ray_train": mitigated / medians["ray_train"],
+        "mitigated/torchft": mitigated / medians["torchft"],
         "clean/clean_unmitigated": clean / medians["clean_unmitigated"],
     }
     # The price of mitigation when nothing is slow, per repeat: its spread is the noise.
     per_repeat = [a / b for a, b in zip(rates["clean"], rates["clean_unmitigated"])]
     result: dict[str, object] = {
-        "samples_per_s": {k: medians[k] for k in ("clean", "unmitigated", "mitigated", "ray_train")},
+        "samples_per_s": {k: medians[k] for k in ("clean", "unmitigated", "mitigated", *PEERS)},
         "ideal": ideal,
         "clean_unmitigated": medians["clean_unmitigated"],
         "ratios": ratios,

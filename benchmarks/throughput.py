@@ -1,4 +1,6 @@
-"""Clean throughput and launch time: ringleader vs Ray Train ``TorchTrainer`` vs torchrun.
+"""Clean throughput and launch time: ringleader vs Ray Train ``TorchTrainer`` vs Ray Train +
+torchft (``TorchftConfig``: a quorum each step) vs torchrun (plain DDP, the floor each
+contender's per-step overhead is measured from).
 
 Every run is a fresh process launched from here, so launch-to-first-step counts everything a
 user waits for (interpreter, imports, ``ray.init`` where it applies, actors, rendezvous).
@@ -28,7 +30,7 @@ from benchmarks.ray_head import RayHead, start_head
 from benchmarks.workloads import workload_job
 from orchestrator.config import JobConfig
 
-FRAMEWORKS = ("ringleader", "ringleader_attached", "ray_train", "torchrun")
+FRAMEWORKS = ("ringleader", "ringleader_attached", "ray_train", "torchft", "torchrun")
 RUN_TIMEOUT_S = 900
 
 
@@ -65,6 +67,15 @@ def _command_ray_train(job_file: Path, result: Path) -> list[str]:
     return [sys.executable, "-m", "benchmarks.raytrain_entry", "--job", str(job_file), "--result", str(result)]
 
 
+def _command_torchft(job_file: Path, result: Path) -> list[str]:
+    return [sys.executable, "-m", "benchmarks.torchft_entry", "--job", str(job_file), "--result", str(result)]
+
+
+def model_file(framework: str, workdir: Path) -> Path:
+    """Where ``run_once(framework, ..., workdir, keep_model=True)`` left the final parameters."""
+    return workdir / ("run" if framework.startswith("ringleader") else "") / "model.pt"
+
+
 def _command_torchrun(job: JobConfig) -> Callable[[Path, Path], list[str]]:
     def command(job_file: Path, result: Path) -> list[str]:
         return [
@@ -88,9 +99,13 @@ def _ringleader_result(run_dir: Path) -> dict[str, Any]:
     return {"step_ends": [e["time"] for e in steps], "step_weights": [e["weight"] for e in steps], "eval": summary["eval"]}
 
 
-def run_once(framework: str, job: JobConfig, workdir: Path, head: RayHead | None = None) -> RunRow:
+def run_once(
+    framework: str, job: JobConfig, workdir: Path, head: RayHead | None = None, keep_model: bool = False
+) -> RunRow:
     """Launch one framework on ``job`` in a fresh process and measure it; ``head``: the running
-    Ray that ``ringleader_attached`` joins."""
+    Ray that ``ringleader_attached`` joins; ``keep_model``: the final parameters are saved at
+    ``model_file(framework, workdir)`` (ringleader always saves them; the Ray Train and torchft
+    runs when asked; not torchrun)."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_file = workdir / "job.json"
     job_file.write_text(job.model_dump_json())
@@ -100,8 +115,11 @@ def run_once(framework: str, job: JobConfig, workdir: Path, head: RayHead | None
         "ringleader": _command_ringleader,
         "ringleader_attached": _command_attached(head),
         "ray_train": _command_ray_train,
+        "torchft": _command_torchft,
         "torchrun": _command_torchrun(job),
     }[framework](job_file, result)
+    if keep_model and framework in ("ray_train", "torchft"):
+        command += ["--model", str(model_file(framework, workdir))]
     # Each framework starts its own Ray, never one this process or the shell points at; the
     # attached run reaches the benchmark's head (its token under the head's HOME).
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -192,6 +210,13 @@ def format_table(table: dict[str, dict[str, dict[str, float]]]) -> str:
             f"{workload:8s} ratios: samples/s ours/ray_train {ours['samples_per_s'] / by_framework['ray_train']['samples_per_s']:.2f}x"
             f", ours/torchrun {ours['samples_per_s'] / by_framework['torchrun']['samples_per_s']:.2f}x;"
             f" first step ours/ray_train {ours['first_step_s'] / by_framework['ray_train']['first_step_s']:.2f}x"
+        )
+        ddp = by_framework["torchrun"]["step_s"]
+        lines.append(
+            f"{workload:8s} samples/s ours/torchft {ours['samples_per_s'] / by_framework['torchft']['samples_per_s']:.2f}x;"
+            " step time over plain DDP (torchrun): "
+            + ", ".join(f"{name} {(by_framework[name]['step_s'] - ddp) * 1e3:+.2f} ms"
+                        for name in ("ringleader", "ray_train", "torchft"))
         )
         lines.append(
             f"{workload:8s} launch to first step: cold {ours['first_step_s']:.2f}s, attached to a running Ray "

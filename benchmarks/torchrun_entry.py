@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.ddp_loop import train_ddp
+from benchmarks.ddp_loop import train_ddp, write_result
 from orchestrator.config import JobConfig
 
 
@@ -24,7 +23,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     result = train_ddp(job, rank, world, DistributedDataParallel)
     if rank == 0:
-        Path(args.result).write_text(json.dumps({**result, "pid": os.getpid()}))
+        write_result({**result, "pid": os.getpid()}, args.result)
     dist.destroy_process_group()
 
 

@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks (side by side, one run)")
     benches = bench.add_subparsers(dest="bench", required=True)
     throughput = benches.add_parser(
-        "throughput", help="clean samples/s and launch time vs Ray Train and torchrun"
+        "throughput", help="clean samples/s, launch time and step overhead over plain DDP: vs Ray Train, Ray Train + torchft, torchrun"
     )
     throughput.add_argument("--workers", type=int, default=2)
     throughput.add_argument("--steps", type=int, default=100)
@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     overlap.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
 
     straggler = benches.add_parser(
-        "straggler", help="a slowed worker or random stalls: clean vs unmitigated vs mitigated vs Ray Train"
+        "straggler", help="a slowed worker or random stalls: clean vs unmitigated vs mitigated vs Ray Train (+ torchft)"
     )
     straggler.add_argument("--kind", choices=["slow", "stall"], default="slow")
     straggler.add_argument("--workload", choices=["digits", "tinylm"], default="digits")
@@ -97,13 +97,19 @@ def _parser() -> argparse.ArgumentParser:
     straggler.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
 
     recovery = benches.add_parser(
-        "recovery", help="seconds and steps lost when a worker is SIGKILLed: ours vs Ray Train; checkpoint cost"
+        "recovery",
+        help="a worker SIGKILLed: seconds to commit again and to full size, steps and samples lost, exactness; "
+        "ours vs Ray Train vs Ray Train + torchft; checkpoint cost",
     )
     recovery.add_argument("--workload", choices=["digits", "tinylm"], default="digits")
     recovery.add_argument("--workers", type=int, default=2)
-    recovery.add_argument("--steps", type=int, default=60)
-    recovery.add_argument("--kill-step", type=int, default=35, help="the step in which the last worker is killed")
-    recovery.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (both)")
+    # Long enough after the kill for torchft's replacement (~10 s to start here) to rejoin the
+    # survivors before they finish.
+    recovery.add_argument("--steps", type=int, default=400)
+    recovery.add_argument("--kill-step", type=int, default=130, help="the step in which the last worker is killed")
+    recovery.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (ours, Ray Train)")
+    recovery.add_argument("--exact-steps", type=int, default=60, help="steps of the exactness runs (short)")
+    recovery.add_argument("--exact-kill-step", type=int, default=35, help="the kill's step in the exactness runs")
     recovery.add_argument("--repeats", type=int, default=3, help="runs of each checkpoint-overhead variant")
     recovery.add_argument("--overhead-steps", type=int, default=200, help="steps of each checkpoint-overhead run")
     recovery.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
@@ -264,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return recovery.main(
             args.workload, args.workers, args.steps, args.kill_step, args.checkpoint_every, args.repeats,
-            args.overhead_steps, args.json_path,
+            args.overhead_steps, args.json_path, args.exact_steps, args.exact_kill_step,
         )
     raise AssertionError(f"unhandled command {args.command}")
 

@@ -1,5 +1,6 @@
-"""The throughput benchmark's runners: each produces a row, and all three train the same model
-to the same loss, which is what makes the comparison fair."""
+"""The benchmarks' runners: each produces a row, and all contenders (ours, Ray Train, Ray Train +
+torchft, torchrun) train the same model to the same loss, which is what makes the comparison
+fair."""
 
 from __future__ import annotations
 
@@ -63,10 +64,10 @@ def test_straggler_benchmark_injects_the_same_chaos_into_every_variant_that_has_
         entries = chaos.entries(workers=2, step_s=0.05, shard_s=0.002)
         for variant in STRAGGLER_VARIANTS:
             framework, job = straggler_variant_job(base, variant, entries)
-            chaotic = variant in ("unmitigated", "mitigated", "ray_train")
+            chaotic = variant in ("unmitigated", "mitigated", "ray_train", "torchft")
             assert bool(getattr(job.chaos, field)) == chaotic
             assert job.stragglers.mitigation == (variant in ("clean", "mitigated"))
-            assert framework == ("ray_train" if variant == "ray_train" else "ringleader")
+            assert framework == (variant if variant in ("ray_train", "torchft") else "ringleader")
     (slow,) = straggler_variant_job(base, "ray_train", StragglerChaos().entries(2, 0.05, 0.002))[1].chaos.slow
     assert slow.worker == 1 and slow.shard_s == 0.002  # the same sleep in both frameworks
     stalls = straggler_variant_job(base, "mitigated", StragglerChaos("stall", stall_steps=20).entries(2, 0.05, 0.002))[1].chaos.stalls
@@ -76,31 +77,41 @@ def test_straggler_benchmark_injects_the_same_chaos_into_every_variant_that_has_
 @pytest.mark.usefixtures("private_ray_home")
 def test_straggler_benchmark_runs_every_variant_with_the_stalls_in_both_frameworks():
     # Every step of every worker stalls (for 4 clean steps): nobody is left to rescue anyone,
-    # so each chaotic variant, Ray Train's included, must run far below clean.
+    # so each chaotic variant, Ray Train's and torchft's included, must run far below clean.
     chaos = StragglerChaos("stall", probability=1.0, stall_steps=4)
     step_s, rates = run_straggler(workload="digits", workers=2, steps=5, chaos=chaos, repeats=1, log=lambda line: None)
     assert step_s > 0
     assert set(rates) == set(STRAGGLER_VARIANTS) and all(len(r) == 1 and r[0] > 0 for r in rates.values())
     result = summarize_straggler(rates, workers=2, chaos=chaos)
-    assert set(result["samples_per_s"]) == {"clean", "unmitigated", "mitigated", "ray_train"}
+    assert set(result["samples_per_s"]) == {"clean", "unmitigated", "mitigated", "ray_train", "torchft"}
     clean = result["samples_per_s"]["clean"]
-    for variant in ("unmitigated", "mitigated", "ray_train"):
+    for variant in ("unmitigated", "mitigated", "ray_train", "torchft"):
         assert result["samples_per_s"][variant] < clean / 2, (variant, result)
     assert "hidden" in result and result["ideal"] == clean
 
 
 @pytest.mark.usefixtures("private_ray_home")
-def test_recovery_benchmark_our_side_loses_no_committed_step(tmp_path):
+def test_recovery_benchmark_our_side_loses_no_committed_step_and_no_sample(tmp_path):
     from benchmarks.recovery import format_result, ours_recovery
 
-    job = workload_job("digits", workers=2, steps=10)
+    job = workload_job("digits", workers=2, steps=16)
     job = job.model_copy(update={"scaling": job.scaling.model_copy(update={"resources_per_worker": {"CPU": 0.5}})})
     ours = ours_recovery(job, tmp_path, kill_step=5, kill_rank=1, checkpoint_every=4)
-    assert ours["steps_lost"] == 0 and ours["steps_redone"] >= 1
+    assert ours["steps_lost"] == 0 and ours["steps_redone"] >= 1 and ours["samples_dropped"] == 0
     assert 0 < ours["recovery_s"] < ours["wall_s"]
+    # A replacement joins (max_workers 2): back at full size after the survivors went on alone.
+    assert ours["full_size_s"] is None or ours["recovery_s"] < ours["full_size_s"] < ours["wall_s"]
     assert set(ours["split_s"]) == {"detect_s", "reform_s", "transfer_s", "redo_s"}
-    theirs = {"recovery_s": 12.0, "steps_lost": 5, "wall_s": 40.0}
-    setup = {"checkpoint_every": 4}
-    text = format_result({"ours": ours, "ray_train": theirs, "checkpoint_overhead": 0.01, "setup": setup,
+    exact = {"max_param_diff": 0.0, "exact": True}
+    ours["exactness"] = exact
+    theirs = {"recovery_s": 12.0, "full_size_s": 12.0, "steps_lost": 5, "samples_dropped": 0, "wall_s": 40.0,
+              "exactness": exact}
+    torchft = {**theirs, "recovery_s": 6.0, "full_size_s": None, "steps_lost": 0, "samples_dropped": 128,
+               "exactness": {"max_param_diff": 1e-3, "exact": False}}
+    setup = {"checkpoint_every": 4, "steps": 16, "kill_step": 5, "exact_steps": 16, "exact_kill_step": 5}
+    text = format_result({"contenders": {"ringleader": ours, "ray_train": theirs, "torchft": torchft},
+                          "checkpoint_overhead": 0.01, "setup": setup,
                           "checkpoint_samples_per_s": {}, "checkpoint_snapshot_share": 0.001})
-    assert "recovery ray_train/ours" in text and "overhead +1.0%" in text
+    assert "recovery vs ours: ray_train" in text and "overhead +1.0%" in text
+    torchft_line = next(line for line in text.splitlines() if line.startswith("torchft"))
+    assert "never" in torchft_line and " 128 " in torchft_line and " no " in torchft_line
