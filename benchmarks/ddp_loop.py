@@ -66,8 +66,8 @@ class PeerRecipe:
     """The job's training recipe as a careful DDP user writes it, shared by the peers' loops
     (stock DDP and torchft): data by step and shard, the model, the stock optimizer, the
     schedule's rate set each step, autocast, a GradScaler for fp16, clipping the (already
-    averaged) gradient by its global norm. ``state`` (``{"model": ..., "optimizer": ...}``)
-    is loaded first (to resume)."""
+    averaged) gradient by its global norm. ``state`` (``{"model": ..., "optimizer": ...}``,
+    to resume): the model's is loaded here, the optimizer's by ``optimizer``."""
 
     def __init__(self, job: JobConfig, state: dict[str, Any] | None = None) -> None:
         torch.manual_seed(job.seed)

@@ -27,8 +27,9 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.recovery_baseline import run_command, run_ray_train_recovery, run_torchft_recovery
-from benchmarks.throughput import BenchmarkError, model_file, read_run, run_once
+from benchmarks.recovery_baseline import run_ray_train_recovery, run_torchft_recovery
+from benchmarks.throughput import BenchmarkError, model_file, read_run, run_command, run_once
+from benchmarks.torchft_loop import check_torchft
 from benchmarks.workloads import workload_job
 from orchestrator.config import JobConfig
 from workers.sampler import ShardSampler
@@ -70,10 +71,11 @@ def ours_recovery(job: JobConfig, workdir: Path, kill_step: int, kill_rank: int,
     died = next(e["time"] for e in events if e["event"] == "failure") - recovery["detect_s"]
     steps = {e["step"]: e for e in events if e["event"] == "step"}  # the committed one of each step
     committed_before = sum(1 for e in steps.values() if e["time"] < died)
-    # Ranks that reported each committed step: the group's size in it.
+    # Ranks that reported each committed step: the group's size in it. By step, not time: a
+    # step the full group finished before the death may be committed a moment after it.
     telemetry = [json.loads(line) for line in (workdir / "run" / "telemetry.jsonl").read_text().splitlines()]
     ranks = Counter(r["step"] for r in telemetry)
-    full = [e["time"] for s, e in steps.items() if e["time"] > died and ranks[s] == job.scaling.workers]
+    full = [e["time"] for s, e in steps.items() if s >= recovery["at_step"] and ranks[s] == job.scaling.workers]
     sampler = ShardSampler(1, job.batch_size, job.shards, job.seed)  # only batch sizes are read
     expected = sum(sampler.step_batch_size(s) for s in range(job.steps or 0))
     return {
@@ -118,7 +120,9 @@ def exactness(
 ) -> dict[str, Any]:
     """A killed run of ``job`` (short: float summation order aside, Adam turns differences of
     1e-7 into 1e-4 over a few hundred steps) and a clean run of the same contender:
-    ``max_param_diff``, ``exact`` and the killed run's ``samples_dropped``."""
+    ``max_param_diff``, ``exact`` and the killed run's ``samples_dropped``. (In a run this short
+    torchft's replacement comes after the survivors finished: it trains alone, apart, and its
+    model is not the one compared: replica 0's is.)"""
     figures, model = killed_run(contender, job, workdir / "killed", kill_step, kill_rank, checkpoint_every)
     clean = workdir / "clean"
     if contender == "ringleader":  # the same job, checkpoints included, without the kill
@@ -193,8 +197,10 @@ def _row(name: str, r: dict[str, Any]) -> str:
     """One contender's line: the timed run's figures, then the short run's exactness."""
     full = f"{r['full_size_s']:11.2f}" if r.get("full_size_s") is not None else f"{'never':>11}"
     exact = r["exactness"]
+    # torchft: a replacement that came after the survivors finished trained alone (not counted).
+    split = f"  (split brain: {r['split_brain']} replacement(s) trained alone)" if r.get("split_brain") else ""
     return (f"{name:11} {r['recovery_s']:10.2f} {full} {r['steps_lost']:10d} {r['samples_dropped']:15d} "
-            f"{r['wall_s']:7.1f} {'yes' if exact['exact'] else 'no':>6} {exact['max_param_diff']:14.2e}")
+            f"{r['wall_s']:7.1f} {'yes' if exact['exact'] else 'no':>6} {exact['max_param_diff']:14.2e}{split}")
 
 
 def format_result(result: dict[str, Any]) -> str:
@@ -226,6 +232,11 @@ def main(workload: str, workers: int, steps: int, kill_step: int, checkpoint_eve
         if not 0 < kill < total:
             print(f"ringleader: {flag} must be in (0, {total}), got {kill}", file=sys.stderr)
             return 2
+    try:
+        check_torchft(workload_job(workload, workers, steps).shards, workers)
+    except (ImportError, ValueError) as err:
+        print(f"ringleader: {err}", file=sys.stderr)
+        return 2
     try:
         result = run_benchmark(
             workload, workers, steps, kill_step, checkpoint_every, repeats, overhead_steps, exact_steps, exact_kill_step

@@ -12,19 +12,12 @@ starts its own local Ray, never one this process points at.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.throughput import BenchmarkError
+from benchmarks.throughput import BenchmarkError, run_command
 from orchestrator.config import JobConfig
-
-# How long a timed-out entry gets to shut its Ray down after SIGTERM before it is killed.
-_TERMINATE_GRACE_S = 30.0
-
 
 def ray_train_recovery_command(
     job_file: Path, result: Path, kill_step: int, kill_rank: int, checkpoint_every: int
@@ -93,27 +86,4 @@ def _run_entry(
     return json.loads(result.read_text())
 
 
-def run_command(command: list[str], timeout_s: float, what: str) -> float:
-    """Run ``command`` in a fresh process that starts its own Ray (never one the caller points
-    at); returns its wall seconds. Raises BenchmarkError with the end of its output if it exits
-    non-zero or runs past ``timeout_s`` (then it gets SIGTERM, which our entries turn into
-    ``ray.shutdown()``, so no Ray is orphaned; SIGKILL after a grace period)."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    started = time.time()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        try:
-            stdout, stderr = proc.communicate(timeout=_TERMINATE_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
-        raise BenchmarkError(f"{what} timed out after {timeout_s:.0f}s:\n{(stdout + stderr)[-3000:]}") from None
-    if proc.returncode != 0:
-        raise BenchmarkError(f"{what} exited {proc.returncode}:\n{(stdout + stderr)[-3000:]}")
-    return time.time() - started
-
-
-__all__ = ["ray_train_recovery_command", "run_command", "run_ray_train_recovery", "run_torchft_recovery", "torchft_recovery_command"]
+__all__ = ["ray_train_recovery_command", "run_ray_train_recovery", "run_torchft_recovery", "torchft_recovery_command"]

@@ -26,12 +26,14 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.throughput import run_once
+from benchmarks.torchft_loop import check_torchft
 from benchmarks.workloads import workload_job
 from orchestrator.config import JobConfig
 
@@ -145,6 +147,11 @@ def summarize(rates: dict[str, list[float]], workers: int, chaos: StragglerChaos
 def main(
     workload: str, workers: int, steps: int, chaos: StragglerChaos, repeats: int, json_path: str | None
 ) -> int:
+    try:
+        check_torchft(workload_job(workload, workers, steps).shards, workers)
+    except (ImportError, ValueError) as err:
+        print(f"ringleader: {err}", file=sys.stderr)
+        return 2
     print(f"straggler: {workload}, {workers} workers, {chaos.describe(workers)}, {steps} steps, {repeats} repeats")
     step_s, rates = run_benchmark(workload, workers, steps, chaos, repeats)
     result = summarize(rates, workers, chaos)

@@ -27,11 +27,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.ray_head import RayHead, start_head
+from benchmarks.torchft_loop import check_torchft
 from benchmarks.workloads import workload_job
 from orchestrator.config import JobConfig
 
 FRAMEWORKS = ("ringleader", "ringleader_attached", "ray_train", "torchft", "torchrun")
 RUN_TIMEOUT_S = 900
+# How long a timed-out run gets to shut its Ray down after SIGTERM before it is killed.
+_TERMINATE_GRACE_S = 30.0
 
 
 class BenchmarkError(RuntimeError):
@@ -87,6 +90,31 @@ def _command_torchrun(job: JobConfig) -> Callable[[Path, Path], list[str]]:
     return command
 
 
+def run_command(command: list[str], timeout_s: float, what: str, env: dict[str, str] | None = None) -> float:
+    """Run ``command`` in a fresh process that starts its own Ray (never one the caller points
+    at); returns its wall seconds. Raises BenchmarkError with the end of its output if it exits
+    non-zero or runs past ``timeout_s`` (then it gets SIGTERM, which our entries turn into
+    ``ray.shutdown()``, so no Ray is orphaned; SIGKILL after a grace period). ``env``: the
+    environment (default: this one without ``RAY_ADDRESS``)."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    started = time.time()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            stdout, stderr = proc.communicate(timeout=_TERMINATE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        raise BenchmarkError(f"{what} timed out after {timeout_s:.0f}s:\n{(stdout + stderr)[-3000:]}") from None
+    if proc.returncode != 0:
+        raise BenchmarkError(f"{what} exited {proc.returncode}:\n{(stdout + stderr)[-3000:]}")
+    return time.time() - started
+
+
 def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A finished ringleader run directory's summary and events."""
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -128,10 +156,7 @@ def run_once(
             env.pop(key, None)
         env.update(HOME=head.env["HOME"], RAY_AUTH_MODE=head.env["RAY_AUTH_MODE"])
     launched = time.time()
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
-    wall_s = time.time() - launched
-    if proc.returncode != 0:
-        raise BenchmarkError(f"{framework} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    wall_s = run_command(command, RUN_TIMEOUT_S, framework, env)
     data = _ringleader_result(result) if ours else json.loads(result.read_text())
     ends: list[float] = data["step_ends"]
     if len(ends) < 2:
@@ -143,7 +168,8 @@ def run_once(
         workload=job.name,
         first_step_s=ends[0] - launched,
         step_s=statistics.median(intervals),
-        samples_per_s=job.batch_size * (len(ends) - 1) / (ends[-1] - ends[0]),
+        # Samples trained: torchft's steps leave out replicas not in the quorum.
+        samples_per_s=sum(data.get("step_samples", [job.batch_size] * len(ends))[1:]) / (ends[-1] - ends[0]),
         wall_s=wall_s,
         eval_loss=data["eval"].get("loss"),
         tokens_per_s=sum(weights[1:]) / (ends[-1] - ends[0]),
@@ -226,6 +252,12 @@ def format_table(table: dict[str, dict[str, dict[str, float]]]) -> str:
 
 
 def main(workloads: list[str], workers: int, steps: int, repeats: int, json_path: str | None) -> int:
+    try:
+        for workload in workloads:
+            check_torchft(workload_job(workload, workers, steps).shards, workers)
+    except (ImportError, ValueError) as err:
+        print(f"ringleader: {err}", file=sys.stderr)
+        return 2
     print(f"throughput: {workloads} x {FRAMEWORKS}, {workers} workers, {steps} steps, {repeats} repeats")
     rows = run_benchmark(workloads, workers, steps, repeats)
     table = medians(rows)

@@ -30,12 +30,19 @@ from typing import Any  # noqa: E402
 
 import ray  # noqa: E402
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+from ray.train.collective import barrier  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 from ray.train.v2.torch.torchft_config import TorchftConfig  # noqa: E402
 
 from benchmarks.ddp_loop import write_result  # noqa: E402
 from benchmarks.raytrain_recovery_entry import KILL_FILE, append_json_line, read_json_lines  # noqa: E402
-from benchmarks.torchft_loop import StepAttempt, torchft_shards, train_torchft  # noqa: E402
+from benchmarks.torchft_loop import (  # noqa: E402
+    LIGHTHOUSE_KWARGS,
+    StepAttempt,
+    check_torchft,
+    torchft_shards,
+    train_torchft,
+)
 from orchestrator.config import JobConfig  # noqa: E402
 from workers.sampler import ShardSampler  # noqa: E402
 
@@ -48,7 +55,8 @@ def _loop(config: dict[str, Any]) -> None:
     replica, replicas = context.get_world_rank(), context.get_world_size()
     scratch = Path(config["scratch"]) if config["scratch"] else None
     kill_step = config["kill_step"]
-    armed = scratch is not None and replica == config["kill_rank"] and not (scratch / KILL_FILE).exists()
+    first_life = scratch is None or not (scratch / KILL_FILE).exists()
+    armed = scratch is not None and replica == config["kill_rank"] and first_life
 
     def before_backward(step: int) -> None:
         if armed and step == kill_step:
@@ -58,8 +66,11 @@ def _loop(config: dict[str, Any]) -> None:
     def record(attempt: StepAttempt) -> None:
         append_json_line(scratch / ATTEMPTS.format(replica=replica), attempt.to_json())
 
+    # Every first-life replica waits for the others once its manager heartbeats, so all take
+    # part from step 0, as in the other contenders (a replacement comes alone: no barrier).
     result = train_torchft(
-        job, replica, replicas, before_backward=before_backward, record=record if scratch is not None else None
+        job, replica, replicas, ready=barrier if first_life else None, before_backward=before_backward,
+        record=record if scratch is not None else None,
     )
     if replica == 0:
         write_result(result, config["result"], config["model"])
@@ -90,16 +101,20 @@ def summarize(scratch: Path, job: JobConfig, kill_rank: int, wall_s: float) -> d
     workers, steps = job.scaling.workers, job.steps or 0
     attempts = [a for r in range(workers) for a in read_json_lines(scratch / ATTEMPTS.format(replica=r))]
     first_life = {a["pid"] for a in attempts if a["time"] <= killed_at}
-    # A replacement's first attempt heals it to the group's step; one that starts at step 0
-    # found no group.
-    starts = {pid: min(a["step"] for a in attempts if a["pid"] == pid) for pid in {a["pid"] for a in attempts}}
+    # A replacement's first commit heals it to the group's step; one that commits step 0 found
+    # no group.
+    lives = {a["pid"] for a in attempts}
+    starts = {pid: min(a["step"] for a in attempts if a["pid"] == pid and a["committed"]) for pid in lives
+              if any(a["pid"] == pid and a["committed"] for a in attempts)}
     healed = {pid for pid, step in starts.items() if pid not in first_life and step >= kill_step}
+    split = {pid for pid in starts if pid not in first_life | healed}
     trajectory = [a for a in attempts if a["pid"] in first_life | healed]
     committed = sorted((a for a in trajectory if a["committed"]), key=lambda a: a["time"])
-    survivors = [a for a in committed if a["time"] > killed_at and a["replica"] != kill_rank]
+    # By step, not time: a survivor may commit the step before the kill a moment after it.
+    survivors = [a for a in committed if a["step"] >= kill_step and a["replica"] != kill_rank]
     if not survivors:
         raise RuntimeError("no survivor committed a step after the kill")
-    full = [a for a in committed if a["time"] > killed_at and a["participants"] == workers]
+    full = [a for a in committed if a["step"] >= kill_step and a["participants"] == workers]
     sampler = ShardSampler(1, job.batch_size, job.shards, job.seed)  # only shard sizes are read
     dropped, dropped_steps, unaccounted = 0, [], 0
     for step in range(steps):
@@ -119,7 +134,7 @@ def summarize(scratch: Path, job: JobConfig, kill_rank: int, wall_s: float) -> d
         if missing:
             dropped += missing
             dropped_steps.append(step)
-    last_before = max((a["step"] for a in committed if a["time"] <= killed_at), default=-1)
+    last_before = max((a["step"] for a in committed if a["step"] < kill_step), default=-1)
     return {
         "recovery_s": survivors[0]["time"] - killed_at,
         "full_size_s": full[0]["time"] - killed_at if full else None,
@@ -127,9 +142,9 @@ def summarize(scratch: Path, job: JobConfig, kill_rank: int, wall_s: float) -> d
         "samples_dropped": dropped,
         "steps_dropped_from": dropped_steps,
         "unaccounted_participants": unaccounted,
-        "split_brain": len(starts) - len(first_life) - len(healed),
+        "split_brain": len(split),
         "failed_attempts": sum(1 for a in trajectory if not a["committed"]),
-        "lives": len(starts),
+        "lives": len(lives),
         "wall_s": wall_s,
     }
 
@@ -148,16 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     kill = args.kill_step is not None
     if kill and (args.kill_rank is None or not 0 <= args.kill_step < (job.steps or 0)):
         raise SystemExit(f"--kill-step must be in [0, {job.steps}) and comes with --kill-rank")
-    torchft_shards(job.shards, 0, job.scaling.workers)  # a clear error before any Ray starts
+    check_torchft(job.shards, job.scaling.workers)  # a clear error before any Ray starts
     with tempfile.TemporaryDirectory(prefix="rl-torchft-") as temp:
         scratch = Path(args.scratch or temp)
         scratch.mkdir(parents=True, exist_ok=True)
-        ray.init(address="local", include_dashboard=False, logging_level="WARNING")
-        # A caller that times us out sends SIGTERM: exit through the finally (ray.shutdown()).
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        if any(scratch.iterdir()):  # a kill file left there would disarm the kill
+            raise SystemExit(f"--scratch {scratch} must be empty")
         result = Path(args.result)
         train_result = scratch / "train.json" if kill else result
+        # A caller that times us out sends SIGTERM: exit through the finally (ray.shutdown()).
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         try:
+            ray.init(address="local", include_dashboard=False, logging_level="WARNING")
             TorchTrainer(
                 _loop,
                 train_loop_config={
@@ -167,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 scaling_config=ScalingConfig(
                     num_workers=job.scaling.workers, use_gpu=False, resources_per_worker=dict(job.scaling.resources_per_worker),
                 ),
-                # Ray's torchft example: the lighthouse forms a quorum of whoever is alive.
-                torch_config=TorchftConfig(lighthouse_kwargs={"min_replicas": 1}, backend="gloo"),
+                torch_config=TorchftConfig(lighthouse_kwargs=LIGHTHOUSE_KWARGS, backend="gloo"),
                 run_config=RunConfig(
                     storage_path=str(scratch / "storage"), name="torchft",
                     failure_config=FailureConfig(max_failures=1 if kill else 0),

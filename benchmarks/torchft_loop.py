@@ -21,6 +21,7 @@ manager): the averaged gradient is then the step's mean gradient, as in the othe
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -39,6 +40,21 @@ from workers.chaos import ChaosSchedule
 #: group and 60 s for the manager: generous enough to re-form gloo after a replica dies).
 PG_TIMEOUT = timedelta(seconds=30)
 MANAGER_TIMEOUT = timedelta(seconds=60)
+#: Consecutive steps that may fail to commit before the replica gives up (raises).
+MAX_RETRIES = 10
+#: The lighthouse: a quorum of whoever is alive (Ray's example), waiting up to 10 s for
+#: replicas that heartbeat but have not asked yet (torchft README's lighthouse command).
+LIGHTHOUSE_KWARGS = {"min_replicas": 1, "join_timeout_ms": 10_000}
+
+
+def check_torchft(shards: int, workers: int) -> None:
+    """Before a benchmark starts: ImportError when torchft is missing (the ``bench`` extra),
+    ValueError when the job's shards do not deal evenly over the workers."""
+    try:
+        importlib.import_module("torchft")
+    except ImportError as err:
+        raise ImportError("the benchmarks' torchft contender needs torchft: pip install 'ringleader[bench]'") from err
+    torchft_shards(shards, 0, workers)
 
 
 def _ddp_class() -> type:
@@ -63,6 +79,23 @@ def _ddp_class() -> type:
     return FailureSafeDistributedDataParallel
 
 
+def _optimizer_class() -> type:
+    """torchft's ``Optimizer`` wrapper that remembers whether its last ``step`` committed (the
+    manager's own counters are overwritten when a replica heals)."""
+    from torchft import Optimizer
+
+    class CommitRecordingOptimizer(Optimizer):
+        committed = False
+
+        def step(self, closure: object = None) -> None:
+            assert closure is None, "optimizers that use closures are not supported"
+            self.committed = self.manager.should_commit()
+            if self.committed:
+                self.optim.step()
+
+    return CommitRecordingOptimizer
+
+
 def torchft_shards(shards: int, replica: int, replicas: int) -> list[int]:
     """The shard ids torchft's ``DistributedSampler`` gives replica group ``replica`` of
     ``replicas`` (one rank each) out of a step's ``shards``. ValueError when ``shards`` is not a
@@ -82,7 +115,8 @@ class StepAttempt:
     """One replica's try at a step. ``step``: the step it committed (or tried: the manager's
     step count at the start, or after healing); ``data_step``: the step whose samples it
     computed on; ``participants``: replicas whose gradients were averaged; ``participating``:
-    this replica's among them (a healing replica's are zeroed); ``time``: epoch seconds after
+    this replica's among them (a healing replica's are zeroed); ``weight`` and ``samples``: the
+    step's loss weight and samples summed over the participants; ``time``: epoch seconds after
     the optimizer step."""
 
     replica: int
@@ -93,6 +127,7 @@ class StepAttempt:
     participants: int
     participating: bool
     weight: float
+    samples: int
     time: float
 
     def to_json(self) -> dict[str, Any]:
@@ -104,20 +139,23 @@ def train_torchft(
     replica: int,
     replicas: int,
     *,
+    ready: Callable[[], None] | None = None,
     before_backward: Callable[[int], None] | None = None,
     record: Callable[[StepAttempt], None] | None = None,
 ) -> dict[str, Any]:
     """Train until the manager has committed ``job.steps`` steps; this process is replica group
-    ``replica`` of ``replicas``. ``before_backward(step)`` runs after the step's quorum has
-    started, before its forward; ``record`` gets every attempt. Returns this replica's committed
-    steps' end times (epoch seconds) and loss weights, its final model state and, on replica 0,
-    the eval metrics."""
-    from torchft import Manager, Optimizer, ProcessGroupGloo
+    ``replica`` of ``replicas``. ``ready()`` runs once the manager is up (heartbeating to the
+    lighthouse), before the model is built: a barrier there makes every replica take part from
+    step 0. ``before_backward(step)`` runs after the step's quorum has started, before its
+    forward; ``record`` gets every attempt. Returns this replica's committed steps' end times
+    (epoch seconds), loss weights and samples trained (over the participants), its final model
+    state and, on replica 0, the eval metrics."""
+    from torchft import Manager, ProcessGroupGloo
     from torchft.checkpointing.pg_transport import PGTransport
 
     # The manager first: from its creation it heartbeats to the lighthouse, which then waits
-    # for it before forming a quorum. Built after the model, a replica slower to start than
-    # its peers found them already training without it (its shards of step 0 dropped).
+    # (join_timeout_ms) for it before forming a quorum. A replica that is not heartbeating yet
+    # when a peer asks for the first quorum is left out: its shards of step 0 are dropped.
     pg = ProcessGroupGloo(timeout=PG_TIMEOUT)
     manager = Manager(
         pg=pg,
@@ -131,7 +169,11 @@ def train_torchft(
         checkpoint_transport=PGTransport(pg, timeout=MANAGER_TIMEOUT, device=torch.device("cpu")),
         # Every replica builds the same model from the job's seed: no step-0 sync needed.
         init_sync=False,
+        # A step that keeps failing (a peer that cannot heal, a broken group) ends the run.
+        max_retries=MAX_RETRIES,
     )
+    if ready is not None:
+        ready()
     recipe = PeerRecipe(job)
     stock = recipe.optimizer(recipe.module)
 
@@ -144,20 +186,23 @@ def train_torchft(
 
     manager.register_state_dict_fn("default", load_state_dict, state_dict)
     model = _ddp_class()(manager, recipe.module)
-    optimizer = Optimizer(manager, stock)
+    optimizer = _optimizer_class()(manager, stock)
     my_shards = torchft_shards(job.shards, replica, replicas)
     # The job's injected slowness and stalls, as the DDP peers inject them (kills are not).
     chaos = ChaosSchedule.for_worker(job.chaos, replica, threading.Event())
 
+    summed_samples = [0]
+
     def scale(weight: float) -> tuple[float, float]:
-        total = torch.tensor([weight], dtype=torch.float64)
-        manager.allreduce(total, reduce_op=ReduceOp.SUM).wait()  # zeroed if not participating
+        totals = torch.tensor([weight, samples], dtype=torch.float64)
+        manager.allreduce(totals, reduce_op=ReduceOp.SUM).wait()  # zeroed if not participating
         participants = manager.num_participants()
-        summed = float(total.item())
+        summed, summed_samples[0] = float(totals[0]), int(totals[1])
         return participants / summed if summed > 0 else 0.0, summed
 
     step_ends: list[float] = []
     step_weights: list[float] = []
+    step_samples: list[int] = []
     steps = job.steps or 0
     try:
         while manager.current_step() < steps:
@@ -169,23 +214,27 @@ def train_torchft(
             if before_backward is not None:
                 before_backward(data_step)
             started = time.perf_counter()
-            committed_before = manager.batches_committed()
+            optimizer.committed = False
             _, weight = recipe.backward(model, optimizer, data_step, batch, samples, scale)
             chaos.record(data_step, time.perf_counter() - started, len(my_shards))
             recipe.apply(model, optimizer)  # steps only if the quorum commits
             done = time.time()
-            committed = manager.batches_committed() > committed_before
+            committed = optimizer.committed
             if committed:
                 step_ends.append(done)
                 step_weights.append(weight)
+                step_samples.append(summed_samples[0])
             if record is not None:
                 record(StepAttempt(
                     replica=replica, pid=os.getpid(), step=manager.current_step() - int(committed),
                     data_step=data_step, committed=committed, participants=manager.num_participants(),
-                    participating=manager.is_participating(), weight=weight, time=done,
+                    participating=manager.is_participating(), weight=weight, samples=summed_samples[0], time=done,
                 ))
     finally:
         # Ray's example: without it a replica that finished can leave a late peer stuck.
         manager.shutdown(wait=False)
     metrics = recipe.evaluate(model) if replica == 0 else {}
-    return {"step_ends": step_ends, "step_weights": step_weights, "eval": metrics, "model": recipe.module.state_dict()}
+    return {
+        "step_ends": step_ends, "step_weights": step_weights, "step_samples": step_samples, "eval": metrics,
+        "model": recipe.module.state_dict(),
+    }

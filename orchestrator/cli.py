@@ -103,9 +103,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     recovery.add_argument("--workload", choices=["digits", "tinylm"], default="digits")
     recovery.add_argument("--workers", type=int, default=2)
-    # Long enough after the kill for torchft's replacement (~10 s to start here) to rejoin the
-    # survivors before they finish.
-    recovery.add_argument("--steps", type=int, default=400)
+    # Long enough after the kill for torchft's replacement (~5 s until the lighthouse gives up
+    # on the dead, ~10 s for Ray Train to start its replacement here) to rejoin the survivors
+    # before they finish (~370 steps x 40-50 ms).
+    recovery.add_argument("--steps", type=int, default=500)
     recovery.add_argument("--kill-step", type=int, default=130, help="the step in which the last worker is killed")
     recovery.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (ours, Ray Train)")
     recovery.add_argument("--exact-steps", type=int, default=60, help="steps of the exactness runs (short)")
