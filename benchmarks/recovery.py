@@ -233,7 +233,7 @@ def main(workload: str, workers: int, steps: int, kill_step: int, checkpoint_eve
             print(f"ringleader: {flag} must be in (0, {total}), got {kill}", file=sys.stderr)
             return 2
     try:
-        check_torchft(workload_job(workload, workers, steps).shards, workers)
+        check_torchft(workload_job(workload, workers, steps))
     except (ImportError, ValueError) as err:
         print(f"ringleader: {err}", file=sys.stderr)
         return 2

@@ -148,7 +148,7 @@ def main(
     workload: str, workers: int, steps: int, chaos: StragglerChaos, repeats: int, json_path: str | None
 ) -> int:
     try:
-        check_torchft(workload_job(workload, workers, steps).shards, workers)
+        check_torchft(workload_job(workload, workers, steps))
     except (ImportError, ValueError) as err:
         print(f"ringleader: {err}", file=sys.stderr)
         return 2

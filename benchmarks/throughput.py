@@ -254,7 +254,7 @@ def format_table(table: dict[str, dict[str, dict[str, float]]]) -> str:
 def main(workloads: list[str], workers: int, steps: int, repeats: int, json_path: str | None) -> int:
     try:
         for workload in workloads:
-            check_torchft(workload_job(workload, workers, steps).shards, workers)
+            check_torchft(workload_job(workload, workers, steps))
     except (ImportError, ValueError) as err:
         print(f"ringleader: {err}", file=sys.stderr)
         return 2

@@ -64,7 +64,7 @@ def _loop(config: dict[str, Any]) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def record(attempt: StepAttempt) -> None:
-        append_json_line(scratch / ATTEMPTS.format(replica=replica), attempt.to_json())
+        append_json_line(scratch / ATTEMPTS.format(replica=replica), {**attempt.to_json(), "first_life": first_life})
 
     # Every first-life replica waits for the others once its manager heartbeats, so all take
     # part from step 0, as in the other contenders (a replacement comes alone: no barrier).
@@ -88,7 +88,7 @@ def summarize(scratch: Path, job: JobConfig, kill_rank: int, wall_s: float) -> d
 
     ``recovery_s``: kill to the first step a survivor committed; ``full_size_s``: kill to the
     first committed step all replicas took part in (None: never, before the run ended);
-    ``steps_lost``: committed steps computed again (torchft never rolls back);
+    ``steps_lost``: steps a replica committed again (a roll-back: torchft never does one);
     ``samples_dropped``: samples of the job's steps no participating replica computed (dead or
     healing), ``steps_dropped_from`` the steps they were in; ``split_brain``: a replacement
     came up after the survivors had finished, found nobody to heal from and trained on its own
@@ -100,7 +100,7 @@ def summarize(scratch: Path, job: JobConfig, kill_rank: int, wall_s: float) -> d
     killed_at, kill_step = kills[0]["time"], kills[0]["step"]
     workers, steps = job.scaling.workers, job.steps or 0
     attempts = [a for r in range(workers) for a in read_json_lines(scratch / ATTEMPTS.format(replica=r))]
-    first_life = {a["pid"] for a in attempts if a["time"] <= killed_at}
+    first_life = {a["pid"] for a in attempts if a["first_life"]}
     # A replacement's first commit heals it to the group's step; one that commits step 0 found
     # no group.
     lives = {a["pid"] for a in attempts}
@@ -134,11 +134,10 @@ def summarize(scratch: Path, job: JobConfig, kill_rank: int, wall_s: float) -> d
         if missing:
             dropped += missing
             dropped_steps.append(step)
-    last_before = max((a["step"] for a in committed if a["step"] < kill_step), default=-1)
     return {
         "recovery_s": survivors[0]["time"] - killed_at,
         "full_size_s": full[0]["time"] - killed_at if full else None,
-        "steps_lost": max(0, last_before + 1 - min(a["step"] for a in survivors)),
+        "steps_lost": len(committed) - len({(a["replica"], a["step"]) for a in committed}),
         "samples_dropped": dropped,
         "steps_dropped_from": dropped_steps,
         "unaccounted_participants": unaccounted,
@@ -161,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     job_json = Path(args.job).read_text()
     job = JobConfig.model_validate_json(job_json)
     kill = args.kill_step is not None
-    if kill and (args.kill_rank is None or not 0 <= args.kill_step < (job.steps or 0)):
-        raise SystemExit(f"--kill-step must be in [0, {job.steps}) and comes with --kill-rank")
-    check_torchft(job.shards, job.scaling.workers)  # a clear error before any Ray starts
+    if kill and (args.kill_rank is None or not 0 < args.kill_step < (job.steps or 0)):
+        # Not step 0: a replacement healing into step 0 would look like one that found nobody.
+        raise SystemExit(f"--kill-step must be in (0, {job.steps}) and comes with --kill-rank")
+    check_torchft(job)  # a clear error before any Ray starts
     with tempfile.TemporaryDirectory(prefix="rl-torchft-") as temp:
         scratch = Path(args.scratch or temp)
         scratch.mkdir(parents=True, exist_ok=True)

@@ -47,14 +47,18 @@ MAX_RETRIES = 10
 LIGHTHOUSE_KWARGS = {"min_replicas": 1, "join_timeout_ms": 10_000}
 
 
-def check_torchft(shards: int, workers: int) -> None:
+def check_torchft(job: JobConfig) -> None:
     """Before a benchmark starts: ImportError when torchft is missing (the ``bench`` extra),
-    ValueError when the job's shards do not deal evenly over the workers."""
+    ValueError when the job's shards do not deal evenly over its workers or it trains in fp16
+    (a step the scaler skips never asks the quorum to commit, which is where torchft applies a
+    healed state, and the scaler's state is not healed)."""
     try:
         importlib.import_module("torchft")
     except ImportError as err:
         raise ImportError("the benchmarks' torchft contender needs torchft: pip install 'ringleader[bench]'") from err
-    torchft_shards(shards, 0, workers)
+    torchft_shards(job.shards, 0, job.scaling.workers)
+    if job.precision == "fp16":
+        raise ValueError("the torchft contender does not train in fp16 (precision: fp16); use bf16 or fp32")
 
 
 def _ddp_class() -> type:
@@ -144,9 +148,9 @@ def train_torchft(
     record: Callable[[StepAttempt], None] | None = None,
 ) -> dict[str, Any]:
     """Train until the manager has committed ``job.steps`` steps; this process is replica group
-    ``replica`` of ``replicas``. ``ready()`` runs once the manager is up (heartbeating to the
-    lighthouse), before the model is built: a barrier there makes every replica take part from
-    step 0. ``before_backward(step)`` runs after the step's quorum has started, before its
+    ``replica`` of ``replicas``. ``ready()`` runs once all is built, just before the first
+    step (the manager heartbeats to the lighthouse from its creation): a barrier there makes
+    every replica take part from step 0. ``before_backward(step)`` runs after the step's quorum has started, before its
     forward; ``record`` gets every attempt. Returns this replica's committed steps' end times
     (epoch seconds), loss weights and samples trained (over the participants), its final model
     state and, on replica 0, the eval metrics."""
@@ -172,8 +176,6 @@ def train_torchft(
         # A step that keeps failing (a peer that cannot heal, a broken group) ends the run.
         max_retries=MAX_RETRIES,
     )
-    if ready is not None:
-        ready()
     recipe = PeerRecipe(job)
     stock = recipe.optimizer(recipe.module)
 
@@ -204,6 +206,8 @@ def train_torchft(
     step_weights: list[float] = []
     step_samples: list[int] = []
     steps = job.steps or 0
+    if ready is not None:
+        ready()
     try:
         while manager.current_step() < steps:
             data_step = manager.current_step()

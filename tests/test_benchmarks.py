@@ -95,11 +95,11 @@ def test_recovery_benchmark_our_side_loses_no_committed_step_and_no_sample(tmp_p
     from benchmarks.recovery import format_result, ours_recovery
 
     job = workload_job("digits", workers=2, steps=16)
-    # The survivor pauses the job in step 9 (after sealing its shards) for 5 s: time for a
-    # replacement worker to start and join (max_workers 2).
+    # The survivor pauses the job in step 9 (after sealing its shards) for 15 s: time for a
+    # replacement worker to start and join (max_workers 2), also on a busy machine.
     job = job.model_copy(update={
         "scaling": job.scaling.model_copy(update={"resources_per_worker": {"CPU": 0.5}}),
-        "chaos": job.chaos.model_validate({"stall": [{"worker": 0, "at_step": 9, "seconds": 5, "during": "compute"}]}),
+        "chaos": job.chaos.model_validate({"stall": [{"worker": 0, "at_step": 9, "seconds": 15, "during": "compute"}]}),
     })
     ours = ours_recovery(job, tmp_path, kill_step=5, kill_rank=1, checkpoint_every=4)
     assert ours["steps_lost"] == 0 and ours["steps_redone"] >= 1 and ours["samples_dropped"] == 0

@@ -46,13 +46,13 @@ def _write_attempts(scratch: Path, kill: dict, attempts: list[dict]) -> None:
 
 def _attempt(replica: int, pid: int, step: int, time: float, *, committed: bool = True, participants: int = 2,
              participating: bool = True, data_step: int | None = None) -> dict:
+    # pids 10 and 11 are the replicas' first lives; later pids are replacements.
     return {"replica": replica, "pid": pid, "step": step, "data_step": step if data_step is None else data_step,
             "committed": committed, "participants": participants, "participating": participating,
-            "weight": 1.0, "time": time}
+            "weight": 1.0, "samples": 0, "time": time, "first_life": pid in (10, 11)}
 
 
-def test_summary_counts_the_dead_and_healing_replicas_shards_as_dropped(tmp_path):
-    job = _job(8)
+def _killed_in_step_3() -> list[dict]:
     # Replica 1 (pid 11) dies in step 3 at t=10, just as replica 0 commits step 2 (t=10.2);
     # replica 0 fails step 3 once, then commits 3, 4 alone; the replacement (pid 12) fails its
     # first try, heals in step 5 (its gradient zeroed), both take part from 6.
@@ -65,7 +65,12 @@ def test_summary_counts_the_dead_and_healing_replicas_shards_as_dropped(tmp_path
         _attempt(0, 10, 5, 25.0, participants=1), _attempt(1, 12, 5, 25.0, participants=1, participating=False, data_step=0),
         _attempt(0, 10, 6, 25.1), _attempt(1, 12, 6, 25.1), _attempt(0, 10, 7, 25.2), _attempt(1, 12, 7, 25.2),
     ]
-    _write_attempts(tmp_path, {"time": 10.0, "step": 3, "rank": 1}, attempts)
+    return attempts
+
+
+def test_summary_counts_the_dead_and_healing_replicas_shards_as_dropped(tmp_path):
+    job = _job(8)
+    _write_attempts(tmp_path, {"time": 10.0, "step": 3, "rank": 1}, _killed_in_step_3())
     result = summarize(tmp_path, job, kill_rank=1, wall_s=30.0)
     sampler = ShardSampler(1, job.batch_size, job.shards, job.seed)
     half = sum(b - a for a, b in (sampler.shard_bounds(3, s) for s in torchft_shards(job.shards, 1, 2)))
@@ -73,6 +78,13 @@ def test_summary_counts_the_dead_and_healing_replicas_shards_as_dropped(tmp_path
     assert result["steps_dropped_from"] == [3, 4, 5] and result["samples_dropped"] == 3 * half == 3 * job.batch_size // 2
     assert result["steps_lost"] == 0 and result["split_brain"] == 0 and result["lives"] == 3
     assert result["failed_attempts"] == 2 and result["unaccounted_participants"] == 0
+
+
+def test_summary_counts_a_step_committed_again_as_lost(tmp_path):
+    # As if the survivor had rolled back: it commits step 4 a second time.
+    attempts = [*_killed_in_step_3(), _attempt(0, 10, 4, 15.2, participants=1)]
+    _write_attempts(tmp_path, {"time": 10.0, "step": 3, "rank": 1}, attempts)
+    assert summarize(tmp_path, _job(8), kill_rank=1, wall_s=30.0)["steps_lost"] == 1
 
 
 def test_summary_leaves_out_a_replacement_that_came_after_the_survivors_finished(tmp_path):
