@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.recovery_baseline import run_ray_train_recovery, run_torchft_recovery
 from benchmarks.throughput import BenchmarkError, model_file, read_run, run_command, run_once
-from benchmarks.torchft_loop import check_torchft
+from benchmarks.torchft_loop import torchft_refusal
 from benchmarks.workloads import workload_job
 from orchestrator.config import JobConfig
 from workers.sampler import ShardSampler
@@ -43,6 +43,11 @@ EXACT_RTOL, EXACT_ATOL = 1e-5, 1e-6
 def _with(job: JobConfig, **updates: Any) -> JobConfig:
     """``job`` with top-level sections replaced (validated again)."""
     return JobConfig.model_validate({**job.model_dump(mode="json"), **updates})
+
+
+def _checkpointed(job: JobConfig, every: int) -> JobConfig:
+    """``job`` with a checkpoint every ``every`` steps (0: none)."""
+    return _with(job, checkpoint={**job.checkpoint.model_dump(mode="json"), "every_steps": every})
 
 
 def _run_ours(job: JobConfig, workdir: Path) -> tuple[dict[str, Any], list[dict[str, Any]], float]:
@@ -62,8 +67,7 @@ def ours_recovery(job: JobConfig, workdir: Path, kill_step: int, kill_rank: int,
     """Our run of ``job`` with worker ``kill_rank`` SIGKILLed in step ``kill_step``; its final
     parameters are in ``workdir/run/model.pt``."""
     chaos = {**job.chaos.model_dump(mode="json"), "kill": [{"at_step": kill_step, "worker": kill_rank, "how": "sigkill"}]}
-    checkpoint = {**job.checkpoint.model_dump(mode="json"), "every_steps": checkpoint_every}
-    summary, events, wall_s = _run_ours(_with(job, chaos=chaos, checkpoint=checkpoint), workdir)
+    summary, events, wall_s = _run_ours(_with(_checkpointed(job, checkpoint_every), chaos=chaos), workdir)
     recovered = [e for e in events if e["event"] == "recovered"]
     if len(recovered) != 1:
         raise BenchmarkError(f"expected one recovery, the run had {len(recovered)}")
@@ -107,12 +111,14 @@ def killed_run(
     """One contender's run of ``job`` with worker ``kill_rank`` SIGKILLed in step
     ``kill_step``: (its figures, where its final parameters are)."""
     if contender == "ringleader":
-        return ours_recovery(job, workdir, kill_step, kill_rank, checkpoint_every), workdir / "run" / "model.pt"
-    if contender == "ray_train":
-        return run_ray_train_recovery(job, workdir, kill_step, kill_rank, checkpoint_every, RUN_TIMEOUT_S), workdir / "model.pt"
-    if contender == "torchft":
-        return run_torchft_recovery(job, workdir, kill_step, kill_rank, RUN_TIMEOUT_S), workdir / "model.pt"
-    raise ValueError(f"unknown contender {contender!r}; choose from {CONTENDERS}")
+        figures = ours_recovery(job, workdir, kill_step, kill_rank, checkpoint_every)
+    elif contender == "ray_train":
+        figures = run_ray_train_recovery(job, workdir, kill_step, kill_rank, checkpoint_every, RUN_TIMEOUT_S)
+    elif contender == "torchft":
+        figures = run_torchft_recovery(job, workdir, kill_step, kill_rank, RUN_TIMEOUT_S)
+    else:
+        raise ValueError(f"unknown contender {contender!r}; choose from {CONTENDERS}")
+    return figures, model_file(contender, workdir)
 
 
 def exactness(
@@ -125,11 +131,8 @@ def exactness(
     model is not the one compared: replica 0's is.)"""
     figures, model = killed_run(contender, job, workdir / "killed", kill_step, kill_rank, checkpoint_every)
     clean = workdir / "clean"
-    if contender == "ringleader":  # the same job, checkpoints included, without the kill
-        checkpoint = {**job.checkpoint.model_dump(mode="json"), "every_steps": checkpoint_every}
-        _run_ours(_with(job, checkpoint=checkpoint), clean)
-    else:
-        run_once(contender, job, clean, keep_model=True)
+    # The same job, checkpoints included (ours; the peers' clean loops take none), without the kill.
+    run_once(contender, _checkpointed(job, checkpoint_every), clean, keep_model=True)
     diff, exact = param_diff(model, model_file(contender, clean))
     return {"max_param_diff": diff, "exact": exact, "samples_dropped": figures["samples_dropped"],
             "steps": job.steps, "kill_step": kill_step}
@@ -141,8 +144,7 @@ def checkpoint_overhead(job: JobConfig, workdir: Path, every: int, repeats: int,
     held: list[float] = []  # share of training time the snapshots held the steps up
     for repeat in range(repeats):
         for variant, steps in (("none", 0), (f"every_{every}", every)):
-            checkpoint = {**job.checkpoint.model_dump(mode="json"), "every_steps": steps}
-            summary, _, _ = _run_ours(_with(job, checkpoint=checkpoint), workdir / f"{variant}-{repeat}")
+            summary, _, _ = _run_ours(_checkpointed(job, steps), workdir / f"{variant}-{repeat}")
             rates[variant].append(summary["samples_per_s"])
             if steps:
                 held.append(sum(summary["checkpoints"]["copy_s"]) / summary["train_s"])
@@ -232,10 +234,8 @@ def main(workload: str, workers: int, steps: int, kill_step: int, checkpoint_eve
         if not 0 < kill < total:
             print(f"ringleader: {flag} must be in (0, {total}), got {kill}", file=sys.stderr)
             return 2
-    try:
-        check_torchft(workload_job(workload, workers, steps))
-    except (ImportError, ValueError) as err:
-        print(f"ringleader: {err}", file=sys.stderr)
+    if (refusal := torchft_refusal(workload_job(workload, workers, steps))) is not None:
+        print(f"ringleader: {refusal}", file=sys.stderr)
         return 2
     try:
         result = run_benchmark(

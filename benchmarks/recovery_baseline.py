@@ -19,6 +19,7 @@ from typing import Any, Callable
 from benchmarks.throughput import BenchmarkError, run_command
 from orchestrator.config import JobConfig
 
+
 def ray_train_recovery_command(
     job_file: Path, result: Path, kill_step: int, kill_rank: int, checkpoint_every: int
 ) -> list[str]:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.throughput import run_once
-from benchmarks.torchft_loop import check_torchft
+from benchmarks.torchft_loop import torchft_refusal
 from benchmarks.workloads import workload_job
 from orchestrator.config import JobConfig
 
@@ -147,10 +147,8 @@ def summarize(rates: dict[str, list[float]], workers: int, chaos: StragglerChaos
 def main(
     workload: str, workers: int, steps: int, chaos: StragglerChaos, repeats: int, json_path: str | None
 ) -> int:
-    try:
-        check_torchft(workload_job(workload, workers, steps))
-    except (ImportError, ValueError) as err:
-        print(f"ringleader: {err}", file=sys.stderr)
+    if (refusal := torchft_refusal(workload_job(workload, workers, steps))) is not None:
+        print(f"ringleader: {refusal}", file=sys.stderr)
         return 2
     print(f"straggler: {workload}, {workers} workers, {chaos.describe(workers)}, {steps} steps, {repeats} repeats")
     step_s, rates = run_benchmark(workload, workers, steps, chaos, repeats)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.ray_head import RayHead, start_head
-from benchmarks.torchft_loop import check_torchft
+from benchmarks.torchft_loop import torchft_refusal
 from benchmarks.workloads import workload_job
 from orchestrator.config import JobConfig
 
@@ -252,11 +252,8 @@ def format_table(table: dict[str, dict[str, dict[str, float]]]) -> str:
 
 
 def main(workloads: list[str], workers: int, steps: int, repeats: int, json_path: str | None) -> int:
-    try:
-        for workload in workloads:
-            check_torchft(workload_job(workload, workers, steps))
-    except (ImportError, ValueError) as err:
-        print(f"ringleader: {err}", file=sys.stderr)
+    if (refusal := torchft_refusal(*(workload_job(w, workers, steps) for w in workloads))) is not None:
+        print(f"ringleader: {refusal}", file=sys.stderr)
         return 2
     print(f"throughput: {workloads} x {FRAMEWORKS}, {workers} workers, {steps} steps, {repeats} repeats")
     rows = run_benchmark(workloads, workers, steps, repeats)

@@ -20,6 +20,7 @@ import time
 _ENTRY_STARTED = time.time()
 
 import argparse  # noqa: E402
+from collections import defaultdict  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -104,8 +105,10 @@ def summarize(scratch: Path, job: JobConfig, kill_rank: int, wall_s: float) -> d
     # A replacement's first commit heals it to the group's step; one that commits step 0 found
     # no group.
     lives = {a["pid"] for a in attempts}
-    starts = {pid: min(a["step"] for a in attempts if a["pid"] == pid and a["committed"]) for pid in lives
-              if any(a["pid"] == pid and a["committed"] for a in attempts)}
+    starts: dict[int, int] = {}  # each life's first committed step
+    for a in attempts:
+        if a["committed"]:
+            starts[a["pid"]] = min(a["step"], starts.get(a["pid"], a["step"]))
     healed = {pid for pid, step in starts.items() if pid not in first_life and step >= kill_step}
     split = {pid for pid in starts if pid not in first_life | healed}
     trajectory = [a for a in attempts if a["pid"] in first_life | healed]
@@ -116,9 +119,13 @@ def summarize(scratch: Path, job: JobConfig, kill_rank: int, wall_s: float) -> d
         raise RuntimeError("no survivor committed a step after the kill")
     full = [a for a in committed if a["step"] >= kill_step and a["participants"] == workers]
     sampler = ShardSampler(1, job.batch_size, job.shards, job.seed)  # only shard sizes are read
+    dealt = {r: torchft_shards(job.shards, r, workers) for r in range(workers)}
+    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for a in committed:
+        by_step[a["step"]].append(a)
     dropped, dropped_steps, unaccounted = 0, [], 0
     for step in range(steps):
-        mine = [a for a in committed if a["step"] == step]
+        mine = by_step.get(step)
         if not mine:
             raise RuntimeError(f"step {step} was never committed")
         contributors = {a["replica"] for a in mine if a["participating"]}
@@ -129,7 +136,7 @@ def summarize(scratch: Path, job: JobConfig, kill_rank: int, wall_s: float) -> d
         missing = sum(
             shard_samples(sampler, step, s)
             for r in range(workers) if r not in contributors
-            for s in torchft_shards(job.shards, r, workers)
+            for s in dealt[r]
         )
         if missing:
             dropped += missing

@@ -61,6 +61,16 @@ def check_torchft(job: JobConfig) -> None:
         raise ValueError("the torchft contender does not train in fp16 (precision: fp16); use bf16 or fp32")
 
 
+def torchft_refusal(*jobs: JobConfig) -> str | None:
+    """What ``check_torchft`` says of the first of ``jobs`` it refuses; None when all pass."""
+    try:
+        for job in jobs:
+            check_torchft(job)
+    except (ImportError, ValueError) as err:
+        return str(err)
+    return None
+
+
 def _ddp_class() -> type:
     """torchft's ``DistributedDataParallel`` with its comm hook fixed for a failed step.
 

@@ -204,9 +204,9 @@ class StepRunner:
         claims, step = ctx.claims, ctx.step
         mine = list(ctx.plan.shards_by_rank[claims.me])
         if mine:  # a rank with no shards this step has no data to wait for
-            # What its first pass will run (pick_work): all its shards, or with suspects about
-            # the first of two passes.
-            first_pass = mine[: ctx.plan.pass_size(claims.me)] if ctx.plan.suspects else mine
+            # What its first pass will run: pick_work's decision with every shard still free.
+            opening = pick_work(claims.me, ctx.plan, dict.fromkeys(range(ctx.plan.num_shards), FREE), {})
+            first_pass = list(opening.shards) if isinstance(opening, RunShards) else mine
             first = self._indices(step, self._groups(first_pass)[0])
             started = time.monotonic()
             self.prefetch.start(first[: self.max_samples_per_pass or len(first)], lambda: self.chaos.stall(step, "fetch"))
