@@ -510,8 +510,9 @@ class StragglerConfig(_Strict):
     ``steal``: idle workers take unstarted shards of late workers; ``speculate``: they back up
     late running shards (first commit wins); ``rebalance``: shard counts follow measured speed;
     ``evict``: remove a worker at a step boundary when it holds a step up for ``silent_s``
-    (stalled or hung while the others wait) or is persistently ``evict_ratio`` times slower than
-    the median of the others, as long as ``scaling.min_workers`` remain.
+    (stalled or hung while the others wait) or, persistently slow, is ``evict_ratio`` times slower
+    than the median of the others and still late in ``persistent_steps`` of its last ``window``
+    steps, as long as ``scaling.min_workers`` remain.
     Detection: a worker is slow when its seconds per shard exceed both ``min_ratio`` x the
     median and ``threshold`` robust deviations (MAD) of the recent ``window`` steps; slow in
     ``persistent_steps`` of the window makes it persistently slow. ``late_factor``: a shard that

@@ -8,7 +8,7 @@ from typing import Callable
 
 from orchestrator.config import JobConfig
 from policies.assignment import ShardAssignment
-from policies.eviction import Evict, slow_workers
+from policies.eviction import Evict, SlowEviction
 from policies.rebalance import Rebalancer
 from policies.straggler import StragglerDetector, WorkerStep
 from policies.work_stealing import StepPlan
@@ -33,6 +33,7 @@ class StragglerControl:
             job.shards, alpha=config.rebalance_alpha, hysteresis=config.rebalance_hysteresis
         )
         self.rebalancer.reset(self.workers)
+        self.eviction = SlowEviction(config.evict_ratio, config.window, config.persistent_steps)
         self.pending_evictions: list[Evict] = []
         self.suspects: set[int] = set()
         self._late_before: set[int] = set()
@@ -46,6 +47,7 @@ class StragglerControl:
         """The group changed (re-formed or grown): start the split and the estimates over."""
         for gone in set(self.workers) - set(workers):
             self.detector.forget(gone)
+            self.eviction.forget(gone)
         self.workers = list(workers)
         self.rebalancer.reset(self.workers)
         self.pending_evictions = []
@@ -120,7 +122,7 @@ class StragglerControl:
                 self.counters["rebalances"] += 1
                 self.event("rebalance", step=step, **decision.evidence())
         if self.evicting and not self.pending_evictions:
-            slow = slow_workers(measured, set(verdict.persistent), set(verdict.late), self.config.evict_ratio)
+            slow = self.eviction.observe(measured, set(verdict.persistent), set(verdict.late))
             if len(self.workers) - len(slow) >= self.job.scaling.min_workers:
                 self.pending_evictions = slow
         healthy = [s for w, s in measured.items() if w not in self.suspects] or list(measured.values())

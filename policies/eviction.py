@@ -9,6 +9,7 @@ step. Both are removed at a step boundary and the job goes on with the others.
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,15 +46,45 @@ def silent_workers(step: int, progress: dict[int, Progress | None], silent_s: fl
     ]
 
 
-def slow_workers(shard_s: dict[int, float], persistent: set[int], late: set[int], evict_ratio: float) -> list[Evict]:
-    """Persistently slow workers whose seconds per shard exceed ``evict_ratio`` x the median of
-    the others' and that are still ``late`` (rebalancing could not absorb them: even with few
-    shards they finish last). A worker with few shards also shows pass overhead in its seconds
-    per shard, so the ratio alone would evict workers rebalancing already handles."""
-    out = []
-    for worker in sorted(persistent & late & set(shard_s)):
-        others = [s for w, s in shard_s.items() if w != worker]
-        if others and shard_s[worker] > evict_ratio * statistics.median(others):
+@dataclass
+class SlowEviction:
+    """Evicts persistently slow workers whose seconds per shard exceed ``evict_ratio`` x the
+    median of the others' and that are still late (rebalancing could not absorb them: even with
+    few shards they finish last) in at least ``required`` of their last ``window`` steps as
+    persistent stragglers.
+
+    One step is not evidence: on a shared machine a worker descheduled for a few tens of ms
+    is 8x slower than the rest for that step, and a worker with few shards also shows pass
+    overhead in its seconds per shard. Only workers the detector already calls persistent are
+    tracked (a few), so a step costs O(N) for ``shard_s`` plus O(N) per candidate.
+    """
+
+    evict_ratio: float
+    window: int
+    required: int
+    _history: dict[int, deque[bool]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.evict_ratio <= 1 or not 1 <= self.required <= self.window:
+            raise ValueError(f"need evict_ratio > 1 and 1 <= required <= window, got {self.evict_ratio}, {self.required}, {self.window}")
+
+    def forget(self, worker: int) -> None:
+        """Drop a worker that left the job."""
+        self._history.pop(worker, None)
+
+    def observe(self, shard_s: dict[int, float], persistent: set[int], late: set[int]) -> list[Evict]:
+        """Account one step (``shard_s``: seconds per shard of the workers that ran shards) and
+        return the workers to evict now."""
+        for worker in set(self._history) - persistent:
+            del self._history[worker]  # recovered: the evidence starts over
+        out = []
+        for worker in sorted(persistent & set(shard_s)):
+            others = [s for w, s in shard_s.items() if w != worker]
+            if not others:
+                continue
             ratio = shard_s[worker] / statistics.median(others)
-            out.append(Evict(worker, "slow", {"ratio": round(ratio, 2), "evict_ratio": evict_ratio}))
-    return out
+            history = self._history.setdefault(worker, deque(maxlen=self.window))
+            history.append(worker in late and ratio > self.evict_ratio)
+            if sum(history) >= self.required:
+                out.append(Evict(worker, "slow", {"ratio": round(ratio, 2), "evict_ratio": self.evict_ratio, "slow_steps": sum(history), "window": len(history)}))
+        return out
