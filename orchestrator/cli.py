@@ -67,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     throughput.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
 
+    control = benches.add_parser(
+        "control-plane", help="driver CPU and store traffic per step vs worker count (null model), fitted to 4096"
+    )
+    control.add_argument("--workers", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="worker counts (default: 4 8 16 32 64)")
+    control.add_argument("--steps", type=int, default=60, help="steps per job (the first ones are warm-up)")
+    control.add_argument("--json", dest="json_path", metavar="FILE", help="write the rows and the fit as JSON")
+
     allreduce = benches.add_parser("allreduce", help="all-reduce bandwidth: our ring (and hierarchical) vs native")
     allreduce.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="world sizes (default: 2 4)")
     allreduce.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64], metavar="MB")
@@ -251,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
 
         workloads = args.workload or ["digits", "tinylm"]
         return throughput.main(workloads, args.workers, args.steps, args.repeats, args.json_path)
+    if args.command == "bench" and args.bench == "control-plane":
+        from benchmarks import control_plane
+
+        return control_plane.main(args.workers, args.steps, args.json_path)
     if args.command == "bench" and args.bench == "allreduce":
         from benchmarks import collectives
 

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from orchestrator.chaos_control import ChaosControl, ChaosError
 from orchestrator.checkpointing import CheckpointCoordinator, ResumePoint
 from orchestrator.config import JobConfig
+from orchestrator.control_meter import ControlPlaneMeter
 from orchestrator.errors import JobFailed
 from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.ledger import CommitLedger
@@ -98,6 +99,7 @@ class JobController:
         self._bar: tqdm | None = None
         self._failed_in_a_row = 0  # recoveries with nobody dead since the last completed step
         self._pipeline: StepPipeline | None = None
+        self.meter = ControlPlaneMeter()
 
     def mark(self, milestone: str, seconds: float | None = None) -> None:
         """Record a start-up milestone, in seconds since launch (now, unless given)."""
@@ -208,6 +210,7 @@ class JobController:
             self._train_started = time.perf_counter()
         if self._pipeline is None:  # entering Running: nothing in flight
             self._pipeline = StepPipeline(self.group, state.next_step, self._plan)
+            self.meter.restart()
         pipeline = self._pipeline
         if self.ledger.steps_done >= self.num_steps:
             return self._finish()
@@ -224,17 +227,23 @@ class JobController:
         step = pipeline.in_flight.popleft()
         self.chaos.during_step(self.group, step.step)
         outcome = await_step(self.group, step, self.job, self._stragglers().evicting)
+        self.meter.waited(outcome.waited_s)
         if outcome.evict or outcome.failed:
             in_flight = (step, *pipeline.drain())
             self._pipeline = None
             return Recovering(outcome, in_flight)
-        self._commit(step.step, [outcome.reports[r] for r in sorted(outcome.reports)], complete=True)
+        reports = [outcome.reports[r] for r in sorted(outcome.reports)]
+        self._commit(step.step, reports, complete=True)
+        self.meter.committed(reports)
         return Running(pipeline.next_step)
 
     def _plan(self, step: int) -> StepPlan:
         plan = self._stragglers().plan(step)
         if plan.mitigating:
-            open_step(self.store.claims, step, plan)
+            claims = self.store.claims
+            trips, sent = claims.round_trips, claims.bytes
+            open_step(claims, step, plan)
+            self.meter.driver_store(claims.round_trips - trips, claims.bytes - sent)
         return plan
 
     def _before_submit(self, step: int) -> None:
@@ -466,7 +475,7 @@ class JobController:
             started=self.launched, train_s=self.train_s, startup_s=self.startup_s,
             metrics=dict(state.metrics) if isinstance(state, Finished) else {}, workers=workers,
             counters=self.counters, recoveries=self.recoveries.done, checkpoints=self.checkpoints.summary(),
-            goodput=goodput, error=state.reason if isinstance(state, (Failed, Stopped)) else None,
+            goodput=goodput, control_plane=self.meter.summary(), error=state.reason if isinstance(state, (Failed, Stopped)) else None,
         )
 
 

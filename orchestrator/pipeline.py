@@ -40,13 +40,14 @@ class StepOutcome:
     """How waiting for one step ended: every report in (``reports`` by rank), workers to
     ``evict`` for holding it up, or a failure: ``errors`` by worker id (``dead`` for those that
     died; ``user_error`` for a call that raised an error of its own, which re-forming cannot
-    cure), with the reports that did come in."""
+    cure), with the reports that did come in. ``waited_s``: seconds blocked on the workers."""
 
     reports: dict[int, StepTelemetry] = field(default_factory=dict)
     evict: list[Evict] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
     dead: set[int] = field(default_factory=set)
     user_error: str | None = None
+    waited_s: float = 0.0
 
     @property
     def failed(self) -> bool:
@@ -109,7 +110,9 @@ def await_step(
         left = deadline - time.monotonic()
         if left <= 0:
             raise JobFailed(f"step {step.step} did not finish within {job.timeouts.step_s:.0f}s")
+        blocked = time.perf_counter()
         ended, pending = group.wait(pending, len(pending), min(FAILURE_POLL_S, left))
+        outcome.waited_s += time.perf_counter() - blocked
         for call in ended:
             try:
                 outcome.reports[rank_of[id(call)]] = group.result(call)

@@ -8,6 +8,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from workers.claims import CountingStore
+
 
 class RendezvousStore:
     """A TCPStore in the driver process, so no worker is a single point of failure.
@@ -20,7 +22,7 @@ class RendezvousStore:
     generation's prefix (``claims``)."""
 
     #: The current generation's view of the store, where shard claims live (set by next_prefix).
-    claims: dist.Store
+    claims: CountingStore
 
     def __init__(self, host: str, timeout_s: float) -> None:
         self.host = host
@@ -52,5 +54,5 @@ class RendezvousStore:
         """Start the next generation; returns its key prefix."""
         self.generation += 1
         prefix = f"gen{self.generation}/"
-        self.claims = dist.PrefixStore(prefix, self._store)
+        self.claims = CountingStore(dist.PrefixStore(prefix, self._store))
         return prefix

@@ -54,6 +54,7 @@ def job_summary(
     recoveries: list[Recovery],
     checkpoints: dict[str, Any],
     goodput: Goodput,
+    control_plane: dict[str, Any],
     error: str | None,
 ) -> dict[str, Any]:
     """The summary of a job that ended in ``status``; ``started`` is ``perf_counter()`` at launch,
@@ -79,6 +80,7 @@ def job_summary(
         "recoveries": [r.to_json() for r in recoveries],
         "checkpoints": checkpoints,
         "goodput": goodput.to_json(),
+        "control_plane": control_plane,
     }
     if error:
         summary["error"] = error

@@ -37,7 +37,7 @@ from workers.checkpointing import (
     take_snapshot,
     write_snapshot,
 )
-from workers.claims import ShardClaims
+from workers.claims import CountingStore, ShardClaims
 from workers.comm_group import (
     CollectiveAborted,
     CollectiveTimeout,
@@ -142,7 +142,7 @@ class TrainWorker:
         self._writes: dict[str, Future[list[FileEntry]]] = {}
         self._writes_lock = threading.Lock()
         self._restored_residuals: dict[tuple[int, int], torch.Tensor] = {}
-        self.claims_store: dist.Store | None = None
+        self.claims_store: CountingStore | None = None
         self.store: dist.Store | None = None
         #: The next step this replica will apply: the optimizer steps it holds, in job steps.
         self.next_step = 0
@@ -199,7 +199,7 @@ class TrainWorker:
         if request.namespace:
             store = dist.PrefixStore(request.namespace, store)
         self.store = store
-        self.claims_store = dist.PrefixStore(request.prefix, store)
+        self.claims_store = CountingStore(dist.PrefixStore(request.prefix, store))
         backend = pick_backend(self.device)
         pg = call_abortable(
             lambda: new_process_group(
@@ -315,6 +315,7 @@ class TrainWorker:
             # Applying a step twice (or skipping one) would corrupt the replica silently.
             raise RuntimeError(f"asked for step {step}, but this replica's next step is {self.next_step}")
         started = time.perf_counter()
+        store_trips, store_bytes = self.claims_store.round_trips, self.claims_store.bytes
         self._reducing_step = step
         self._enter(step, Phase.STALL)  # until its data is there (and any injected stall is over)
         self.flat.zero()
@@ -397,6 +398,8 @@ class TrainWorker:
             backups=work.backups,
             backups_won=work.backups_won,
             races_lost=work.races_lost,
+            store_round_trips=self.claims_store.round_trips - store_trips,
+            store_bytes=self.claims_store.bytes - store_bytes,
         )
 
     @ray.method(concurrency_group="compute")

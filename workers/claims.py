@@ -33,6 +33,39 @@ SLOTS = 8
 OPEN = "open"
 
 
+class CountingStore:
+    """The store calls claims make, each counted: ``round_trips`` and ``bytes`` (keys and values
+    sent plus values received), for the control plane's telemetry (bench control-plane)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self.round_trips = 0
+        self.bytes = 0
+
+    def _count(self, sent: int, received: int) -> None:
+        self.round_trips += 1
+        self.bytes += sent + received
+
+    def get(self, key: str) -> bytes:
+        value = self.store.get(key)
+        self._count(len(key), len(value))
+        return value
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        values = self.store.multi_get(keys)
+        self._count(sum(map(len, keys)), sum(map(len, values)))
+        return values
+
+    def multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        self.store.multi_set(keys, values)
+        self._count(sum(map(len, keys)) + sum(map(len, values)), 0)
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        value = self.store.compare_set(key, expected, desired)
+        self._count(len(key) + len(expected) + len(desired), len(value))
+        return value
+
+
 def claim_keys(step: int, plan: StepPlan) -> list[str]:
     """The step's shard keys (by shard id), then its block keys (by rank)."""
     slot = step % SLOTS
@@ -41,7 +74,7 @@ def claim_keys(step: int, plan: StepPlan) -> list[str]:
     ]
 
 
-def open_step(store: dist.Store, step: int, plan: StepPlan) -> None:
+def open_step(store: dist.Store | CountingStore, step: int, plan: StepPlan) -> None:
     """Mark every shard and block of ``step`` free (the driver does this before submitting it)."""
     keys = claim_keys(step, plan)
     store.multi_set(keys, [FREE.encode()] * len(keys))
@@ -50,7 +83,7 @@ def open_step(store: dist.Store, step: int, plan: StepPlan) -> None:
 class ShardClaims:
     """One worker's handle on the claims of ``step``. Every method is one store round trip."""
 
-    def __init__(self, store: dist.Store, step: int, plan: StepPlan, me: int) -> None:
+    def __init__(self, store: CountingStore, step: int, plan: StepPlan, me: int) -> None:
         self.store = store
         self.all_keys = claim_keys(step, plan)
         self.num_shards = plan.num_shards

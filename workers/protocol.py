@@ -157,7 +157,8 @@ class StepTelemetry:
     ``samples_per_s``/``weight_per_s``: this worker's samples and loss weight (tokens, for a
     token-level loss) per second of its compute;
     ``bytes_sent``: by this worker's process group since it was formed (cumulative).
-    ``stolen``/``backups``/``backups_won``/``races_lost``: this step's straggler mitigation.
+    ``stolen``/``backups``/``backups_won``/``races_lost``: this step's straggler mitigation;
+    ``store_round_trips``/``store_bytes``: this step's claim-store traffic from this worker.
     ``rescued``: shards nobody brought to the step's all-reduce (their owner was stalled and
     stopped waiting), run in its rescue pass (the same on every rank); ``rescue_s``: the
     seconds that pass took here, its all-reduce included (also counted in ``comm_s``).
@@ -193,6 +194,8 @@ class StepTelemetry:
     backups: int = 0
     backups_won: int = 0
     races_lost: int = 0
+    store_round_trips: int = 0
+    store_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         record = asdict(self)

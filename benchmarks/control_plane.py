@@ -1,0 +1,110 @@
+"""``ringleader bench control-plane``: what the driver and the claim store cost per step as the
+worker count grows, on real Ray actors with a null model (``benchmarks/null_model.py``).
+
+Each worker count runs as its own job in a fresh process (its own Ray), with the defaults a user
+gets (mitigation on: claims in the store every step). The job's ``summary.json`` holds its
+``control_plane`` medians (``orchestrator/control_meter.py``): driver CPU and busy time per
+step, step wall time, store round trips and bytes per step. A least-squares line
+``cost = fixed + per_worker x N`` through them predicts the cost at any N; the issue's bar is
+the driver's cost at 4096 workers as a share of a 1 s step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.throughput import BenchmarkError, run_command
+from orchestrator.config import JobConfig
+
+DEFAULT_WORKERS = (4, 8, 16, 32, 64)
+#: Measured columns of ``summary["control_plane"]`` fitted against N.
+FITTED = ("driver_cpu_ms", "driver_busy_ms", "store_round_trips", "store_bytes")
+#: The worker count and step time the fit is judged at (the issue's bar: <= 2% of a 1 s step).
+PREDICT_AT = 4096
+REFERENCE_STEP_MS = 1000.0
+
+
+def control_plane_job(workers: int, steps: int) -> JobConfig:
+    """The null job on ``workers`` workers: one shard per worker, one sample per shard, defaults
+    for everything the control plane does (mitigation, telemetry, events)."""
+    return JobConfig.model_validate({
+        "name": f"control-plane-{workers}",
+        "model": {"factory": "benchmarks.null_model:make_model"},
+        "dataset": {"factory": "benchmarks.null_model:make_dataset"},
+        "loss": "mse",
+        "optimizer": {"name": "sgd", "kwargs": {"lr": 0.0}},
+        "batch_size": workers,
+        "shards": workers,
+        "steps": steps,
+        "eval": None,
+        "scaling": {"workers": workers, "resources_per_worker": {"CPU": 0.01}},
+        "timeouts": {"start_s": 60.0 + 5.0 * workers},
+    })
+
+
+def measure(workers: int, steps: int, scratch: Path) -> dict[str, Any]:
+    """Run the null job on ``workers`` workers; its summary's ``control_plane`` plus ``workers``.
+    Raises BenchmarkError if the run fails or measured nothing."""
+    workdir = scratch / f"n{workers}"
+    workdir.mkdir(parents=True)
+    job_file = workdir / "job.json"
+    job_file.write_text(control_plane_job(workers, steps).model_dump_json())
+    run_dir = workdir / "run"
+    command = [sys.executable, "-m", "orchestrator.cli", "run", str(job_file), "--run-dir", str(run_dir), "--no-progress"]
+    run_command(command, timeout_s=300.0 + 10.0 * workers + 2.0 * steps, what=f"control-plane job with {workers} workers")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    measured = summary.get("control_plane") or {}
+    if not measured:
+        raise BenchmarkError(f"the job with {workers} workers measured no step ({steps} steps): raise --steps")
+    return {"workers": workers, **measured}
+
+
+def fit(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Least-squares ``fixed + per_worker x N`` for each column of ``FITTED``, and its prediction
+    at ``PREDICT_AT`` workers. Needs two worker counts or more."""
+    if len({r["workers"] for r in rows}) < 2:
+        raise ValueError("fitting needs at least two worker counts")
+    n = np.array([r["workers"] for r in rows], dtype=float)
+    out = {}
+    for column in FITTED:
+        per_worker, fixed = np.polyfit(n, np.array([r[column] for r in rows], dtype=float), 1)
+        out[column] = {"fixed": float(fixed), "per_worker": float(per_worker), "at_4096": float(fixed + per_worker * PREDICT_AT)}
+    return out
+
+
+def format_report(rows: list[dict[str, Any]], fitted: dict[str, dict[str, float]]) -> str:
+    lines = [f"{'workers':>7} {'cpu_ms':>8} {'busy_ms':>8} {'wall_ms':>8} {'trips':>7} {'bytes':>9}  (medians per step)"]
+    for r in rows:
+        lines.append(
+            f"{r['workers']:>7} {r['driver_cpu_ms']:>8.2f} {r['driver_busy_ms']:>8.2f} {r['step_wall_ms']:>8.2f} "
+            f"{r['store_round_trips']:>7.0f} {r['store_bytes']:>9.0f}"
+        )
+    lines.append("fit: cost = fixed + per_worker x N")
+    for column, f in fitted.items():
+        lines.append(f"  {column:<18} fixed {f['fixed']:>10.3f}  per_worker {f['per_worker']:>9.4f}  at {PREDICT_AT}: {f['at_4096']:>12.1f}")
+    driver = max(fitted["driver_cpu_ms"]["at_4096"], fitted["driver_busy_ms"]["at_4096"])
+    lines.append(
+        f"driver at {PREDICT_AT} workers: {driver:.1f} ms per step = {100 * driver / REFERENCE_STEP_MS:.1f}% "
+        f"of a {REFERENCE_STEP_MS / 1000:.0f} s step (target <= 2%)"
+    )
+    return "\n".join(lines)
+
+
+def main(workers: list[int], steps: int, json_path: str | None, scratch: str | None = None) -> int:
+    with tempfile.TemporaryDirectory(prefix="control-plane-", dir=scratch) as tmp:
+        rows = []
+        for count in workers:
+            print(f"control-plane: {count} workers, {steps} steps", flush=True)
+            rows.append(measure(count, steps, Path(tmp)))
+    fitted = fit(rows) if len(rows) > 1 else {}
+    print(format_report(rows, fitted) if fitted else json.dumps(rows, indent=2))
+    if json_path:
+        Path(json_path).write_text(json.dumps({"rows": rows, "fit": fitted}, indent=2))
+        print(f"wrote {json_path}")
+    return 0

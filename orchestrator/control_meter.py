@@ -1,0 +1,97 @@
+"""What the control plane costs per step: the driver's CPU and busy time, and the claim store's
+traffic (``summary.json``'s ``control_plane``; ``ringleader bench control-plane`` fits them
+against the worker count).
+
+A step's interval runs from one commit to the next while the job is Running with steps in
+flight, so it holds everything the driver does per step: submitting the next step to every
+worker, opening its claims, waiting, reading the reports, the policies, the telemetry and
+event files, the metrics. ``busy`` is that interval less the time blocked in ``ray.wait`` for
+the workers, i.e. the driver's own wall time; ``cpu`` is the driver process's CPU time over the
+interval, every thread included (Ray's core worker and the claim store's server thread too).
+Intervals across a recovery, a growth or a drain are not steps and are not counted.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.protocol import StepTelemetry
+
+# The first steps after entering Running are warm-up (first calls, lazy imports, JIT'd paths).
+WARMUP_STEPS = 3
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The control plane's cost of one step: seconds of driver CPU, driver busy (wall not
+    blocked on the workers) and wall between commits; the workers' and the driver's store
+    round trips and bytes."""
+
+    cpu_s: float
+    busy_s: float
+    wall_s: float
+    store_round_trips: int
+    store_bytes: int
+
+
+@dataclass
+class ControlPlaneMeter:
+    """Feed it ``committed`` after each committed step and ``restart`` on entering Running."""
+
+    steps: list[StepCost] = field(default_factory=list)
+    _since: tuple[float, float] | None = None
+    _seen: int = 0
+    _waited_s: float = 0.0
+    _driver_trips: int = 0
+    _driver_bytes: int = 0
+
+    def restart(self) -> None:
+        """Entering Running: the next commit opens an interval, it does not close one."""
+        self._since = None
+        self._seen = 0
+
+    def waited(self, seconds: float) -> None:
+        """The driver was blocked this long waiting for workers."""
+        self._waited_s += seconds
+
+    def driver_store(self, round_trips: int, sent_bytes: int) -> None:
+        """The driver's own store traffic (opening a step's claims)."""
+        self._driver_trips += round_trips
+        self._driver_bytes += sent_bytes
+
+    def committed(self, reports: list[StepTelemetry]) -> None:
+        """A step committed with every rank's report: close its interval and open the next."""
+        now = (time.process_time(), time.perf_counter())
+        if self._since is not None and self._seen >= WARMUP_STEPS:
+            wall = now[1] - self._since[1]
+            self.steps.append(StepCost(
+                cpu_s=now[0] - self._since[0],
+                busy_s=max(0.0, wall - self._waited_s),
+                wall_s=wall,
+                store_round_trips=self._driver_trips + sum(r.store_round_trips for r in reports),
+                store_bytes=self._driver_bytes + sum(r.store_bytes for r in reports),
+            ))
+        self._seen += 1
+        self._since = now
+        self._waited_s = 0.0
+        self._driver_trips = self._driver_bytes = 0
+
+    def summary(self) -> dict[str, Any]:
+        """Medians per step over the measured steps (ms, round trips, bytes); empty if none."""
+        if not self.steps:
+            return {}
+
+        def median(values: list[float]) -> float:
+            return statistics.median(values)
+
+        return {
+            "steps_measured": len(self.steps),
+            "driver_cpu_ms": 1e3 * median([s.cpu_s for s in self.steps]),
+            "driver_busy_ms": 1e3 * median([s.busy_s for s in self.steps]),
+            "step_wall_ms": 1e3 * median([s.wall_s for s in self.steps]),
+            "store_round_trips": median([s.store_round_trips for s in self.steps]),
+            "store_bytes": median([s.store_bytes for s in self.steps]),
+        }
