@@ -53,6 +53,14 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.add_argument("--out", metavar="DIR", help="where report.html goes (default: the run directory)")
 
+    simulate = commands.add_parser(
+        "simulate", help="discrete-event simulation of N workers: ringleader's policies vs no mitigation and restart-the-world"
+    )
+    simulate.add_argument("scenario", metavar="SCENARIO", help="scenario file (YAML), e.g. examples/sim-4096.yaml")
+    simulate.add_argument("--json", dest="json_path", metavar="FILE", help="write every contender's figures as JSON")
+    simulate.add_argument("--plot", dest="plot_path", metavar="FILE", help="write a PNG: progress over time, recovery times")
+    _add_overrides(simulate, "e.g. --set workers=1024")
+
     bench = commands.add_parser("bench", help="benchmarks (side by side, one run)")
     benches = bench.add_subparsers(dest="bench", required=True)
     throughput = benches.add_parser(
@@ -253,6 +261,15 @@ def main(argv: list[str] | None = None) -> int:
             _err(str(err))
             return EXIT_BAD_INPUT
         return 0
+    if args.command == "simulate":
+        from orchestrator.config import ConfigError
+        from simulator import output
+
+        try:
+            return output.main(args.scenario, args.overrides, args.json_path, args.plot_path)
+        except (ConfigError, RuntimeError) as err:
+            _err(str(err))
+            return EXIT_BAD_INPUT
     if args.command == "bench" and args.bench == "throughput":
         from benchmarks import throughput
 

@@ -41,8 +41,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return result
 
 
-def _describe(err: ValidationError, source: str) -> str:
-    lines = [f"invalid job ({source}):"]
+def describe_errors(err: ValidationError, source: str, kind: str = "job") -> str:
+    """Every problem pydantic found, one line each naming the field: ``invalid <kind> (<source>):``."""
+    lines = [f"invalid {kind} ({source}):"]
     for problem in err.errors():
         field = ".".join(str(p) for p in problem["loc"]) or "(top level)"
         if problem["type"] == "extra_forbidden":
@@ -63,21 +64,7 @@ def load_job(path: str | Path | None, overrides: list[str] | None = None, *, res
     Raises ConfigError naming the file and field on any problem.
     """
     source = job_source(path)
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as err:
-            raise ConfigError(f"cannot read job file {source}: {err.strerror}") from None
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"job file {source} is not valid YAML: {err}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"job file {source}: expected a mapping at the top level")
-        raw = loaded
+    raw = read_mapping(path, source) if path is not None else {}
     raw = apply_overrides(raw, overrides or [])
     hidden = _masked_fields(raw)
     if hidden:
@@ -91,13 +78,31 @@ def load_job(path: str | Path | None, overrides: list[str] | None = None, *, res
     return job
 
 
+def read_mapping(path: str | Path, source: str, kind: str = "job") -> dict[str, Any]:
+    """A YAML file's top-level mapping (empty file: empty). Raises ConfigError naming the
+    ``<kind> file`` if it cannot be read, is not YAML, or is not a mapping."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read {kind} file {source}: {err.strerror}") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{kind} file {source} is not valid YAML: {err}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{kind} file {source}: expected a mapping at the top level")
+    return loaded
+
+
 def job_from_mapping(raw: dict[str, Any], source: str) -> JobConfig:
     """Validate ``raw`` (a job file's mapping, or the Python API's) into a JobConfig; nothing
     heavy is imported. Raises ConfigError naming ``source`` and every bad field."""
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_describe(err, source)) from None
+        raise ConfigError(describe_errors(err, source)) from None
 
 
 def _masked_fields(raw: Any, where: str = "") -> list[str]:

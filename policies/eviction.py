@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from workers.protocol import Progress
 
 
@@ -75,16 +77,42 @@ class SlowEviction:
     def observe(self, shard_s: dict[int, float], persistent: set[int], late: set[int]) -> list[Evict]:
         """Account one step (``shard_s``: seconds per shard of the workers that ran shards) and
         return the workers to evict now."""
-        for worker in set(self._history) - persistent:
-            del self._history[worker]  # recovered: the evidence starts over
+        workers = np.fromiter(shard_s, int, len(shard_s))
+        return self.observe_arrays(
+            workers, np.fromiter(shard_s.values(), float, len(shard_s)),
+            np.isin(workers, list(persistent)), np.isin(workers, list(late)),
+        )
+
+    def observe_arrays(self, workers: np.ndarray, shard_s: np.ndarray, persistent: np.ndarray, late: np.ndarray) -> list[Evict]:
+        """``observe`` on columns: worker ids, seconds per shard, and whether each is
+        persistently slow and late. O(N log N) for the sort, whatever the candidates."""
+        for worker in set(self._history) - set(workers[persistent].tolist()):
+            del self._history[worker]  # recovered (or gone): the evidence starts over
+        candidates = np.flatnonzero(persistent)
+        if not candidates.size or workers.size < 2:
+            return []
+        order = np.argsort(shard_s, kind="stable")
+        others = median_without(shard_s[order], np.argsort(order)[candidates])
         out = []
-        for worker in sorted(persistent & set(shard_s)):
-            others = [s for w, s in shard_s.items() if w != worker]
-            if not others:
-                continue
-            ratio = shard_s[worker] / statistics.median(others)
+        for index, median in sorted(zip(candidates.tolist(), others.tolist()), key=lambda c: int(workers[c[0]])):
+            worker = int(workers[index])
+            ratio = float(shard_s[index]) / median
             history = self._history.setdefault(worker, deque(maxlen=self.window))
-            history.append(worker in late and ratio > self.evict_ratio)
+            history.append(bool(late[index]) and ratio > self.evict_ratio)
             if sum(history) >= self.required:
                 out.append(Evict(worker, "slow", {"ratio": round(ratio, 2), "evict_ratio": self.evict_ratio, "slow_steps": sum(history), "window": len(history)}))
         return out
+
+
+def median_without(ordered: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The median of ``ordered`` (sorted, length n >= 2) with the element at each of
+    ``positions`` left out, for all positions at once in O(len(positions))."""
+    remaining = len(ordered) - 1
+
+    def at(j: np.ndarray) -> np.ndarray:  # element j of the array without positions
+        return ordered[np.where(j < positions, j, j + 1)]
+
+    half = np.full(positions.shape, remaining // 2)
+    if remaining % 2:
+        return at(half)
+    return (at(half - 1) + at(half)) / 2
