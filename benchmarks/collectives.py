@@ -11,6 +11,7 @@ overlap on and off in alternating rounds; exposed communication is the wait afte
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import threading
 import time
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from policies.collective_cost import Fabric, Link, allreduce_s, fit_link
 from workers.comm_group import CommGroup, new_process_group
 from workers.communicator import make_communicator
 
@@ -80,7 +82,7 @@ def allreduce_rows(workers: int, sizes_mb: list[float], nodes: int, iters: int) 
             seconds = times[(name, size)]
             algbw = size / seconds / 1e9
             rows.append({
-                "algorithm": name, "workers": workers, "size_bytes": size, "time_s": seconds,
+                "algorithm": name, "workers": workers, "nodes": nodes, "size_bytes": size, "time_s": seconds,
                 "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (workers - 1) / workers,
             })
     return rows
@@ -143,14 +145,56 @@ def overlap_result(job_json: str, workers: int, rounds: int, steps: int) -> dict
     return out
 
 
+def cost_model(rows: list[dict[str, Any]], cores: int) -> tuple[dict[str, Link], list[dict[str, Any]]]:
+    """The alpha-beta model (``policies/collective_cost.py``) calibrated on ``rows`` of one
+    machine with ``cores`` cores: one link for gloo's native ring, one for ours (the ring's
+    hop, which the hierarchical algorithm is built from), each fitted on its ring's rows; and
+    every row's prediction and error. Simulated nodes share the machine's cores, so each gets
+    ``cores / nodes`` of them."""
+    def points(algorithm: str) -> list[tuple[int, float, float]]:
+        return [(r["workers"], r["size_bytes"], r["time_s"]) for r in rows if r["algorithm"] == algorithm]
+
+    links = {"native": fit_link(points("native"), cores), "ours": fit_link(points("ring"), cores)}
+    predicted = []
+    for r in rows:
+        link = links["native" if r["algorithm"] == "native" else "ours"]
+        fabric = Fabric(link, link, cores_per_node=max(1, cores // r["nodes"]))
+        seconds = allreduce_s(r["algorithm"], r["size_bytes"], r["workers"], r["nodes"], fabric)
+        predicted.append({**r, "predicted_s": seconds, "error": seconds / r["time_s"] - 1})
+    return links, predicted
+
+
+def format_cost_model(links: dict[str, Link], predicted: list[dict[str, Any]], tolerance: float = 0.25) -> str:
+    lines = ["alpha-beta model (policies/collective_cost.py) calibrated on these rows:"]
+    lines += [f"  {name}: alpha {link.alpha_s * 1e6:.0f} us per hop, beta {link.beta_bytes_s / 1e9:.2f} GB/s" for name, link in links.items()]
+    for r in predicted:
+        lines.append(
+            f"  {r['size_bytes'] / MB:7.1f}MB {r['algorithm']:12s} n={r['workers']} nodes={r['nodes']}: measured "
+            f"{r['time_s'] * 1e3:8.2f} ms, predicted {r['predicted_s'] * 1e3:8.2f} ms ({r['error']:+.0%})"
+        )
+    within = sum(abs(r["error"]) <= tolerance for r in predicted)
+    worst = max(abs(r["error"]) for r in predicted)
+    lines.append(f"  within {tolerance:.0%}: {within} of {len(predicted)}; worst {worst:.0%}")
+    return "\n".join(lines)
+
+
 def main_allreduce(workers: list[int], sizes_mb: list[float], nodes: int, iters: int, json_path: str | None) -> int:
     rows = []
     for count in workers:
         print(f"allreduce: {count} workers, sizes {sizes_mb} MB, {iters} timed rounds, gloo")
         rows += allreduce_rows(count, sizes_mb, nodes, iters)
     print(format_allreduce(rows))
+    report: dict[str, Any] = {"rows": rows}
+    if len({(r["workers"], r["size_bytes"]) for r in rows}) > 1:
+        cores = len(os.sched_getaffinity(0))
+        links, predicted = cost_model(rows, cores)
+        print(format_cost_model(links, predicted))
+        report["cost_model"] = {
+            "cores": cores, "links": {n: {"alpha_s": l.alpha_s, "beta_bytes_s": l.beta_bytes_s} for n, l in links.items()},
+            "rows": predicted,
+        }
     if json_path:
-        Path(json_path).write_text(json.dumps({"rows": rows}, indent=2))
+        Path(json_path).write_text(json.dumps(report, indent=2))
         print(f"wrote {json_path}")
     return 0
 

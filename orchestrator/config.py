@@ -536,6 +536,12 @@ class StragglerConfig(_Strict):
     evict_ratio: float = Field(8.0, gt=1)
     silent_s: float = Field(30.0, gt=0)
 
+    def policy_kwargs(self) -> dict[str, float | int]:
+        """The settings ``policies.straggler_policies.StragglerPolicies`` takes."""
+        return self.model_dump(include={
+            "threshold", "min_ratio", "window", "persistent_steps", "rebalance_alpha", "rebalance_hysteresis", "evict_ratio",
+        })
+
     @model_validator(mode="after")
     def _window(self) -> "StragglerConfig":
         if self.persistent_steps > self.window:

@@ -7,10 +7,11 @@ import statistics
 from typing import Callable
 
 from orchestrator.config import JobConfig
+import numpy as np
+
 from policies.assignment import ShardAssignment
-from policies.eviction import Evict, SlowEviction
-from policies.rebalance import Rebalancer
-from policies.straggler import StragglerDetector, WorkerStep
+from policies.eviction import Evict
+from policies.straggler_policies import StepColumns, StragglerPolicies, arrival_s
 from policies.work_stealing import StepPlan
 from workers.protocol import StepTelemetry
 
@@ -28,12 +29,8 @@ class StragglerControl:
         self.workers = list(workers)
         self.counters = counters
         self.event = event
-        self.detector = StragglerDetector(config.threshold, config.min_ratio, config.window, config.persistent_steps)
-        self.rebalancer = Rebalancer(
-            job.shards, alpha=config.rebalance_alpha, hysteresis=config.rebalance_hysteresis
-        )
-        self.rebalancer.reset(self.workers)
-        self.eviction = SlowEviction(config.evict_ratio, config.window, config.persistent_steps)
+        self.policies = StragglerPolicies(job.shards, **config.policy_kwargs())
+        self.policies.regroup(self.workers, [])
         self.pending_evictions: list[Evict] = []
         self.suspects: set[int] = set()
         self._late_before: set[int] = set()
@@ -45,11 +42,8 @@ class StragglerControl:
 
     def set_workers(self, workers: list[int]) -> None:
         """The group changed (re-formed or grown): start the split and the estimates over."""
-        for gone in set(self.workers) - set(workers):
-            self.detector.forget(gone)
-            self.eviction.forget(gone)
+        self.policies.regroup(list(workers), sorted(set(self.workers) - set(workers)))
         self.workers = list(workers)
-        self.rebalancer.reset(self.workers)
         self.pending_evictions = []
         self.suspects &= set(workers)
         self._late_before &= set(workers)
@@ -63,7 +57,7 @@ class StragglerControl:
         if self.job.chaos.shuffle_shards:
             assignment = ShardAssignment.shuffled(self.job.shards, len(self.workers), seed=self.job.seed * 7919 + step)
         else:
-            assignment = ShardAssignment.from_counts([self.rebalancer.counts[w] for w in self.workers])
+            assignment = ShardAssignment.from_counts([self.policies.rebalancer.counts[w] for w in self.workers])
         mitigation = self.config.mitigation
         return StepPlan(
             shards_by_rank=assignment.shards_by_rank,
@@ -95,16 +89,17 @@ class StragglerControl:
                 gave_up={r.worker: round(r.stalled_s, 3) for r in reports if r.gave_up},
                 rescue_s=round(max(r.rescue_s for r in reports), 4),
             )
-        # Lateness is judged on arrival at the all-reduce (stalls included), speed on shard_s;
-        # a worker that ran nothing (none planned) arrives at once and says nothing of either,
-        # but one that gave up its shards held the step up for as long as it waited.
-        verdict = self.detector.observe(
-            step,
-            [
-                WorkerStep(r.worker, r.shards_run, r.shard_s, r.compute_s + r.stalled_s if r.shards_run or r.gave_up else 0.0)
-                for r in reports
-            ],
+        # Lateness is judged on arrival at the all-reduce (stalls included), speed on shard_s.
+        columns = StepColumns(
+            workers=np.array([r.worker for r in reports], np.int64),
+            shards=np.array([r.shards_run for r in reports], np.int64),
+            shard_s=np.array([r.shard_s for r in reports]),
+            arrival=np.array([arrival_s(r.shards_run, r.compute_s, r.stalled_s, r.gave_up) for r in reports]),
         )
+        decided = self.policies.observe(
+            step, columns, rebalance=self.rebalancing, evict=self.evicting and not self.pending_evictions
+        )
+        verdict = decided.verdict
         for worker in verdict.late:
             self.counters["stragglers_detected"] += 1
             self.event("straggler", step=step, worker=worker, status="late", **verdict.evidence())
@@ -115,16 +110,12 @@ class StragglerControl:
         # slowness, makes a worker a suspect for the next steps.
         self.suspects = (set(verdict.late) & self._late_before) | set(verdict.persistent)
         self._late_before = set(verdict.late)
+        if decided.rebalance is not None:
+            self.counters["rebalances"] += 1
+            self.event("rebalance", step=step, **decided.rebalance.evidence())
+        if decided.evict and len(self.workers) - len(decided.evict) >= self.job.scaling.min_workers:
+            self.pending_evictions = decided.evict
         measured = {r.worker: r.shard_s for r in reports if r.shards_run}
-        if self.rebalancing:
-            decision = self.rebalancer.observe(measured)
-            if decision is not None:
-                self.counters["rebalances"] += 1
-                self.event("rebalance", step=step, **decision.evidence())
-        if self.evicting and not self.pending_evictions:
-            slow = self.eviction.observe(measured, set(verdict.persistent), set(verdict.late))
-            if len(self.workers) - len(slow) >= self.job.scaling.min_workers:
-                self.pending_evictions = slow
         healthy = [s for w, s in measured.items() if w not in self.suspects] or list(measured.values())
         if healthy:
             self.expected_shard_s = statistics.median(healthy)

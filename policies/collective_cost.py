@@ -41,11 +41,21 @@ class Link:
 @dataclass(frozen=True)
 class Fabric:
     """The links of a cluster: ``intra`` within a node, ``inter`` between nodes; ``call_s`` the
-    fixed cost of one collective call (launch, NCCL's base latency)."""
+    fixed cost of one collective call (launch, NCCL's base latency). ``cores_per_node``: where
+    the reduction runs on CPU cores the ranks of a node share (gloo on CPU workers), more ranks
+    than cores time-share them and every term stretches by ranks / cores; None: every rank has
+    its own engine (a GPU)."""
 
     intra: Link
     inter: Link
     call_s: float = 0.0
+    cores_per_node: int | None = None
+
+    def sharing(self, ranks: int, nodes: int) -> float:
+        """How much slower than alone each rank runs for sharing its node's cores."""
+        if self.cores_per_node is None:
+            return 1.0
+        return max(1.0, ranks / max(1, nodes) / self.cores_per_node)
 
 
 def ring_s(nbytes: float, ranks: int, nodes: int, fabric: Fabric) -> float:
@@ -56,7 +66,7 @@ def ring_s(nbytes: float, ranks: int, nodes: int, fabric: Fabric) -> float:
     inter_hops = 2 * (nodes - 1) if nodes > 1 else 0
     slowest = fabric.inter if nodes > 1 else fabric.intra
     latency = (hops - inter_hops) * fabric.intra.alpha_s + inter_hops * fabric.inter.alpha_s
-    return fabric.call_s + latency + hops * (nbytes / ranks) / slowest.beta_bytes_s
+    return fabric.call_s + fabric.sharing(ranks, nodes) * (latency + hops * (nbytes / ranks) / slowest.beta_bytes_s)
 
 
 def hierarchical_s(nbytes: float, ranks: int, nodes: int, fabric: Fabric) -> float:
@@ -67,7 +77,7 @@ def hierarchical_s(nbytes: float, ranks: int, nodes: int, fabric: Fabric) -> flo
     per_node = ranks // nodes
     intra = 2 * (per_node - 1) * (fabric.intra.alpha_s + nbytes / per_node / fabric.intra.beta_bytes_s)
     inter = 2 * (nodes - 1) * (fabric.inter.alpha_s + nbytes / per_node / nodes / fabric.inter.beta_bytes_s)
-    return fabric.call_s + intra + inter
+    return fabric.call_s + fabric.sharing(ranks, nodes) * (intra + inter)
 
 
 ALGORITHMS = {"ring": ring_s, "hierarchical": hierarchical_s, "native": ring_s}
@@ -102,14 +112,17 @@ def exposed_s(bucket_s: Sequence[float], backward_s: float) -> float:
     return max(0.0, finish - backward_s)
 
 
-def fit_link(rows: Iterable[tuple[int, float, float]]) -> Link:
+def fit_link(rows: Iterable[tuple[int, float, float]], cores_per_node: int | None = None) -> Link:
     """The one-link ring model that best fits measured all-reduces on one node, ``(ranks, bytes,
-    seconds)`` each: least squares on relative error of ``2 (n - 1) alpha + 2 (n - 1) / n x
-    bytes / beta``. Raises ValueError with fewer than two distinct points."""
+    seconds)`` each (``cores_per_node`` as in ``Fabric``): least squares on relative error of
+    ``sharing x (2 (n - 1) alpha + 2 (n - 1) / n x bytes / beta)``. Raises ValueError with
+    fewer than two distinct points."""
     points = [(n, s, t) for n, s, t in rows]
     if len({(n, s) for n, s, _ in points}) < 2:
         raise ValueError("fitting a link needs at least two distinct (ranks, bytes) points")
+    probe = Fabric(Link(0.0, 1.0), Link(0.0, 1.0), cores_per_node=cores_per_node)
     design = np.array([[2.0 * (n - 1), 2.0 * (n - 1) / n * s] for n, s, _ in points])
+    design *= np.array([probe.sharing(n, 1) for n, _, _ in points])[:, None]
     seconds = np.array([t for _, _, t in points])
     weights = 1.0 / seconds  # relative error: every point counts alike, whatever its size
     solution, *_ = np.linalg.lstsq(design * weights[:, None], seconds * weights, rcond=None)

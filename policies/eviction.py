@@ -8,7 +8,6 @@ step. Both are removed at a step boundary and the job goes on with the others.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any

@@ -117,6 +117,7 @@ class Rebalancer:
     count_array: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
     _shard_s: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False)  # EWMA; nan: none yet
     _index: dict[int, int] = field(default_factory=dict, repr=False)
+    _worker_array: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
     _seen: int = 0
     _streak: int = 0
 
@@ -127,6 +128,7 @@ class Rebalancer:
     def reset(self, workers: list[int]) -> dict[int, int]:
         """Start over on a new worker set with an even split; returns it."""
         self.workers = sorted(workers)
+        self._worker_array = np.array(self.workers, np.int64)
         self._index = {w: i for i, w in enumerate(self.workers)}
         self._shard_s = np.full(len(self.workers), np.nan)
         self._seen = 0
@@ -148,6 +150,13 @@ class Rebalancer:
             if worker in self._index:
                 measured[self._index[worker]] = seconds
         return self.observe_arrays(measured)
+
+    def observe_columns(self, workers: np.ndarray, shard_s: np.ndarray) -> Rebalance | None:
+        """``observe`` on columns (worker ids, seconds per shard; 0: not measured): O(N) numpy
+        when they are this split's workers in order, as in the simulator."""
+        if np.array_equal(workers, self._worker_array):
+            return self.observe_arrays(shard_s)
+        return self.observe(dict(zip(workers.tolist(), shard_s.tolist())))
 
     def observe_arrays(self, shard_s: np.ndarray) -> Rebalance | None:
         """``observe`` with seconds per shard in ``workers`` order (0: not measured)."""

@@ -35,9 +35,7 @@ import numpy as np
 
 from policies.checkpoint_interval import CheckpointInterval
 from policies.collective_cost import Fabric, Link, allreduce_s, bucket_sizes, exposed_s
-from policies.eviction import SlowEviction
-from policies.rebalance import Rebalancer
-from policies.straggler import StragglerDetector
+from policies.straggler_policies import StepColumns, StragglerPolicies
 from simulator.cluster import HOUR_S, Slowdowns, base_shard_s, failure_times
 from simulator.scenario import Scenario
 
@@ -121,7 +119,11 @@ class Run:
         self.scenario = scenario
         self.contender = contender
         self.in_place = contender != "restart_world"
-        self.mitigating = contender == "ringleader"
+        stragglers = scenario.stragglers
+        self.mitigating = contender == "ringleader" and stragglers.mitigation
+        self.rebalancing = self.mitigating and stragglers.rebalance
+        self.stealing = self.mitigating and (stragglers.steal or stragglers.speculate)
+        self.evicting = self.mitigating and stragglers.evict
         self.n = scenario.workers
         self.per_node = scenario.workers_per_node
         self.total_shards = scenario.workload.shards_per_worker * self.n
@@ -136,10 +138,7 @@ class Run:
         horizon = HORIZON_FACTOR * scenario.steps * self.ideal_step_s + 10 * HOUR_S
         self.failures = failure_times(scenario, horizon)
         self.joins: list[tuple[float, int]] = []  # (when, node) replacements due
-        stragglers = scenario.stragglers
-        self.detector = StragglerDetector(stragglers.threshold, stragglers.min_ratio, stragglers.window, stragglers.persistent_steps)
-        self.rebalancer = Rebalancer(self.total_shards, alpha=stragglers.rebalance_alpha, hysteresis=stragglers.rebalance_hysteresis)
-        self.eviction = SlowEviction(stragglers.evict_ratio, stragglers.window, stragglers.persistent_steps)
+        self.policies = StragglerPolicies(self.total_shards, **scenario.stragglers.policy_kwargs())
         self.checkpoints = self._checkpoint_policy()
         self.clock = 0.0
         self.idle_s = 0.0  # worker-seconds
@@ -163,10 +162,7 @@ class Run:
     def _regroup(self) -> None:
         """The group changed: the policies start over on the live workers, as the driver's do."""
         self.ids = np.flatnonzero(self.alive)
-        for gone in np.flatnonzero(~self.alive).tolist():
-            self.detector.forget(gone)
-            self.eviction.forget(gone)
-        self.rebalancer.reset(self.ids.tolist())
+        self.policies.regroup(self.ids.tolist(), np.flatnonzero(~self.alive).tolist())
 
     def _charge(self, seconds: float) -> None:
         """Everyone waits ``seconds`` (recovery, checkpoint, restart)."""
@@ -175,27 +171,27 @@ class Run:
 
     def _compute(self, shard_s: np.ndarray) -> tuple[float, float, np.ndarray, np.ndarray]:
         """(step compute seconds, busy worker-seconds, shards per live worker, arrival)."""
-        if self.mitigating:
-            counts = self.rebalancer.count_array
-            planned = counts * shard_s
-            fluid = self.total_shards / float(np.sum(1.0 / shard_s))
-            seconds = min(float(planned.max()), fluid + float(np.median(shard_s)))
-            return seconds, fluid * len(shard_s), counts, np.minimum(planned, seconds)
-        share, extra = divmod(self.total_shards, len(shard_s))
-        counts = np.full(len(shard_s), share)
-        counts[:extra] += 1
+        if self.rebalancing:
+            counts = self.policies.rebalancer.count_array
+        else:
+            share, extra = divmod(self.total_shards, len(shard_s))
+            counts = np.full(len(shard_s), share)
+            counts[:extra] += 1
         planned = counts * shard_s
-        return float(planned.max()), float(planned.sum()), counts, planned
+        if not self.stealing:
+            return float(planned.max()), float(planned.sum()), counts, planned
+        fluid = self.total_shards / float(np.sum(1.0 / shard_s))
+        seconds = min(float(planned.max()), fluid + float(np.median(shard_s)))
+        return seconds, min(fluid, seconds) * len(shard_s), counts, np.minimum(planned, seconds)
 
     def _observe(self, shard_s: np.ndarray, counts: np.ndarray, arrival: np.ndarray) -> None:
         started = time.process_time()
-        verdict = self.detector.observe_arrays(self.step, self.ids, counts, shard_s, arrival)
-        if self.rebalancer.observe_arrays(shard_s) is not None:
-            self.outcome.rebalances += 1
-        persistent = np.isin(self.ids, verdict.persistent) if verdict.persistent else np.zeros(len(self.ids), bool)
-        late = np.isin(self.ids, verdict.late) if verdict.late else np.zeros(len(self.ids), bool)
-        evict = self.eviction.observe_arrays(self.ids, shard_s, persistent, late)
+        decided = self.policies.observe(
+            self.step, StepColumns(self.ids, counts, shard_s, arrival), rebalance=self.rebalancing, evict=self.evicting
+        )
         self._policy_s += time.process_time() - started
+        self.outcome.rebalances += decided.rebalance is not None
+        evict = decided.evict
         if evict and len(self.ids) - len(evict) >= 1:
             for e in evict:
                 self.alive[e.worker] = False

@@ -43,7 +43,7 @@ def test_allreduce_benchmark_rows_have_the_promised_fields():
     assert {r["algorithm"] for r in rows} == {"native", "ring", "hierarchical"}
     assert {r["size_bytes"] for r in rows} == {int(0.01 * MB) // 4 * 4, int(0.1 * MB) // 4 * 4}
     for row in rows:
-        assert set(row) == {"algorithm", "workers", "size_bytes", "time_s", "algbw_gbps", "busbw_gbps"}
+        assert set(row) == {"algorithm", "workers", "nodes", "size_bytes", "time_s", "algbw_gbps", "busbw_gbps"}
         assert row["time_s"] > 0
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * 3 / 4)
     assert "vs native" in format_allreduce(rows)
@@ -118,3 +118,25 @@ def test_recovery_benchmark_our_side_loses_no_committed_step_and_no_sample(tmp_p
     assert "recovery vs ours: ray_train" in text and "overhead +1.0%" in text
     torchft_line = next(line for line in text.splitlines() if line.startswith("torchft"))
     assert "never" in torchft_line and " 128 " in torchft_line and " no " in torchft_line
+
+
+def test_control_plane_benchmark_measures_a_real_null_job_and_fits_the_growth(tmp_path):
+    from benchmarks.control_plane import fit, format_report, measure
+
+    rows = [measure(n, 12, tmp_path) for n in (2, 3)]
+    for row in rows:
+        assert row["steps_measured"] >= 5
+        assert row["driver_cpu_ms"] > 0 and 0 < row["driver_busy_ms"] <= row["step_wall_ms"]
+        # Each worker seals its block (one round trip at least) and the driver opens the step.
+        assert row["store_round_trips"] >= row["workers"] + 1 and row["store_bytes"] > 0
+    fitted = fit(rows)
+    assert fitted["store_round_trips"]["per_worker"] > 0
+    assert "at 4096" in format_report(rows, fitted)
+    # The fit itself: exact on a line, and it needs two worker counts.
+    line = [{"workers": n, "driver_cpu_ms": 1 + 0.5 * n, "driver_busy_ms": 2.0, "store_round_trips": 3 * n,
+             "store_bytes": 100.0 * n, "step_wall_ms": 10.0} for n in (4, 8, 16)]
+    cpu = fit(line)["driver_cpu_ms"]
+    assert cpu["fixed"] == pytest.approx(1.0) and cpu["per_worker"] == pytest.approx(0.5)
+    assert cpu["at_4096"] == pytest.approx(1 + 0.5 * 4096)
+    with pytest.raises(ValueError, match="two worker counts"):
+        fit(line[:1])

@@ -8,7 +8,8 @@ import threading
 import torch.distributed as dist
 
 from policies.work_stealing import ClaimKind, StepPlan
-from workers.claims import ShardClaims, open_step
+from workers.claims import CountingStore, ShardClaims, open_step
+from workers.step import watched_peers
 
 
 def _store(port: int = 0) -> dist.Store:
@@ -114,3 +115,23 @@ def test_an_opened_block_is_seen_by_its_owner_and_read_with_the_states():
     assert blocks == ["open", "free"] and all(s.kind is ClaimKind.FREE for s in states.values())
     assert peer.claim_block() and not owner.open_block(1)  # a sealed block stays closed
     assert peer.read()[1] == ["open", "sealed:1"]
+
+
+def test_a_watcher_reads_only_its_peers_keys_and_every_read_is_counted():
+    plan = StepPlan(((0, 1), (2,), (), (3, 4, 5)))
+    store = CountingStore(_store())
+    open_step(store, 0, plan)
+    assert store.round_trips == 1 and store.bytes > 0
+    owner, watcher = ShardClaims(store, 0, plan, me=3), ShardClaims(store, 0, plan, me=1)
+    assert owner.claim_block()
+    states, blocks = watcher.read()
+    before = store.round_trips, store.bytes
+    peer_states, peer_blocks = watcher.read_ranks([3, 0])
+    assert store.round_trips == before[0] + 1
+    # Keys of ranks 3 and 0 only: fewer bytes than the whole step's read.
+    assert store.bytes - before[1] < sum(len(k) for k in watcher.all_keys)
+    assert peer_blocks == {3: blocks[3], 0: blocks[0]} and peer_blocks[3] == "sealed:3"
+    assert peer_states == {s: states[s] for s in (3, 4, 5, 0, 1)}
+    # Each rank watches the next two ranks with shards, in ring order.
+    assert watched_peers(plan, 0) == [1, 3] and watched_peers(plan, 3) == [0, 1] and watched_peers(plan, 1) == [3, 0]
+    assert watched_peers(StepPlan(((0,), ())), 0) == []

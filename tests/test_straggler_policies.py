@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from policies.eviction import SlowEviction, silent_workers
@@ -253,3 +254,56 @@ def test_slow_eviction_needs_most_of_the_window_and_starts_over_when_a_worker_re
         assert eviction.observe(slow, persistent, {2}) == []
     with pytest.raises(ValueError, match="required"):
         SlowEviction(8.0, window=2, required=3)
+
+def _greedy_split(total: int, speeds: dict[int, float], low: int, high: int) -> dict[int, int]:
+    """The rule proportional_counts implements, shard by shard: the next shard to the worker
+    that would finish it first, ties to the lower id."""
+    import heapq
+
+    counts = dict.fromkeys(sorted(speeds), low)
+    heap = [((low + 1) / speeds[w], w) for w in sorted(speeds)]
+    heapq.heapify(heap)
+    for _ in range(total - low * len(speeds)):
+        _, worker = heapq.heappop(heap)
+        counts[worker] += 1
+        if counts[worker] < high:
+            heapq.heappush(heap, ((counts[worker] + 1) / speeds[worker], worker))
+    return counts
+
+
+def test_the_vectorised_split_is_the_greedy_split_ties_and_bounds_included():
+    rng = random.Random(7)
+    for _ in range(400):
+        n = rng.choice([1, 2, 3, 7, 50, 300])
+        low, high = rng.randint(0, 2), rng.randint(3, 40)
+        total = rng.randint(low * n, high * n)
+        # Equal speeds (all ties), a few distinct speeds, or continuous ones.
+        pick = rng.choice([lambda: 1.0, lambda: rng.choice([0.5, 1.0, 2.0, 3.0]), lambda: 1 / rng.uniform(0.001, 0.1)])
+        speeds = {3 * w + 1: pick() for w in range(n)}
+        assert proportional_counts(total, speeds, low, high) == _greedy_split(total, speeds, low, high)
+
+
+def test_median_without_each_element_is_the_median_of_the_rest():
+    import statistics
+
+    from policies.eviction import median_without
+
+    rng = random.Random(3)
+    for n in (2, 3, 4, 9, 10):
+        values = sorted(rng.choice([0.1, 0.2, 0.5, 1.0, rng.random()]) for _ in range(n))
+        got = median_without(np.array(values), np.arange(n))
+        want = [statistics.median(values[:i] + values[i + 1:]) for i in range(n)]
+        assert got.tolist() == pytest.approx(want)
+
+
+def test_the_detector_judges_columns_as_it_judges_reports():
+    rng = random.Random(11)
+    by_reports, by_columns = StragglerDetector(), StragglerDetector()
+    for step in range(30):
+        workers = [WorkerStep(w, 4, 0.01 * (3 if w == 5 and step > 8 else 1) * (1 + 0.05 * rng.random()), 0.0) for w in range(8)]
+        a = by_reports.observe(step, workers)
+        b = by_columns.observe_arrays(
+            step, np.arange(8), np.full(8, 4), np.array([w.shard_s for w in workers]), np.array([w.arrival for w in workers])
+        )
+        assert (a.late, a.persistent, a.newly_persistent, a.cutoff) == (b.late, b.persistent, b.newly_persistent, b.cutoff)
+    assert a.persistent == (5,)

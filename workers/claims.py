@@ -90,6 +90,7 @@ class ShardClaims:
         self.keys = self.all_keys[: self.num_shards]
         self.blocks = self.all_keys[self.num_shards :]
         self.owner_of = plan.owners
+        self.shards_of = plan.shards_by_rank
         self.me = me
         self._opened: set[int] = set()
 
@@ -104,6 +105,19 @@ class ShardClaims:
             if self.owner_of[shard] in sealed
             else ClaimState.decode(value)
             for shard, value in enumerate(values[: self.num_shards])
+        }
+        return states, blocks
+
+    def read_ranks(self, ranks: list[int]) -> tuple[dict[int, ClaimState], dict[int, str]]:
+        """``read`` for the planned shards and blocks of ``ranks`` only, in one round trip: a
+        rank watching a few peers reads O(their shards), not the whole step."""
+        shards = [s for rank in ranks for s in self.shards_of[rank]]
+        values = [v.decode() for v in self.store.multi_get([self.keys[s] for s in shards] + [self.blocks[r] for r in ranks])]
+        blocks = dict(zip(ranks, values[len(shards):]))
+        sealed = {rank for rank, v in blocks.items() if v == f"sealed:{rank}"}
+        states = {
+            shard: ClaimState(ClaimKind.SEALED, self.owner_of[shard]) if self.owner_of[shard] in sealed else ClaimState.decode(value)
+            for shard, value in zip(shards, values)
         }
         return states, blocks
 

@@ -46,6 +46,18 @@ from workers.training import FlatParameters, autocast, fetch_batch, move_to
 
 # How often an idle worker looks at the claims again (store round trips are ~50-150 us).
 POLL_S = 0.002
+# Peers each rank watches while it waits for the all-reduce (the next ranks with shards, in
+# ring order): every rank with shards is watched by this many, so a step's watch traffic grows
+# with N, not N^2 (every rank reading every key), and a stalled rank is still rescued when one
+# of its watchers is stalled too.
+WATCHED_PEERS = 2
+
+
+def watched_peers(plan: StepPlan, me: int) -> list[int]:
+    """The ranks ``me`` watches: the next ``WATCHED_PEERS`` after it with planned shards."""
+    ranks = len(plan.shards_by_rank)
+    following = ((me + k) % ranks for k in range(1, ranks))
+    return [r for r in following if plan.shards_by_rank[r]][:WATCHED_PEERS]
 
 
 def shard_seed(seed: int, step: int, shard: int) -> int:
@@ -224,24 +236,23 @@ class StepRunner:
 
     def watch(self, ctx: ClaimedStep, work: StepWork) -> Callable[[], bool]:
         """What this rank does while it waits for the step's all-reduce: open the block of any
-        peer whose shards all still sit unstarted after ``late_factor`` x their expected time
-        (``block_late``). The peer, seeing it while it waits for its data, stops waiting and
-        brings nothing to the all-reduce; its shards go to the rescue pass. The returned
-        callable does one look (a store round trip) and says whether to look again: while some
-        peer with shards has not sealed its block or had it opened, and neither the driver's
-        abort nor the deadline came first."""
+        peer it watches (``watched_peers``) whose shards all still sit unstarted after
+        ``late_factor`` x their expected time (``block_late``). The peer, seeing it while it
+        waits for its data, stops waiting and brings nothing to the all-reduce; its shards go
+        to the rescue pass. The returned callable does one look (a store round trip over the
+        watched peers' keys only) and says whether to look again: while some watched peer has
+        not sealed its block or had it opened, and neither the driver's abort nor the deadline
+        came first."""
         until = time.monotonic() + ctx.deadline_s
         plan, claims = ctx.plan, ctx.claims
+        peers = watched_peers(plan, claims.me)
 
         def look() -> bool:
-            if not plan.steal or plan.expected_shard_s <= 0 or ctx.abort.is_set() or time.monotonic() > until:
+            if not peers or not plan.steal or plan.expected_shard_s <= 0 or ctx.abort.is_set() or time.monotonic() > until:
                 return False  # (nothing is ever late before the driver knows what to expect)
-            states, blocks = claims.read()
+            states, blocks = claims.read_ranks(peers)
             ages = work.ages(states, time.monotonic())
-            undecided = [
-                rank for rank, value in enumerate(blocks)
-                if value == FREE.encode() and rank != claims.me and plan.shards_by_rank[rank]
-            ]
+            undecided = [rank for rank in peers if blocks[rank] == FREE.encode()]
             for rank in undecided:
                 if block_late(plan, rank, states, ages):
                     claims.open_block(rank)
