@@ -14,8 +14,9 @@ contender:
   see the step's telemetry (seconds per shard, arrival) and evict as they would for real.
 
 Then the exposed all-reduce (``policies/collective_cost.py``: the buckets of the gradient,
-reduced as backward produces them) and the driver's floor (``control_plane``: it works a step
-ahead, so a step is never shorter than its cost). Failures (node MTBF) cost the in-place
+reduced as backward produces them) and, for the contenders ringleader drives, the driver's
+floor (``control_plane``: it works a step ahead, so a step is never shorter than its cost;
+restart-the-world's workers run their own loop and have none). Failures (node MTBF) cost the in-place
 contenders the interrupted step, ``detect_s`` and ``reform_s``; the node's workers are gone
 until a replacement joins ``replacement_s`` later (``join_s`` at a step boundary), and until
 then the others carry the whole batch. ``restart_world`` loses every step since its last
@@ -132,9 +133,9 @@ class Run:
         self.costs = StepCosts(scenario)
         self.alive = np.ones(self.n, bool)
         self.retired = np.zeros(self.n, bool)  # evicted: their slots are not refilled
-        self.ideal_step_s = max(
-            scenario.workload.compute_s + self.costs.exposed_comm_s(self.n, scenario.nodes), self.costs.driver_s(self.n)
-        )
+        # The ideal step: every worker at nominal speed, the all-reduce's exposed tail, no
+        # driver (torchrun and Ray Train have none per step: their workers run the loop).
+        self.ideal_step_s = scenario.workload.compute_s + self.costs.exposed_comm_s(self.n, scenario.nodes)
         horizon = HORIZON_FACTOR * scenario.steps * self.ideal_step_s + 10 * HOUR_S
         self.failures = failure_times(scenario, horizon)
         self.joins: list[tuple[float, int]] = []  # (when, node) replacements due
@@ -258,7 +259,9 @@ class Run:
             shard_s = self.base[self.ids] * factors[self.ids]
             compute_s, busy_s, counts, arrival = self._compute(shard_s)
             workers, nodes = len(self.ids), len(np.unique(self.ids // self.per_node))
-            step_s = max(compute_s + self.costs.exposed_comm_s(workers, nodes), self.costs.driver_s(workers))
+            step_s = compute_s + self.costs.exposed_comm_s(workers, nodes)
+            if self.in_place:  # ringleader's driver submits every step: never faster than it
+                step_s = max(step_s, self.costs.driver_s(workers))
             if next_failure is not None and next_failure[0] < self.clock + step_s:
                 failed, next_failure = self._fail(*next_failure), next(failures, None)
                 if failed:

@@ -135,3 +135,13 @@ def test_the_simulators_policies_make_the_real_runs_decisions_from_its_telemetry
     kinds = {d[0] for d in recorded}
     assert {"straggler", "rebalance"} <= kinds, recorded  # the run gave the replay something to match
     assert replayed_decisions(result.run_dir) == recorded
+
+
+def test_the_driver_is_a_floor_under_ringleaders_steps_only():
+    """ringleader's driver submits every step (a step ahead): a step never takes less than its
+    cost. Restart-the-world's workers run their own loop and have no such floor."""
+    floor = scenario(control_plane={"fixed_ms": 2000.0, "per_worker_ms": 0.0}, steps=50)
+    ringleader, no_mitigation, restart = simulate(floor)
+    for driven in (ringleader, no_mitigation):
+        assert driven.wall_s == pytest.approx(50 * 2.0) and driven.goodput == pytest.approx(restart.goodput / 2, rel=0.01)
+    assert restart.goodput == pytest.approx(1.0)

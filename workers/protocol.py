@@ -198,6 +198,6 @@ class StepTelemetry:
     store_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        record = asdict(self)
-        record["shards"] = list(self.shards)
-        return record
+        # Every field is a number, a bool or the shards tuple: a shallow copy is enough, and
+        # ~90x cheaper than asdict's deep copy (the driver writes one per worker per step).
+        return {**vars(self), "shards": list(self.shards)}

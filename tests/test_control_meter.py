@@ -1,0 +1,49 @@
+"""ControlPlaneMeter: per-step driver cost from commit to commit, warm-up and recoveries left out."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from orchestrator.control_meter import WARMUP_STEPS, ControlPlaneMeter
+from workers.protocol import StepTelemetry
+
+
+def _report(trips: int, nbytes: int) -> StepTelemetry:
+    return StepTelemetry(
+        step=0, rank=0, worker=0, shards=(0,), samples=1, global_samples=1, loss=0.0, compute_s=0.0,
+        comm_s=0.0, optim_s=0.0, step_s=0.0, store_round_trips=trips, store_bytes=nbytes,
+    )
+
+
+def test_intervals_between_commits_after_warm_up_with_the_wait_taken_out():
+    meter = ControlPlaneMeter()
+    meter.restart()
+    for _ in range(WARMUP_STEPS):  # the first steps are warm-up: not counted
+        meter.committed([_report(1, 10)])
+    assert meter.summary() == {}
+    for _ in range(3):
+        time.sleep(0.02)
+        meter.waited(0.015)  # blocked on the workers for most of the interval
+        meter.driver_store(1, 100)
+        meter.committed([_report(2, 30), _report(3, 40)])
+    summary = meter.summary()
+    assert summary["steps_measured"] == 3
+    assert summary["store_round_trips"] == 1 + 2 + 3 and summary["store_bytes"] == 100 + 30 + 40
+    assert summary["step_wall_ms"] == pytest.approx(20, abs=15)
+    assert summary["driver_busy_ms"] == pytest.approx(summary["step_wall_ms"] - 15, abs=0.5)
+    assert 0 <= summary["driver_cpu_ms"] < summary["step_wall_ms"]  # sleeping costs no CPU
+
+
+def test_a_recovery_between_two_commits_is_not_a_step():
+    meter = ControlPlaneMeter()
+    for _ in range(WARMUP_STEPS + 1):
+        meter.committed([])
+    assert meter.summary()["steps_measured"] == 1
+    meter.restart()  # Recovering, then Running again: warm-up anew, and the gap is no step
+    time.sleep(0.05)
+    for _ in range(WARMUP_STEPS + 1):
+        meter.committed([])
+    summary = meter.summary()
+    assert summary["steps_measured"] == 2 and max(s.wall_s for s in meter.steps) < 0.04
