@@ -158,7 +158,7 @@ def cost_model(rows: list[dict[str, Any]], cores: int) -> tuple[dict[str, Link],
     predicted = []
     for r in rows:
         link = links["native" if r["algorithm"] == "native" else "ours"]
-        fabric = Fabric(link, link, cores_per_node=max(1, cores // r["nodes"]))
+        fabric = Fabric(link, link, cores_per_node=cores / r["nodes"])
         seconds = allreduce_s(r["algorithm"], r["size_bytes"], r["workers"], r["nodes"], fabric)
         predicted.append({**r, "predicted_s": seconds, "error": seconds / r["time_s"] - 1})
     return links, predicted

@@ -6,7 +6,8 @@ A step's interval runs from one commit to the next while the job is Running with
 flight, so it holds everything the driver does per step: submitting the next step to every
 worker, opening its claims, waiting, reading the reports, the policies, the telemetry and
 event files, the metrics. ``busy`` is that interval less the time blocked in ``ray.wait`` for
-the workers, i.e. the driver's own wall time; ``cpu`` is the driver process's CPU time over the
+the workers' step results, i.e. the driver's own wall time (waits of its own, for a checkpoint
+or a progress probe, count as busy); ``cpu`` is the driver process's CPU time over the
 interval, every thread included (Ray's core worker and the claim store's server thread too).
 Intervals across a recovery, a growth or a drain are not steps and are not counted.
 """

@@ -6,9 +6,9 @@ One hop over a link costs ``alpha + bytes / beta``. An all-reduce of ``S`` bytes
 ranks on ``m`` nodes (``g = n / m`` per node):
 
 * **ring** (ours, and NCCL's or gloo's native ring): ``2 (n - 1)`` hops of ``S / n`` bytes, of
-  which ``2 (m - 1)`` cross nodes (NCCL's own tuning model, ``src/graph/tuning.cc``, counts
-  them the same way); every hop waits for the slowest link of the ring, so the bandwidth term
-  is ``2 (n - 1) / n x S / beta_slowest``;
+  which ``2 (m - 1)`` cross nodes (as the NCCL version we read counts its ring's latency in
+  ``src/graph/tuning.cc``; newer ones count ``2 m``); every hop waits for the slowest link of
+  the ring, so the bandwidth term is ``2 (n - 1) / n x S / beta_slowest``;
 * **hierarchical** (ours, ``workers/ring.py``): a reduce-scatter within each node
   (``g - 1`` hops of ``S / g`` over the intra link), a ring all-reduce of each rank's
   ``S / g`` across the ``m`` nodes (inter link), an all-gather within the node.
@@ -49,13 +49,13 @@ class Fabric:
     intra: Link
     inter: Link
     call_s: float = 0.0
-    cores_per_node: int | None = None
+    cores_per_node: float | None = None
 
     def sharing(self, ranks: int, nodes: int) -> float:
         """How much slower than alone each rank runs for sharing its node's cores."""
         if self.cores_per_node is None:
             return 1.0
-        return max(1.0, ranks / max(1, nodes) / self.cores_per_node)
+        return max(1.0, ranks / max(1, nodes) / self.cores_per_node)  # (simulated nodes: a share of the cores)
 
 
 def ring_s(nbytes: float, ranks: int, nodes: int, fabric: Fabric) -> float:
@@ -74,7 +74,7 @@ def hierarchical_s(nbytes: float, ranks: int, nodes: int, fabric: Fabric) -> flo
     all-gather); one node is a plain ring."""
     if nodes <= 1 or ranks <= nodes:
         return ring_s(nbytes, ranks, nodes, fabric)
-    per_node = ranks // nodes
+    per_node = ranks / nodes  # (uneven nodes, after a loss: the mean)
     intra = 2 * (per_node - 1) * (fabric.intra.alpha_s + nbytes / per_node / fabric.intra.beta_bytes_s)
     inter = 2 * (nodes - 1) * (fabric.inter.alpha_s + nbytes / per_node / nodes / fabric.inter.beta_bytes_s)
     return fabric.call_s + fabric.sharing(ranks, nodes) * (intra + inter)
@@ -112,7 +112,7 @@ def exposed_s(bucket_s: Sequence[float], backward_s: float) -> float:
     return max(0.0, finish - backward_s)
 
 
-def fit_link(rows: Iterable[tuple[int, float, float]], cores_per_node: int | None = None) -> Link:
+def fit_link(rows: Iterable[tuple[int, float, float]], cores_per_node: float | None = None) -> Link:
     """The one-link ring model that best fits measured all-reduces on one node, ``(ranks, bytes,
     seconds)`` each (``cores_per_node`` as in ``Fabric``): least squares on relative error of
     ``sharing x (2 (n - 1) alpha + 2 (n - 1) / n x bytes / beta)``. Raises ValueError with

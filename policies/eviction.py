@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 
@@ -77,17 +77,18 @@ class SlowEviction:
         """Account one step (``shard_s``: seconds per shard of the workers that ran shards) and
         return the workers to evict now."""
         workers = np.fromiter(shard_s, int, len(shard_s))
-        return self.observe_arrays(
-            workers, np.fromiter(shard_s.values(), float, len(shard_s)),
-            np.isin(workers, list(persistent)), np.isin(workers, list(late)),
-        )
+        return self.observe_arrays(workers, np.fromiter(shard_s.values(), float, len(shard_s)), persistent, late)
 
-    def observe_arrays(self, workers: np.ndarray, shard_s: np.ndarray, persistent: np.ndarray, late: np.ndarray) -> list[Evict]:
-        """``observe`` on columns: worker ids, seconds per shard, and whether each is
-        persistently slow and late. O(N log N) for the sort, whatever the candidates."""
-        for worker in set(self._history) - set(workers[persistent].tolist()):
+    def observe_arrays(
+        self, workers: np.ndarray, shard_s: np.ndarray, persistent: Collection[int], late: Collection[int]
+    ) -> list[Evict]:
+        """``observe`` on columns: the ids and seconds per shard of the workers that ran shards,
+        and the detector's persistent and late workers (a persistent one that ran nothing this
+        step keeps its evidence). O(N log N) for the sort, whatever the candidates."""
+        for worker in set(self._history) - set(persistent):
             del self._history[worker]  # recovered (or gone): the evidence starts over
-        candidates = np.flatnonzero(persistent)
+        candidates = np.flatnonzero(np.isin(workers, list(persistent)))
+        late_here = np.isin(workers, list(late))
         if not candidates.size or workers.size < 2:
             return []
         order = np.argsort(shard_s, kind="stable")
@@ -97,7 +98,7 @@ class SlowEviction:
             worker = int(workers[index])
             ratio = float(shard_s[index]) / median
             history = self._history.setdefault(worker, deque(maxlen=self.window))
-            history.append(bool(late[index]) and ratio > self.evict_ratio)
+            history.append(bool(late_here[index]) and ratio > self.evict_ratio)
             if sum(history) >= self.required:
                 out.append(Evict(worker, "slow", {"ratio": round(ratio, 2), "evict_ratio": self.evict_ratio, "slow_steps": sum(history), "window": len(history)}))
         return out

@@ -69,8 +69,8 @@ class StragglerReport:
     newly_persistent: tuple[int, ...]
     noise: float
     cutoff: float
-    _measured: tuple[np.ndarray, np.ndarray] = field(default=(np.empty(0, int), np.empty(0)), repr=False)
-    _arrived: tuple[np.ndarray, np.ndarray] = field(default=(np.empty(0, int), np.empty(0)), repr=False)
+    _measured: tuple[np.ndarray, np.ndarray] = field(default=(np.empty(0, int), np.empty(0)), repr=False, compare=False)
+    _arrived: tuple[np.ndarray, np.ndarray] = field(default=(np.empty(0, int), np.empty(0)), repr=False, compare=False)
 
     @property
     def slowness(self) -> dict[int, float]:

@@ -67,8 +67,7 @@ class StragglerPolicies:
         decision = self.rebalancer.observe_columns(columns.workers, columns.shard_s) if rebalance else None
         evictions: list[Evict] = []
         if evict:
-            workers = columns.workers[measured]
             evictions = self.eviction.observe_arrays(
-                workers, columns.shard_s[measured], np.isin(workers, verdict.persistent), np.isin(workers, verdict.late)
+                columns.workers[measured], columns.shard_s[measured], verdict.persistent, verdict.late
             )
         return PolicyDecisions(verdict, decision, evictions)

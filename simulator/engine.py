@@ -163,7 +163,8 @@ class Run:
     def _regroup(self) -> None:
         """The group changed: the policies start over on the live workers, as the driver's do."""
         self.ids = np.flatnonzero(self.alive)
-        self.policies.regroup(self.ids.tolist(), np.flatnonzero(~self.alive).tolist())
+        if len(self.ids):  # (nobody left: they start over when a replacement joins)
+            self.policies.regroup(self.ids.tolist(), np.flatnonzero(~self.alive).tolist())
 
     def _charge(self, seconds: float) -> None:
         """Everyone waits ``seconds`` (recovery, checkpoint, restart)."""
@@ -201,15 +202,35 @@ class Run:
             self._charge(self.scenario.recovery.reform_s)  # drained, re-formed without them
             self._regroup()
 
-    def _fail(self, when: float, node: int) -> bool:
-        """A node fails ``when``, inside the current step; False if it was already down (waiting
-        for its replacement): nothing happens."""
+    def _failing_within(self, seconds: float) -> bool:
+        """Whether a failure comes before ``seconds`` from now."""
+        return self._next_failure is not None and self._next_failure[0] < self.clock + seconds
+
+    def _past_events(self) -> bool:
+        """Handle the failures and joins due by now, in time order (those that came while a
+        recovery, restart, join or checkpoint was being charged, or that cut a step or a
+        checkpoint short); True if there was any."""
+        handled = False
+        while True:
+            fail_at = self._next_failure[0] if self._next_failure is not None else math.inf
+            join_at = min((when for when, _ in self.joins), default=math.inf)
+            if min(fail_at, join_at) > self.clock:
+                return handled
+            handled = True
+            if join_at <= fail_at:
+                self._join(join_at)
+            else:
+                when, node = self._next_failure  # type: ignore[misc]
+                self._next_failure = next(self._failures, None)
+                self._fail(when, node)
+
+    def _fail(self, when: float, node: int) -> None:
+        """A node failed at ``when`` (<= now); a node already down, waiting for its
+        replacement, cannot: nothing happens."""
         workers = slice(node * self.per_node, (node + 1) * self.per_node)
         if not self.alive[workers].any():
-            return False
+            return
         self.outcome.failures += 1
-        self.idle_s += self.n * (when - self.clock)  # the interrupted step's work is lost
-        self.clock = when
         # Overlapping recoveries (a failure before the last one is over) count as one, from the first.
         started, target = self._recovering or (when, self.step)
         self._recovering = (started, max(target, self.step))
@@ -224,14 +245,11 @@ class Run:
             self.outcome.redone_steps += self.step - self.last_checkpoint
             self.step = self.last_checkpoint
             self._charge(self.scenario.restart.restart_s)
-        return True
 
-    def _join(self) -> None:
-        """Replacements due by now join at this step boundary."""
-        due = [node for when, node in self.joins if when <= self.clock]
-        if not due:
-            return
-        self.joins = [(when, node) for when, node in self.joins if when > self.clock]
+    def _join(self, until: float) -> None:
+        """The replacements due by ``until`` join at this step boundary."""
+        due = [node for when, node in self.joins if when <= until]
+        self.joins = [(when, node) for when, node in self.joins if when > until]
         for node in due:
             workers = slice(node * self.per_node, (node + 1) * self.per_node)
             self.alive[workers] = ~self.retired[workers]
@@ -242,16 +260,24 @@ class Run:
         scenario = self.scenario
         self._policy_s = 0.0
         self._recovering: tuple[float, int] | None = None
-        failures = iter(self.failures)
-        next_failure = next(failures, None)
+        self._failures = iter(self.failures)
+        self._next_failure = next(self._failures, None)
         every = max(1, scenario.steps // TIMELINE_POINTS)
         timeline = [(0.0, 0)]
         while self.step < scenario.steps:
-            if self.in_place:
-                self._join()
+            if self._past_events():
+                continue
+            if not len(self.ids):  # every node down: nothing runs until a replacement joins
+                if not self.joins:
+                    raise RuntimeError(f"{self.contender}: no worker left and none coming (every slot evicted)")
+                self._charge(min(when for when, _ in self.joins) - self.clock)
+                continue
             self.checkpoints.observe_elapsed(self.clock)
             if self.step > self.last_checkpoint and self.checkpoints.due(self.step - self.last_checkpoint):
                 cost = scenario.snapshots.snapshot_s if self.in_place else scenario.restart.checkpoint_s
+                if self._failing_within(cost):  # the checkpoint never completes
+                    self._charge(self._next_failure[0] - self.clock)
+                    continue
                 self._charge(cost)
                 self.last_checkpoint = self.step
                 self.outcome.checkpoints += 1
@@ -262,10 +288,9 @@ class Run:
             step_s = compute_s + self.costs.exposed_comm_s(workers, nodes)
             if self.in_place:  # ringleader's driver submits every step: never faster than it
                 step_s = max(step_s, self.costs.driver_s(workers))
-            if next_failure is not None and next_failure[0] < self.clock + step_s:
-                failed, next_failure = self._fail(*next_failure), next(failures, None)
-                if failed:
-                    continue
+            if self._failing_within(step_s):
+                self._charge(self._next_failure[0] - self.clock)  # the step's work is lost
+                continue
             self.clock += step_s
             self.idle_s += self.n * step_s - busy_s
             self.step += 1

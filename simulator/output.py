@@ -57,7 +57,8 @@ def write_plot(path: Path, scenario: Scenario, outcomes: list[Outcome]) -> None:
     progress.legend()
     with_recoveries = [o for o in outcomes if o.recovery_s]
     if with_recoveries:
-        recovery.boxplot([o.recovery_s for o in with_recoveries], tick_labels=[o.contender for o in with_recoveries])
+        recovery.boxplot([o.recovery_s for o in with_recoveries])
+        recovery.set_xticks(range(1, len(with_recoveries) + 1), [o.contender for o in with_recoveries])
         recovery.set_yscale("log")
     recovery.set_ylabel("seconds from a failure until its step commits")
     recovery.set_title("recovery time per failure")

@@ -43,11 +43,12 @@ def recorded_decisions(run_dir: Path) -> list[tuple[Any, ...]]:
 def replayed_decisions(run_dir: Path) -> list[tuple[Any, ...]]:
     """The decisions ``StragglerPolicies`` makes from the run's ``telemetry.jsonl`` under its
     ``job.json``, in the driver's order. Raises ValueError for a run whose group changed (a
-    recovery or a join re-forms it: the replay would need the driver's regrouping too)."""
+    failure, an eviction or growth re-forms it: the replay would need the driver's regrouping
+    too)."""
     job = JobConfig.model_validate_json((run_dir / "job.json").read_text())
     events = _lines(run_dir / "events.jsonl")
-    if any(e["event"] in ("group_reformed", "evict") for e in events):
-        raise ValueError(f"{run_dir}: the group changed during the run; replay needs a run without recoveries or joins")
+    if any(e["event"] in ("failure", "group_reformed", "evict", "grow") for e in events):
+        raise ValueError(f"{run_dir}: the group changed during the run; replay needs a run without failures, evictions or growth")
     by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for record in _lines(run_dir / "telemetry.jsonl"):
         by_step[record["step"]].append(record)

@@ -132,6 +132,11 @@ def test_a_watcher_reads_only_its_peers_keys_and_every_read_is_counted():
     assert store.bytes - before[1] < sum(len(k) for k in watcher.all_keys)
     assert peer_blocks == {3: blocks[3], 0: blocks[0]} and peer_blocks[3] == "sealed:3"
     assert peer_states == {s: states[s] for s in (3, 4, 5, 0, 1)}
-    # Each rank watches the next two ranks with shards, in ring order.
-    assert watched_peers(plan, 0) == [1, 3] and watched_peers(plan, 3) == [0, 1] and watched_peers(plan, 1) == [3, 0]
-    assert watched_peers(StepPlan(((0,), ())), 0) == []
+    # Each rank watches the next rank and the first ones half the ring on, all with shards.
+    assert [watched_peers(plan, r) for r in range(4)] == [[1, 3], [3, 0], [3, 0], [0, 1]]
+    assert watched_peers(StepPlan(((0,), ())), 0) == [] and watched_peers(StepPlan(((0,), (1,))), 0) == [1]
+    eight = StepPlan(tuple((r,) for r in range(8)))
+    assert watched_peers(eight, 0) == [1, 4] and watched_peers(eight, 6) == [7, 2]
+    # Every rank is watched by two others, one of them from the other half of the ring.
+    watchers = {r: [w for w in range(8) if r in watched_peers(eight, w)] for r in range(8)}
+    assert all(len(w) == 2 for w in watchers.values()) and watchers[0] == [4, 7]

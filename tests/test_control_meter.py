@@ -31,7 +31,7 @@ def test_intervals_between_commits_after_warm_up_with_the_wait_taken_out():
     summary = meter.summary()
     assert summary["steps_measured"] == 3
     assert summary["store_round_trips"] == 1 + 2 + 3 and summary["store_bytes"] == 100 + 30 + 40
-    assert summary["step_wall_ms"] == pytest.approx(20, abs=15)
+    assert summary["step_wall_ms"] >= 19
     assert summary["driver_busy_ms"] == pytest.approx(summary["step_wall_ms"] - 15, abs=0.5)
     assert 0 <= summary["driver_cpu_ms"] < summary["step_wall_ms"]  # sleeping costs no CPU
 

@@ -145,3 +145,32 @@ def test_the_driver_is_a_floor_under_ringleaders_steps_only():
     for driven in (ringleader, no_mitigation):
         assert driven.wall_s == pytest.approx(50 * 2.0) and driven.goodput == pytest.approx(restart.goodput / 2, rel=0.01)
     assert restart.goodput == pytest.approx(1.0)
+
+
+def test_when_every_node_is_down_the_job_waits_for_a_replacement():
+    tiny = scenario(workers=4, workers_per_node=4, steps=20, contenders=["no_mitigation"],
+                    failures={"at_s": [5.5]}, recovery={"replacement_s": 100.0, "join_s": 0.0})
+    (outcome,) = simulate(tiny)
+    step_s = outcome.ideal_step_s
+    # 5 steps, the failure, recovery (5 s), nobody until the node is back at 105.5 s, 15 steps.
+    assert outcome.steps == 20 and outcome.wall_s == pytest.approx(105.5 + 15 * step_s)
+    assert outcome.recovery_s == [pytest.approx(100.0 + step_s)]
+
+
+def test_failures_that_come_while_nothing_runs_are_taken_in_time_order():
+    # A node already down cannot fail again: one failure, not two (the review's case).
+    down = scenario(workers=4, workers_per_node=4, steps=20, contenders=["no_mitigation"],
+                    failures={"at_s": [5.5, 50.0]}, recovery={"replacement_s": 100.0, "join_s": 0.0})
+    (outcome,) = simulate(down)
+    assert outcome.failures == 1 and outcome.wall_s == pytest.approx(105.5 + 15 * outcome.ideal_step_s)
+    # A failure during a checkpoint write: that checkpoint never completes, so the restart goes
+    # back to the one before (step 0): 10 steps redone, and the clock never runs backwards.
+    step_s = Run(scenario(), "restart_world").ideal_step_s
+    failure_s = 10 * step_s + 30.0
+    (restart,) = simulate(scenario(
+        contenders=["restart_world"], failures={"at_s": [failure_s]}, restart={"checkpoint_s": 60.0},
+    ))
+    assert restart.redone_steps == 10 and restart.failures == 1
+    checkpoints = 200 // 10 - 1  # every 10 steps from step 10, the first one lost
+    assert restart.checkpoints == checkpoints
+    assert restart.wall_s == pytest.approx(failure_s + 100.0 + 200 * step_s + checkpoints * 60.0)

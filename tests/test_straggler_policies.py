@@ -307,3 +307,11 @@ def test_the_detector_judges_columns_as_it_judges_reports():
         )
         assert (a.late, a.persistent, a.newly_persistent, a.cutoff) == (b.late, b.persistent, b.newly_persistent, b.cutoff)
     assert a.persistent == (5,)
+
+
+def test_a_persistent_straggler_that_ran_nothing_keeps_its_eviction_evidence():
+    # (The review's case: a step with its shards all stolen is no sign of recovery.)
+    eviction = SlowEviction(2.0, window=3, required=2)
+    assert eviction.observe({0: 1, 1: 1, 2: 10}, {2}, {2}) == []
+    assert eviction.observe({0: 1, 1: 1}, {2}, {2}) == []
+    assert [e.worker for e in eviction.observe({0: 1, 1: 1, 2: 10}, {2}, {2})] == [2]

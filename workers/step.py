@@ -46,18 +46,27 @@ from workers.training import FlatParameters, autocast, fetch_batch, move_to
 
 # How often an idle worker looks at the claims again (store round trips are ~50-150 us).
 POLL_S = 0.002
-# Peers each rank watches while it waits for the all-reduce (the next ranks with shards, in
-# ring order): every rank with shards is watched by this many, so a step's watch traffic grows
-# with N, not N^2 (every rank reading every key), and a stalled rank is still rescued when one
-# of its watchers is stalled too.
+# Peers each rank watches while it waits for the all-reduce: the next rank with shards and the
+# one half the ring away (on another node, where ranks are dealt node by node, so a node whose
+# ranks all stall together is still watched from outside). Each rank is watched by two when
+# every rank has shards, so a step's watch traffic grows with N, not N^2 (every rank reading every key).
 WATCHED_PEERS = 2
 
 
 def watched_peers(plan: StepPlan, me: int) -> list[int]:
-    """The ranks ``me`` watches: the next ``WATCHED_PEERS`` after it with planned shards."""
+    """The ranks ``me`` watches, at most ``WATCHED_PEERS``, each with planned shards: the next
+    rank, then the first ones from half the ring on (wrapping round to me + 2)."""
     ranks = len(plan.shards_by_rank)
-    following = ((me + k) % ranks for k in range(1, ranks))
-    return [r for r in following if plan.shards_by_rank[r]][:WATCHED_PEERS]
+    half = max(2, ranks // 2)
+    order = [1, *range(half, ranks), *range(2, half)]
+    peers: list[int] = []
+    for offset in order:
+        rank = (me + offset) % ranks
+        if rank != me and plan.shards_by_rank[rank] and rank not in peers:
+            peers.append(rank)
+            if len(peers) == WATCHED_PEERS:
+                break
+    return peers
 
 
 def shard_seed(seed: int, step: int, shard: int) -> int:
