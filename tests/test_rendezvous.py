@@ -22,7 +22,7 @@ def test_the_store_listens_on_the_given_address_only():
 def test_a_stray_client_cannot_read_or_forge_a_claim():
     store = RendezvousStore("127.0.0.1", 5.0)
     prefix = store.next_prefix()
-    store.claims.set("claim/0/0", "free")
+    store.claims.multi_set(["claim/0/0"], [b"free"])
     stray = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=2))
     assert not stray.check([f"{prefix}claim/0/0"])  # the real key is under the job's secret
     stray.set(f"{prefix}claim/0/0", "done:9")  # a forged claim lands outside the namespace
