@@ -112,9 +112,9 @@ def test_an_opened_block_is_seen_by_its_owner_and_read_with_the_states():
     assert not owner.block_taken()
     assert peer.open_block(0) and owner.block_taken() and not owner.claim_block()
     states, blocks = peer.read()
-    assert blocks == ["open", "free"] and all(s.kind is ClaimKind.FREE for s in states.values())
+    assert blocks == {0: "open", 1: "free"} and all(s.kind is ClaimKind.FREE for s in states.values())
     assert peer.claim_block() and not owner.open_block(1)  # a sealed block stays closed
-    assert peer.read()[1] == ["open", "sealed:1"]
+    assert peer.read()[1] == {0: "open", 1: "sealed:1"}
 
 
 def test_a_watcher_reads_only_its_peers_keys_and_every_read_is_counted():
@@ -126,7 +126,7 @@ def test_a_watcher_reads_only_its_peers_keys_and_every_read_is_counted():
     assert owner.claim_block()
     states, blocks = watcher.read()
     before = store.round_trips, store.bytes
-    peer_states, peer_blocks = watcher.read_ranks([3, 0])
+    peer_states, peer_blocks = watcher.read([3, 0])
     assert store.round_trips == before[0] + 1
     # Keys of ranks 3 and 0 only: fewer bytes than the whole step's read.
     assert store.bytes - before[1] < sum(len(k) for k in watcher.all_keys)

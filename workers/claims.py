@@ -22,6 +22,8 @@ the store does not grow with the run; SLOTS exceeds the steps the driver keeps i
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch.distributed as dist
 
 from policies.work_stealing import FREE, ClaimKind, ClaimState, StepPlan
@@ -94,24 +96,14 @@ class ShardClaims:
         self.me = me
         self._opened: set[int] = set()
 
-    def read(self) -> tuple[dict[int, ClaimState], list[str]]:
-        """Every shard's state, and every rank's block value (``free``, ``open`` or
-        ``sealed:<rank>``), in one round trip."""
-        values = [v.decode() for v in self.store.multi_get(self.all_keys)]
-        blocks = values[self.num_shards :]
-        sealed = {rank for rank, v in enumerate(blocks) if v == f"sealed:{rank}"}
-        states = {
-            shard: ClaimState(ClaimKind.SEALED, self.owner_of[shard])
-            if self.owner_of[shard] in sealed
-            else ClaimState.decode(value)
-            for shard, value in enumerate(values[: self.num_shards])
-        }
-        return states, blocks
-
-    def read_ranks(self, ranks: list[int]) -> tuple[dict[int, ClaimState], dict[int, str]]:
-        """``read`` for the planned shards and blocks of ``ranks`` only, in one round trip: a
-        rank watching a few peers reads O(their shards), not the whole step."""
-        shards = [s for rank in ranks for s in self.shards_of[rank]]
+    def read(self, ranks: Sequence[int] | None = None) -> tuple[dict[int, ClaimState], dict[int, str]]:
+        """The states of the planned shards of ``ranks`` (default: every rank, shards in id
+        order) and their block values (``free``, ``open`` or ``sealed:<rank>``), in one round
+        trip: a rank watching a few peers reads O(their shards), not the whole step."""
+        if ranks is None:
+            ranks, shards = range(len(self.blocks)), list(range(self.num_shards))
+        else:
+            shards = [s for rank in ranks for s in self.shards_of[rank]]
         values = [v.decode() for v in self.store.multi_get([self.keys[s] for s in shards] + [self.blocks[r] for r in ranks])]
         blocks = dict(zip(ranks, values[len(shards):]))
         sealed = {rank for rank, v in blocks.items() if v == f"sealed:{rank}"}

@@ -259,7 +259,7 @@ class StepRunner:
         def look() -> bool:
             if not peers or not plan.steal or plan.expected_shard_s <= 0 or ctx.abort.is_set() or time.monotonic() > until:
                 return False  # (nothing is ever late before the driver knows what to expect)
-            states, blocks = claims.read_ranks(peers)
+            states, blocks = claims.read(peers)
             ages = work.ages(states, time.monotonic())
             undecided = [rank for rank in peers if blocks[rank] == FREE.encode()]
             for rank in undecided:
