@@ -641,3 +641,9 @@ class JobConfig(_Strict):
                 f"({self.scaling.max_workers}), or some workers would have nothing to do"
             )
         return self
+
+    @property
+    def rebalancing(self) -> bool:
+        """Shard counts follow measured speed: mitigation and rebalancing on, and the shards not
+        shuffled every step (a test of invariance, not a split)."""
+        return self.stragglers.mitigation and self.stragglers.rebalance and not self.chaos.shuffle_shards

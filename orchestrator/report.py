@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.run_dir import write_atomic
+from orchestrator.run_dir import read_jsonl, write_atomic
 
 #: Event kinds marked on the time plots: (label, colour).
 MARKERS: dict[str, tuple[str, str]] = {
@@ -51,20 +51,10 @@ class Run:
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    lines = path.read_text(errors="replace").splitlines()  # read once: a live run appends
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if number == len(lines):
-                break  # a run still writing: its last line may be cut short
-            raise ReportError(f"{path}: line {number} is not JSON ({err.msg})") from None
-    return records
+    try:
+        return read_jsonl(path)
+    except ValueError as err:
+        raise ReportError(str(err)) from None
 
 
 def read_run(directory: Path) -> Run:

@@ -26,6 +26,26 @@ def _process_umask() -> int:
 _UMASK = _process_umask()
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's JSON-lines file (``events.jsonl``, ``telemetry.jsonl``); none if
+    it does not exist. A run still writing may have cut its last line short: that one is left
+    out. Raises ValueError naming the file and line for any other line that is not JSON."""
+    if not path.is_file():
+        return []
+    lines = path.read_text(errors="replace").splitlines()  # read once: a live run appends
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}: line {number} is not JSON ({err.msg})") from None
+    return records
+
+
 def write_atomic(path: Path, write: Callable[[IO[bytes]], None], *, shared: bool = False) -> None:
     """Write via a temp file in the same directory, fsync, then rename over ``path``.
 

@@ -7,11 +7,9 @@ import statistics
 from typing import Callable
 
 from orchestrator.config import JobConfig
-import numpy as np
-
 from policies.assignment import ShardAssignment
 from policies.eviction import Evict
-from policies.straggler_policies import StepColumns, StragglerPolicies, arrival_s
+from policies.straggler_policies import StepColumns, StragglerPolicies
 from policies.work_stealing import StepPlan
 from workers.protocol import StepTelemetry
 
@@ -47,10 +45,6 @@ class StragglerControl:
         self.pending_evictions = []
         self.suspects &= set(workers)
         self._late_before &= set(workers)
-
-    @property
-    def rebalancing(self) -> bool:
-        return self.config.mitigation and self.config.rebalance and not self.job.chaos.shuffle_shards
 
     def plan(self, step: int) -> StepPlan:
         """The starting assignment of ``step`` and what the workers may do about laggards."""
@@ -90,14 +84,8 @@ class StragglerControl:
                 rescue_s=round(max(r.rescue_s for r in reports), 4),
             )
         # Lateness is judged on arrival at the all-reduce (stalls included), speed on shard_s.
-        columns = StepColumns(
-            workers=np.array([r.worker for r in reports], np.int64),
-            shards=np.array([r.shards_run for r in reports], np.int64),
-            shard_s=np.array([r.shard_s for r in reports]),
-            arrival=np.array([arrival_s(r.shards_run, r.compute_s, r.stalled_s, r.gave_up) for r in reports]),
-        )
         decided = self.policies.observe(
-            step, columns, rebalance=self.rebalancing, evict=self.evicting and not self.pending_evictions
+            step, StepColumns.of_reports(reports), rebalance=self.job.rebalancing, evict=self.evicting and not self.pending_evictions
         )
         verdict = decided.verdict
         for worker in verdict.late:

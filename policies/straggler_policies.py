@@ -6,12 +6,14 @@ reports, the simulator (``simulator/engine.py``) simulated columns, the replay
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
 from policies.eviction import Evict, SlowEviction
 from policies.rebalance import Rebalance, Rebalancer
 from policies.straggler import StragglerDetector, StragglerReport
+from workers.protocol import StepTelemetry
 
 
 def arrival_s(shards_run: int, compute_s: float, stalled_s: float, gave_up: bool) -> float:
@@ -30,6 +32,16 @@ class StepColumns:
     shards: np.ndarray
     shard_s: np.ndarray
     arrival: np.ndarray
+
+    @classmethod
+    def of_reports(cls, reports: Sequence[StepTelemetry]) -> "StepColumns":
+        """The columns of the workers' reports of one step, in their order."""
+        return cls(
+            workers=np.array([r.worker for r in reports], np.int64),
+            shards=np.array([r.shards_run for r in reports], np.int64),
+            shard_s=np.array([r.shard_s for r in reports], float),
+            arrival=np.array([arrival_s(r.shards_run, r.compute_s, r.stalled_s, r.gave_up) for r in reports], float),
+        )
 
 
 @dataclass(frozen=True)
