@@ -12,14 +12,13 @@ the driver's cost at 4096 workers as a share of a 1 s step.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.throughput import BenchmarkError, run_command
+from benchmarks.throughput import BenchmarkError, read_run, run_ringleader
 from orchestrator.config import JobConfig
 
 DEFAULT_WORKERS = (4, 8, 16, 32, 64)
@@ -51,14 +50,11 @@ def control_plane_job(workers: int, steps: int) -> JobConfig:
 def measure(workers: int, steps: int, scratch: Path) -> dict[str, Any]:
     """Run the null job on ``workers`` workers; its summary's ``control_plane`` plus ``workers``.
     Raises BenchmarkError if the run fails or measured nothing."""
-    workdir = scratch / f"n{workers}"
-    workdir.mkdir(parents=True)
-    job_file = workdir / "job.json"
-    job_file.write_text(control_plane_job(workers, steps).model_dump_json())
-    run_dir = workdir / "run"
-    command = [sys.executable, "-m", "orchestrator.cli", "run", str(job_file), "--run-dir", str(run_dir), "--no-progress"]
-    run_command(command, timeout_s=300.0 + 10.0 * workers + 2.0 * steps, what=f"control-plane job with {workers} workers")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    run_dir, _ = run_ringleader(
+        control_plane_job(workers, steps), scratch / f"n{workers}", 300.0 + 10.0 * workers + 2.0 * steps,
+        f"control-plane job with {workers} workers",
+    )
+    summary, _ = read_run(run_dir)
     measured = summary.get("control_plane") or {}
     if not measured:
         raise BenchmarkError(f"the job with {workers} workers measured no step ({steps} steps): raise --steps")

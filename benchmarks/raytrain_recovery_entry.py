@@ -67,6 +67,7 @@ from ray.train.torch import TorchTrainer, prepare_model  # noqa: E402
 
 from benchmarks.ddp_loop import train_ddp  # noqa: E402
 from orchestrator.config import JobConfig  # noqa: E402
+from orchestrator.run_dir import read_jsonl  # noqa: E402
 from workers.sampler import ShardSampler  # noqa: E402
 
 # Files in the scratch directory, shared by the driver and the workers (one machine).
@@ -81,10 +82,6 @@ def append_json_line(path: Path, record: dict[str, Any]) -> None:
     # (No fsync: the machine does not crash here, and a step should cost what train_ddp's does.)
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def read_json_lines(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def _loop(config: dict[str, Any]) -> None:
@@ -106,7 +103,7 @@ def _loop(config: dict[str, Any]) -> None:
     attempt = 0
     if rank == 0:
         # Only rank 0 writes the log, so counting its own start records numbers the attempts.
-        attempt = 1 + sum(r["event"] == "start" for r in read_json_lines(step_log))
+        attempt = 1 + sum(r["event"] == "start" for r in read_jsonl(step_log))
         append_json_line(step_log, {"event": "start", "attempt": attempt, "resumed_from": start_step, "time": time.time()})
     # The kill file is the marker: once rank R has died, a restarted rank R finds it and trains on.
     kill_armed = rank == kill_rank and not (scratch / KILL_FILE).exists()
@@ -156,11 +153,11 @@ def _loop(config: dict[str, Any]) -> None:
 def summarize(scratch: Path, job: JobConfig, kill_step: int, wall_s: float) -> dict[str, Any]:
     """The result from the files the workers left in ``scratch``; RuntimeError when the run did
     not kill a worker, did not restart, or did not finish."""
-    kills = read_json_lines(scratch / KILL_FILE)
+    kills = read_jsonl(scratch / KILL_FILE)
     if not kills:
         raise RuntimeError(f"no worker was killed: the kill rank never reached step {kill_step} on the first attempt")
     killed_at = kills[0]["time"]
-    records = read_json_lines(scratch / STEP_LOG)
+    records = read_jsonl(scratch / STEP_LOG)
     starts = [r for r in records if r["event"] == "start"]
     steps = [r for r in records if r["event"] == "step"]
     if len(starts) < 2:

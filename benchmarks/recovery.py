@@ -28,10 +28,11 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.recovery_baseline import run_ray_train_recovery, run_torchft_recovery
-from benchmarks.throughput import BenchmarkError, model_file, read_run, run_command, run_once
+from benchmarks.throughput import BenchmarkError, model_file, read_run, run_once, run_ringleader
 from benchmarks.torchft_loop import torchft_refusal
 from benchmarks.workloads import workload_job
 from orchestrator.config import JobConfig
+from orchestrator.run_dir import read_jsonl
 from workers.sampler import ShardSampler
 
 RUN_TIMEOUT_S = 900.0
@@ -51,12 +52,7 @@ def _checkpointed(job: JobConfig, every: int) -> JobConfig:
 
 
 def _run_ours(job: JobConfig, workdir: Path) -> tuple[dict[str, Any], list[dict[str, Any]], float]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    job_file = workdir / "job.json"
-    job_file.write_text(job.model_dump_json())
-    run_dir = workdir / "run"
-    command = [sys.executable, "-m", "orchestrator.cli", "run", str(job_file), "--run-dir", str(run_dir), "--no-progress"]
-    wall_s = run_command(command, RUN_TIMEOUT_S, "ringleader run")
+    run_dir, wall_s = run_ringleader(job, workdir, RUN_TIMEOUT_S, "ringleader run")
     summary, events = read_run(run_dir)
     if summary["status"] != "finished":
         raise BenchmarkError(f"ringleader run {summary['status']}: {summary.get('error')}")
@@ -77,7 +73,7 @@ def ours_recovery(job: JobConfig, workdir: Path, kill_step: int, kill_rank: int,
     committed_before = sum(1 for e in steps.values() if e["time"] < died)
     # Ranks that reported each committed step: the group's size in it. By step, not time: a
     # step the full group finished before the death may be committed a moment after it.
-    telemetry = [json.loads(line) for line in (workdir / "run" / "telemetry.jsonl").read_text().splitlines()]
+    telemetry = read_jsonl(workdir / "run" / "telemetry.jsonl")
     ranks = Counter(r["step"] for r in telemetry)
     full = [e["time"] for s, e in steps.items() if s >= recovery["at_step"] and ranks[s] == job.scaling.workers]
     sampler = ShardSampler(1, job.batch_size, job.shards, job.seed)  # only batch sizes are read

@@ -30,6 +30,7 @@ from benchmarks.ray_head import RayHead, start_head
 from benchmarks.torchft_loop import torchft_refusal
 from benchmarks.workloads import workload_job
 from orchestrator.config import JobConfig
+from orchestrator.run_dir import read_jsonl
 
 FRAMEWORKS = ("ringleader", "ringleader_attached", "ray_train", "torchft", "torchrun")
 RUN_TIMEOUT_S = 900
@@ -117,8 +118,17 @@ def run_command(command: list[str], timeout_s: float, what: str, env: dict[str, 
 
 def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A finished ringleader run directory's summary and events."""
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    return json.loads((run_dir / "summary.json").read_text()), events
+    return json.loads((run_dir / "summary.json").read_text()), read_jsonl(run_dir / "events.jsonl")
+
+
+def run_ringleader(job: JobConfig, workdir: Path, timeout_s: float, what: str) -> tuple[Path, float]:
+    """``ringleader run`` of ``job`` in a fresh process (``run_command``), its job file and run
+    directory under ``workdir``; returns the run directory and the wall seconds."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_file = workdir / "job.json"
+    job_file.write_text(job.model_dump_json())
+    run_dir = workdir / "run"
+    return run_dir, run_command(_command_ringleader(job_file, run_dir), timeout_s, what)
 
 
 def _ringleader_result(run_dir: Path) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from ray.train.torch import TorchTrainer  # noqa: E402
 from ray.train.v2.torch.torchft_config import TorchftConfig  # noqa: E402
 
 from benchmarks.ddp_loop import write_result  # noqa: E402
-from benchmarks.raytrain_recovery_entry import KILL_FILE, append_json_line, read_json_lines  # noqa: E402
+from benchmarks.raytrain_recovery_entry import KILL_FILE, append_json_line  # noqa: E402
 from benchmarks.torchft_loop import (  # noqa: E402
     LIGHTHOUSE_KWARGS,
     StepAttempt,
@@ -45,6 +45,7 @@ from benchmarks.torchft_loop import (  # noqa: E402
     train_torchft,
 )
 from orchestrator.config import JobConfig  # noqa: E402
+from orchestrator.run_dir import read_jsonl  # noqa: E402
 from workers.sampler import ShardSampler  # noqa: E402
 
 ATTEMPTS = "attempts-{replica}.jsonl"  # every step attempt of one replica (all its lives)
@@ -95,12 +96,12 @@ def summarize(scratch: Path, job: JobConfig, kill_rank: int, wall_s: float) -> d
     came up after the survivors had finished, found nobody to heal from and trained on its own
     from step 0 (Ray's example warns of it; not counted in the trajectory). RuntimeError when
     no worker was killed or a step was never committed."""
-    kills = read_json_lines(scratch / KILL_FILE)
+    kills = read_jsonl(scratch / KILL_FILE)
     if not kills:
         raise RuntimeError("no worker was killed")
     killed_at, kill_step = kills[0]["time"], kills[0]["step"]
     workers, steps = job.scaling.workers, job.steps or 0
-    attempts = [a for r in range(workers) for a in read_json_lines(scratch / ATTEMPTS.format(replica=r))]
+    attempts = [a for r in range(workers) for a in read_jsonl(scratch / ATTEMPTS.format(replica=r))]
     first_life = {a["pid"] for a in attempts if a["first_life"]}
     # A replacement's first commit heals it to the group's step; one that commits step 0 found
     # no group.
