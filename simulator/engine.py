@@ -74,16 +74,21 @@ class Outcome:
     def goodput(self) -> float:
         return self.steps * self.ideal_step_s / self.wall_s if self.wall_s else 0.0
 
+    def recovery_percentiles(self) -> dict[str, float]:
+        """Count, p50, p90, p99 and max of ``recovery_s`` (count and a max of 0 when none)."""
+        if not self.recovery_s:
+            return {"count": 0, "max": 0.0}
+        recovery = np.array(self.recovery_s)
+        return {
+            "count": len(self.recovery_s), **{f"p{q}": float(np.percentile(recovery, q)) for q in (50, 90, 99)},
+            "max": float(recovery.max()),
+        }
+
     def to_json(self) -> dict[str, object]:
-        recovery = np.array(self.recovery_s) if self.recovery_s else np.zeros(0)
         return {
             "contender": self.contender, "steps": self.steps, "wall_h": self.wall_s / HOUR_S,
             "goodput": self.goodput, "idle_fraction": self.idle_fraction, "failures": self.failures,
-            "recovery_s": {
-                "count": len(self.recovery_s),
-                **({f"p{q}": float(np.percentile(recovery, q)) for q in (50, 90, 99)} if recovery.size else {}),
-                "max": float(recovery.max()) if recovery.size else 0.0,
-            },
+            "recovery_s": self.recovery_percentiles(),
             "redone_steps": self.redone_steps, "checkpoints": self.checkpoints, "evictions": self.evictions,
             "rebalances": self.rebalances, "policy_cpu_ms_per_step": self.policy_cpu_ms,
             "timeline": [[round(h, 5), s] for h, s in self.timeline],
@@ -166,6 +171,10 @@ class Run:
         if len(self.ids):  # (nobody left: they start over when a replacement joins)
             self.policies.regroup(self.ids.tolist(), np.flatnonzero(~self.alive).tolist())
 
+    def _node(self, node: int) -> slice:
+        """The workers of ``node`` (ranks are dealt node by node)."""
+        return slice(node * self.per_node, (node + 1) * self.per_node)
+
     def _charge(self, seconds: float) -> None:
         """Everyone waits ``seconds`` (recovery, checkpoint, restart)."""
         self.clock += seconds
@@ -227,7 +236,7 @@ class Run:
     def _fail(self, when: float, node: int) -> None:
         """A node failed at ``when`` (<= now); a node already down, waiting for its
         replacement, cannot: nothing happens."""
-        workers = slice(node * self.per_node, (node + 1) * self.per_node)
+        workers = self._node(node)
         if not self.alive[workers].any():
             return
         self.outcome.failures += 1
@@ -251,7 +260,7 @@ class Run:
         due = [node for when, node in self.joins if when <= until]
         self.joins = [(when, node) for when, node in self.joins if when > until]
         for node in due:
-            workers = slice(node * self.per_node, (node + 1) * self.per_node)
+            workers = self._node(node)
             self.alive[workers] = ~self.retired[workers]
         self._charge(self.scenario.recovery.join_s)
         self._regroup()

@@ -21,9 +21,7 @@ def format_table(scenario: Scenario, outcomes: list[Outcome], seconds: float) ->
         f"{'redone':>6} {'ckpts':>5} {'evicted':>7} {'policy_ms':>9}",
     ]
     for outcome in outcomes:
-        figures = outcome.to_json()
-        recovery = figures["recovery_s"]
-        assert isinstance(recovery, dict)
+        recovery = outcome.recovery_percentiles()
         lines.append(
             f"{outcome.contender:<14} {outcome.goodput:>7.3f} {outcome.wall_s / 3600:>8.2f} {outcome.idle_fraction:>6.3f} "
             f"{outcome.failures:>8} {recovery.get('p50', 0.0):>9.1f} {recovery.get('p90', 0.0):>9.1f} "
