@@ -62,24 +62,29 @@ def measure(workers: int, steps: int, scratch: Path) -> dict[str, Any]:
 
 
 def fit(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Least-squares ``fixed + per_worker x N`` for each column of ``FITTED``, and its prediction
-    at ``PREDICT_AT`` workers. Needs two worker counts or more."""
+    """Least-squares ``fixed + per_worker x N`` for each column of ``FITTED`` (and the store
+    process's CPU, ``store_cpu_ms``, when every row has it), and its prediction at
+    ``PREDICT_AT`` workers. Needs two worker counts or more."""
     if len({r["workers"] for r in rows}) < 2:
         raise ValueError("fitting needs at least two worker counts")
     n = np.array([r["workers"] for r in rows], dtype=float)
     out = {}
-    for column in FITTED:
+    for column in FITTED + (("store_cpu_ms",) if all("store_cpu_ms" in r for r in rows) else ()):
         per_worker, fixed = np.polyfit(n, np.array([r[column] for r in rows], dtype=float), 1)
         out[column] = {"fixed": float(fixed), "per_worker": float(per_worker), "at_4096": float(fixed + per_worker * PREDICT_AT)}
     return out
 
 
 def format_report(rows: list[dict[str, Any]], fitted: dict[str, dict[str, float]]) -> str:
-    lines = [f"{'workers':>7} {'cpu_ms':>8} {'busy_ms':>8} {'wall_ms':>8} {'trips':>7} {'bytes':>9}  (medians per step)"]
+    lines = [
+        f"{'workers':>7} {'cpu_ms':>8} {'busy_ms':>8} {'wall_ms':>8} {'trips':>7} {'bytes':>9} {'store_cpu_ms':>12}"
+        "  (per step: medians; the store process's CPU a mean)"
+    ]
     for r in rows:
+        store_cpu = f"{r['store_cpu_ms']:>12.2f}" if "store_cpu_ms" in r else f"{'-':>12}"
         lines.append(
             f"{r['workers']:>7} {r['driver_cpu_ms']:>8.2f} {r['driver_busy_ms']:>8.2f} {r['step_wall_ms']:>8.2f} "
-            f"{r['store_round_trips']:>7.0f} {r['store_bytes']:>9.0f}"
+            f"{r['store_round_trips']:>7.0f} {r['store_bytes']:>9.0f} {store_cpu}"
         )
     lines.append("fit: cost = fixed + per_worker x N")
     for column, f in fitted.items():

@@ -61,6 +61,11 @@ class ChaosControl:
             node = self.cluster.add_node(num_cpus=self.node_cpus)
             self.event("chaos", action="add_node", at_step=step, node=node.node_id, num_cpus=self.node_cpus)
 
+    def acts_at(self, step: int) -> bool:
+        """Whether the driver has chaos to carry out at ``step``'s boundary or in it (a batch of
+        steps handed out at once ends in front of it, so it strikes as written)."""
+        return any(a.at_step <= step for a in self._adds) or any(k.at_step == step for k in self._kills)
+
     def during_step(self, group: WorkerGroup, step: int) -> None:
         """Strike the ``ray_kill``/``remove_node`` kills due in ``step``, once the victim is in it."""
         for kill in [k for k in self._kills if k.at_step == step]:

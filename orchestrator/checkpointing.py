@@ -171,12 +171,15 @@ class CheckpointCoordinator:
 
     def due(self, step: int) -> bool:
         """Whether to checkpoint the state after ``step`` steps (asked before submitting it)."""
-        return (
-            self.enabled
-            and self.pending is None
-            and step > self.last_step
-            and self.policy.due(step - self.last_step)
-        )
+        return self.pending is None and self.would_be_due(step)
+
+    def would_be_due(self, step: int) -> bool:
+        """Whether a checkpoint may be due after ``step`` steps by the time it is submitted,
+        whatever becomes of the pending one: counted from the newest written checkpoint while
+        one is pending (it may be abandoned). A batch of steps handed out at once ends in front
+        of such a step, so the next checkpoint is not pushed a whole batch later."""
+        since = self.committed_step if self.pending is not None else self.last_step
+        return self.enabled and step > since and self.policy.due(step - since)
 
     def start(self, group: WorkerGroup, step: int, meta: dict[str, Any], why: str = "periodic", ranks: int | None = None) -> None:
         """Queue the snapshot of the state after ``step`` steps on the first ``ranks`` members

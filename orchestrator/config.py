@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from policies.run_ahead import MAX_STEPS_PER_CALL
 from policies.schedule import BUILTIN_SCHEDULES
 from workers.factories import locate_import_path, resolve_import_path
 
@@ -316,12 +317,18 @@ class WorkerConfig(_Strict):
     alone with its own seed. ``max_samples_per_pass``: a pass over more samples is split into
     forward/backward passes of at most this many (gradient accumulation inside the worker, so a
     large global batch runs on small devices); each keeps its own seed, the last backward still
-    overlaps with the all-reduce.
+    overlaps with the all-reduce. ``max_steps_per_call``: while the driver's plan holds (the
+    suspects and the shard split unchanged, nobody to evict) it hands each worker up to this
+    many steps per call, doubling from one, back to one when the plan changes
+    (docs/architecture.md, "Run-ahead"); 1 turns run-ahead off.
     """
 
     fuse_shards: bool = True
     max_samples_per_pass: int | None = Field(
         None, ge=1, description="split a worker's passes so none is larger (gradient accumulation)"
+    )
+    max_steps_per_call: int = Field(
+        8, ge=1, le=MAX_STEPS_PER_CALL, description="steps a worker runs per driver call while the plan holds"
     )
 
 

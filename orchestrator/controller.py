@@ -23,7 +23,7 @@ from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.ledger import CommitLedger
 from orchestrator.membership import JoinerPool
 from orchestrator.metrics import JobMetrics
-from orchestrator.pipeline import InFlight, StepOutcome, StepPipeline, await_step, ended_reports
+from orchestrator.pipeline import InFlight, StepOutcome, StepPipeline, await_step, batch_reports
 from orchestrator.recovery import (
     MAX_REFORMS,
     GiveUp,
@@ -53,6 +53,7 @@ from orchestrator.straggler_control import StragglerControl
 from orchestrator.summary import EVENT_COUNTERS, JobResult, job_goodput, job_summary
 from policies.elasticity import pick_root
 from policies.goodput import Goodput
+from policies.run_ahead import RunAhead
 from policies.work_stealing import StepPlan
 from workers.claims import open_step
 from workers.protocol import StepTelemetry, WorkerInfo
@@ -99,7 +100,8 @@ class JobController:
         self._bar: tqdm | None = None
         self._failed_in_a_row = 0  # recoveries with nobody dead since the last completed step
         self._pipeline: StepPipeline | None = None
-        self.meter = ControlPlaneMeter()
+        self.run_ahead = RunAhead(job.worker.max_steps_per_call)
+        self.meter = ControlPlaneMeter(server_cpu_s=store.server_cpu_s)
 
     def mark(self, milestone: str, seconds: float | None = None) -> None:
         """Record a start-up milestone, in seconds since launch (now, unless given)."""
@@ -203,13 +205,14 @@ class JobController:
     # Running
 
     def _running(self, state: Running) -> State:
-        """One turn of training: top up the steps in flight, wait for the oldest, commit it.
-        Leaves for Growing or Recovering at a drained step boundary (joiners ready, workers to
-        evict), for Recovering on a failure, for Finished after the last step."""
+        """One turn of training: top up the batches in flight, wait for the oldest, commit its
+        steps. Leaves for Growing or Recovering at a drained step boundary (joiners ready,
+        workers to evict), for Recovering on a failure, for Finished after the last step."""
         if self._train_started is None:
             self._train_started = time.perf_counter()
         if self._pipeline is None:  # entering Running: nothing in flight
-            self._pipeline = StepPipeline(self.group, state.next_step, self._plan)
+            self._pipeline = StepPipeline(self.group, state.next_step, self._plan, self.run_ahead, self._boundary)
+            self.run_ahead.restart()
             self.meter.restart()
         pipeline = self._pipeline
         if self.ledger.steps_done >= self.num_steps:
@@ -224,18 +227,27 @@ class JobController:
             if evictions:
                 return Recovering(StepOutcome(evict=list(evictions)))
             return Growing()
-        step = pipeline.in_flight.popleft()
-        self.chaos.during_step(self.group, step.step)
-        outcome = await_step(self.group, step, self.job, self._stragglers().evicting)
+        batch = pipeline.in_flight.popleft()
+        for step in batch.steps:
+            self.chaos.during_step(self.group, step)
+        outcome = await_step(self.group, batch, self.job, self._stragglers().evicting)
         self.meter.waited(outcome.waited_s)
         if outcome.evict or outcome.failed:
-            in_flight = (step, *pipeline.drain())
+            in_flight = (batch, *pipeline.drain())
             self._pipeline = None
             return Recovering(outcome, in_flight)
-        reports = [outcome.reports[r] for r in sorted(outcome.reports)]
-        self._commit(step.step, reports, complete=True)
-        self.meter.committed(reports)
+        quiet = True
+        by_rank = [outcome.reports[r] for r in sorted(outcome.reports)]
+        for index, step in enumerate(batch.steps):
+            self._commit(step, [reports[index] for reports in by_rank], complete=True)
+            quiet = quiet and self._stragglers().quiet
+        self.run_ahead.observe(quiet)
+        self.meter.committed(by_rank)
         return Running(pipeline.next_step)
+
+    def _boundary(self, step: int) -> bool:
+        """Whether the driver acts before ``step`` (a checkpoint, chaos): no batch runs past it."""
+        return self.checkpoints.would_be_due(step) or self.chaos.acts_at(step)
 
     def _plan(self, step: int) -> StepPlan:
         plan = self._stragglers().plan(step)
@@ -346,7 +358,7 @@ class JobController:
             return CheckpointingBeforeFailure(reformed.holders, reformed.reason, state.in_flight, outcome.reports)
         next_step = reformed.next_step
         self._commit_held(state.in_flight, outcome.reports, next_step)
-        redo = steps_to_redo(state.in_flight, next_step)
+        redo = steps_to_redo(state.in_flight, next_step, max((p.step for p in alive.values()), default=next_step))
         recovery.at_step = next_step
         recovery.workers += list(reformed.lost)
         self.counters["joins"] += len(reformed.joined)
@@ -361,14 +373,20 @@ class JobController:
         self.run.event("group_reformed", workers=self.group.workers, redo=redo, transfer_s=recovery.transfer_s)
         return Running(next_step, f"{self.group.size} workers")
 
-    def _commit_held(self, in_flight: tuple[InFlight, ...], known: Mapping[int, StepTelemetry], through: int) -> None:
+    def _commit_held(
+        self, in_flight: tuple[InFlight, ...], known: Mapping[int, list[StepTelemetry]], through: int
+    ) -> None:
         """Commit the steps in flight before ``through``, the next step of the state the group
         (or the checkpoint) now holds: a survivor applied them and the census proved each.
-        ``known``: the reports of the first step in flight that came in, by rank."""
-        for step in in_flight:
-            if step.step >= through:
+        ``known``: the reports of the first batch in flight that came in, by rank."""
+        for batch in in_flight:
+            if batch.step >= through:
                 break
-            self._commit(step.step, ended_reports(self.group, step, dict(known) if step is in_flight[0] else {}), complete=False)
+            reports = batch_reports(self.group, batch, known if batch is in_flight[0] else {})
+            for step in batch.steps:
+                if step >= through:
+                    break
+                self._commit(step, reports[step], complete=False)
 
     def _failed_join(self, lost: list[int], error: str) -> None:
         self.run.event("reform_failed", error=error)

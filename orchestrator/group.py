@@ -16,7 +16,7 @@ from typing import Any, Protocol, Sequence
 
 from orchestrator.rendezvous import RendezvousStore
 from policies.work_stealing import StepPlan
-from workers.protocol import Progress, SnapshotRequest, WorkerInfo
+from workers.protocol import Progress, SnapshotRequest, StepTelemetry, WorkerInfo
 
 
 class WorkerGroupError(RuntimeError):
@@ -94,8 +94,15 @@ class WorkerGroup(Protocol):
         member failed (died) and WorkerGroupError if it timed out."""
         ...
 
-    def submit_step(self, step: int, plan: StepPlan) -> list[Call]:
-        """Queue ``step`` on every member (one call per rank)."""
+    def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> list[Call]:
+        """Queue steps ``first``, ``first + 1``... (``plans[i]`` for step ``first + i``) on every
+        member: one call per rank, answering a list of ``StepTelemetry``, one per step."""
+        ...
+
+    def kept_reports(self, workers: Sequence[int], first: int, end: int, timeout_s: float) -> list[StepTelemetry]:
+        """The reports ``workers`` kept of the steps from ``first`` to ``end`` (exclusive) they
+        applied (after a batch's call failed part-way); none from a worker that does not answer
+        within ``timeout_s``."""
         ...
 
     def wait(self, calls: Sequence[Call], num_returns: int, timeout_s: float) -> tuple[list[Call], list[Call]]:

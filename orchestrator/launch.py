@@ -221,19 +221,23 @@ def run_job(
 
         # Chaos that adds nodes makes even a local cluster grow.
         fixed = session.started_here and not job.chaos.add_node
-        controller = JobController(
-            job,
-            run,
-            RayWorkerGroup(
-                job, fixed_cluster=fixed, on_wait=waiting, within=within,
-                on_collective=lambda choice: run.event("collective_choice", **choice.to_json()),
-            ),
-            driver_store(job.timeouts.rendezvous_s),
-            chaos=ChaosControl(job.chaos, session.cluster, node_cpus, run.event),
-            launched=launched,
-            progress=progress,
-            resume=resume,
-            metrics=JobMetrics(job.name),
-        )
-        controller.mark("ray_ready", ray_ready)
-        return controller.execute()
+        store = driver_store(job.timeouts.rendezvous_s)
+        try:
+            controller = JobController(
+                job,
+                run,
+                RayWorkerGroup(
+                    job, fixed_cluster=fixed, on_wait=waiting, within=within,
+                    on_collective=lambda choice: run.event("collective_choice", **choice.to_json()),
+                ),
+                store,
+                chaos=ChaosControl(job.chaos, session.cluster, node_cpus, run.event),
+                launched=launched,
+                progress=progress,
+                resume=resume,
+                metrics=JobMetrics(job.name),
+            )
+            controller.mark("ray_ready", ray_ready)
+            return controller.execute()
+        finally:
+            store.close()

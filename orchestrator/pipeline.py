@@ -1,48 +1,52 @@
-"""The step pipeline: steps queued on every worker ahead of the one being collected, and the
-wait for one step that sees a failure or a silent worker as soon as it happens
-(docs/architecture.md, "The step protocol")."""
+"""The step pipeline: batches of steps queued on every worker ahead of the one being collected,
+and the wait for one batch that sees a failure or a silent worker as soon as it happens
+(docs/architecture.md, "The step protocol" and "Run-ahead")."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from orchestrator.config import JobConfig
 from orchestrator.errors import JobFailed
 from orchestrator.group import Call, CallFailed, FailureKind, WorkerGroup
 from policies.eviction import Evict, silent_workers
+from policies.run_ahead import BATCHES_IN_FLIGHT, RunAhead
 from policies.work_stealing import StepPlan
-from workers.claims import SLOTS
 from workers.protocol import StepTelemetry
 
-# Steps submitted ahead of the one being collected: the driver's round trip and bookkeeping
-# overlap the workers' compute instead of sitting between steps.
-STEPS_IN_FLIGHT = 2
-assert STEPS_IN_FLIGHT < SLOTS, "open steps must not share claim slots"
-
-# While a step runs the driver looks at the workers' finished calls this often: the bound on
-# how late it sees a failure (one wait per step when steps are shorter).
+# While a batch runs the driver looks at the workers' finished calls this often: the bound on
+# how late it sees a failure (one wait per batch when batches are shorter).
 FAILURE_POLL_S = 0.05
+# How long recovery waits for the survivors' kept reports of a batch that failed part-way.
+KEPT_REPORTS_S = 5.0
 
 
 @dataclass(frozen=True)
 class InFlight:
-    """A submitted step: one call per rank, in rank order."""
+    """A submitted batch: steps ``step`` to ``step + count - 1``, one call per rank in rank
+    order, each answering a report per step."""
 
     step: int
     calls: tuple[Call, ...]
+    count: int = 1
+
+    @property
+    def steps(self) -> range:
+        return range(self.step, self.step + self.count)
 
 
 @dataclass
 class StepOutcome:
-    """How waiting for one step ended: every report in (``reports`` by rank), workers to
-    ``evict`` for holding it up, or a failure: ``errors`` by worker id (``dead`` for those that
-    died; ``user_error`` for a call that raised an error of its own, which re-forming cannot
-    cure), with the reports that did come in. ``waited_s``: seconds blocked on the workers."""
+    """How waiting for one batch ended: every report in (``reports`` by rank: the rank's
+    report of each step of the batch, in order), workers to ``evict`` for holding it up, or a
+    failure: ``errors`` by worker id (``dead`` for those that died; ``user_error`` for a call
+    that raised an error of its own, which re-forming cannot cure), with the reports that did
+    come in. ``waited_s``: seconds blocked on the workers."""
 
-    reports: dict[int, StepTelemetry] = field(default_factory=dict)
+    reports: dict[int, list[StepTelemetry]] = field(default_factory=dict)
     evict: list[Evict] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
     dead: set[int] = field(default_factory=set)
@@ -64,52 +68,63 @@ class StepOutcome:
 
 
 class StepPipeline:
-    """Submits steps from ``next_step`` on, keeping ``STEPS_IN_FLIGHT`` queued, and waits for
-    them in order. ``plan(step)`` gives each step's plan (and opens its claims)."""
+    """Submits steps from ``next_step`` on in batches sized by ``run_ahead``, keeping
+    ``BATCHES_IN_FLIGHT`` queued, and waits for them in order. ``plan(step)`` gives each step's
+    plan (and opens its claims); ``boundary(step)`` says the driver must act before ``step``
+    (a batch ends in front of it)."""
 
-    def __init__(self, group: WorkerGroup, next_step: int, plan: Callable[[int], StepPlan]) -> None:
+    def __init__(
+        self, group: WorkerGroup, next_step: int, plan: Callable[[int], StepPlan], run_ahead: RunAhead,
+        boundary: Callable[[int], bool],
+    ) -> None:
         self.group = group
         self.next_step = next_step
         self.in_flight: deque[InFlight] = deque()
+        self.run_ahead = run_ahead
         self._plan = plan
+        self._boundary = boundary
 
     def top_up(self, num_steps: int, before_submit: Callable[[int], None]) -> None:
-        """Submit steps until ``STEPS_IN_FLIGHT`` are queued or ``num_steps`` reached;
-        ``before_submit(step)`` runs first for each (chaos at the boundary, checkpoints)."""
-        while self.next_step < num_steps and len(self.in_flight) < STEPS_IN_FLIGHT:
-            before_submit(self.next_step)
-            plan = self._plan(self.next_step)
-            self.in_flight.append(InFlight(self.next_step, tuple(self.group.submit_step(self.next_step, plan))))
-            self.next_step += 1
+        """Submit batches until ``BATCHES_IN_FLIGHT`` are queued or ``num_steps`` reached;
+        ``before_submit(step)`` runs first for each batch's first step (chaos at the boundary,
+        checkpoints)."""
+        while self.next_step < num_steps and len(self.in_flight) < BATCHES_IN_FLIGHT:
+            first = self.next_step
+            before_submit(first)
+            count = self.run_ahead.batch(first, num_steps, self._boundary)
+            plans = [self._plan(step) for step in range(first, first + count)]
+            self.in_flight.append(InFlight(first, tuple(self.group.submit_steps(first, plans)), count))
+            self.next_step += count
 
     def drain(self) -> tuple[InFlight, ...]:
-        """Take every queued step out of the pipeline (for a recovery)."""
-        steps = tuple(self.in_flight)
+        """Take every queued batch out of the pipeline (for a recovery)."""
+        batches = tuple(self.in_flight)
         self.in_flight.clear()
-        return steps
+        return batches
 
 
 def await_step(
     group: WorkerGroup,
-    step: InFlight,
+    batch: InFlight,
     job: JobConfig,
     evicting: bool,
 ) -> StepOutcome:
-    """Wait for ``step``, looking at what has come in every ``FAILURE_POLL_S``, so the first
-    failure is seen within that (most steps end within one wait). Returns the reports, the
-    workers to evict for holding it up for ``stragglers.silent_s`` (when ``evicting`` and
+    """Wait for ``batch``, looking at what has come in every ``FAILURE_POLL_S``, so the first
+    failure is seen within that (most batches end within one wait). Returns the reports, the
+    workers to evict for holding a step up for ``stragglers.silent_s`` (when ``evicting`` and
     ``scaling.min_workers`` would remain), or the failure. Raises JobFailed after
-    ``timeouts.step_s``."""
-    deadline = time.monotonic() + job.timeouts.step_s
+    ``timeouts.step_s`` per step of the batch."""
+    deadline = time.monotonic() + job.timeouts.step_s * batch.count
     silent_s = job.stragglers.silent_s
-    rank_of = {id(call): rank for rank, call in enumerate(step.calls)}
+    rank_of = {id(call): rank for rank, call in enumerate(batch.calls)}
     outcome = StepOutcome()
-    pending = list(step.calls)
-    quiet_since = time.monotonic()
+    pending = list(batch.calls)
+    looked = time.monotonic()
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise JobFailed(f"step {step.step} did not finish within {job.timeouts.step_s:.0f}s")
+            steps = f"step {batch.step}" if batch.count == 1 else f"steps {batch.step}-{batch.steps[-1]}"
+            raise JobFailed(f"{steps} did not finish within {job.timeouts.step_s * batch.count:.0f}s")
         blocked = time.perf_counter()
         ended, pending = group.wait(pending, len(pending), min(FAILURE_POLL_S, left))
         outcome.waited_s += time.perf_counter() - blocked
@@ -120,30 +135,41 @@ def await_step(
                 outcome.record(failure)
         if outcome.failed:
             return outcome
-        if ended:
-            quiet_since = time.monotonic()
-        if not pending or time.monotonic() - quiet_since < silent_s or not evicting:
+        # A batch's calls end only at its end: look at the workers' progress every half
+        # ``silent_s`` (a waiter must itself have waited ``silent_s`` to count).
+        if not pending or not evicting or time.monotonic() - looked < silent_s / 2:
             continue
-        quiet_since = time.monotonic()
-        silent = silent_workers(step.step, group.progress(timeout_s=min(5.0, silent_s)), silent_s)
+        looked = time.monotonic()
+        silent = silent_workers(group.progress(timeout_s=min(5.0, silent_s)), silent_s)
         if silent and group.size - len(silent) >= job.scaling.min_workers:
             outcome.evict = silent
             return outcome
     return outcome
 
 
-def ended_reports(group: WorkerGroup, step: InFlight, known: dict[int, StepTelemetry]) -> list[StepTelemetry]:
-    """The reports of ``step``'s calls that succeeded, in rank order (``known`` by rank, the
-    others looked up if they have ended)."""
-    ended, _ = group.wait(step.calls, len(step.calls), 0.0)
+def batch_reports(group: WorkerGroup, batch: InFlight, known: Mapping[int, list[StepTelemetry]]) -> dict[int, list[StepTelemetry]]:
+    """The reports of ``batch``'s steps that came in, by step, in rank order: ``known`` (by
+    rank), those of calls that have ended well, and for the others what their workers kept of
+    the steps they applied before their call failed."""
+    ended, _ = group.wait(batch.calls, len(batch.calls), 0.0)
     done = {id(c) for c in ended}
-    out = []
-    for rank, call in enumerate(step.calls):
+    reports: list[StepTelemetry] = []
+    missing = []
+    for rank, call in enumerate(batch.calls):
         if rank in known:
-            out.append(known[rank])
-        elif id(call) in done:
+            reports += known[rank]
+            continue
+        if id(call) in done:
             try:
-                out.append(group.result(call))
-            except CallFailed:
+                reports += group.result(call)
                 continue
-    return out
+            except CallFailed:
+                pass
+        missing.append(call.worker)
+    if missing:
+        reports += group.kept_reports(missing, batch.step, batch.step + batch.count, KEPT_REPORTS_S)
+    by_step: dict[int, list[StepTelemetry]] = {step: [] for step in batch.steps}
+    for report in sorted(reports, key=lambda r: r.rank):
+        if report.step in by_step:
+            by_step[report.step].append(report)
+    return by_step

@@ -14,8 +14,9 @@ from workers.comm_group import CollectiveAborted, CollectiveTimeout
 
 
 def driver_store(timeout_s: float) -> RendezvousStore:
-    """The job's rendezvous store, on this (the driver's) Ray node's address."""
-    return RendezvousStore(ray.util.get_node_ip_address(), timeout_s)
+    """The job's rendezvous store, on this (the driver's) Ray node's address, served by a child
+    process of the driver (``close`` it when the job ends)."""
+    return RendezvousStore(ray.util.get_node_ip_address(), timeout_s, own_process=True)
 
 
 def failure_of(worker: int, err: BaseException) -> CallFailed:

@@ -108,9 +108,12 @@ def state_holders(alive: Mapping[int, Progress], steps_done: int, without_state:
     return {w: p.next_step for w, p in alive.items() if p.next_step >= steps_done and w not in without_state}
 
 
-def steps_to_redo(in_flight: Sequence[InFlight], first: int) -> list[int]:
-    """The steps in flight from ``first`` (the first uncommitted) on: they run again."""
-    return [s.step for s in in_flight if s.step >= first]
+def steps_to_redo(in_flight: Sequence[InFlight], first: int, reached: int) -> list[int]:
+    """The steps in flight from ``first`` (the first uncommitted) through ``reached`` (the
+    furthest step a survivor had started), at least ``first``: work the failure threw away,
+    run again. Steps handed out but not started (the rest of a batch) are no lost work: they
+    simply run."""
+    return [step for batch in in_flight for step in batch.steps if first <= step <= max(first, reached)]
 
 
 @dataclass(frozen=True)

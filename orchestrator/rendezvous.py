@@ -1,4 +1,5 @@
-"""The driver-hosted rendezvous store the workers meet at, one key prefix per generation."""
+"""The rendezvous store the workers meet at, one key prefix per generation: a TCPStore served
+by the driver, in its process or in a child process of its own (``orchestrator/store_process.py``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,32 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from orchestrator.store_process import StoreProcess
 from workers.claims import CountingStore
 
 
-class RendezvousStore:
-    """A TCPStore in the driver process, so no worker is a single point of failure.
+def listening_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """A TCPStore server listening on ``host`` only (an ephemeral port), and its port."""
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    # Bound here and handed to the store: TCPStore alone would listen on every interface.
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(1024)
+    port = listener.getsockname()[1]
+    server = dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+        # The store owns the descriptor from here on (and closes it): detach it from the
+        # Python socket, or both would close the same number.
+        master_listen_fd=listener.detach(),
+    )
+    return server, port
 
+
+class RendezvousStore:
+    """A TCPStore the driver serves, so no worker is a single point of failure: in its own
+    process, or (``own_process``) in a child process, so the workers' claim traffic does not
+    take the driver's CPU (``close`` stops it).
     It listens on ``host`` only, the address workers reach the driver at (the driver's Ray node
     IP on a cluster), not on every interface. Every key lives under ``namespace``, a random
     secret per job that workers receive through Ray (``JoinRequest``): a stray client that
@@ -24,25 +45,41 @@ class RendezvousStore:
     #: The current generation's view of the store, where shard claims live (set by next_prefix).
     claims: CountingStore
 
-    def __init__(self, host: str, timeout_s: float) -> None:
+    def __init__(self, host: str, timeout_s: float, own_process: bool = False) -> None:
         self.host = host
-        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-        # Bound here and handed to the store: TCPStore alone would listen on every interface.
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, 0))
-        listener.listen(1024)
-        self.port = listener.getsockname()[1]
-        server = dist.TCPStore(
-            host, self.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
-            # The store owns the descriptor from here on (and closes it): detach it from the
-            # Python socket, or both would close the same number.
-            master_listen_fd=listener.detach(),
-        )
+        self.timeout_s = timeout_s
         self.namespace = f"{secrets.token_hex(16)}/"
-        self._server = server  # the server lives as long as this object
-        self._store = dist.PrefixStore(self.namespace, server)
         self.generation = 0
+        self.process: StoreProcess | None = None
+        self._client: dist.Store | None = None
+        if own_process:
+            # Started now, connected to on first use: it loads while the workers start.
+            self.process = StoreProcess(host, timeout_s)
+        else:
+            server, self._port = listening_store(host, timeout_s)
+            self._client = dist.PrefixStore(self.namespace, server)  # the server lives as long as this object
+
+    @property
+    def port(self) -> int:
+        return self.process.port if self.process is not None else self._port
+
+    @property
+    def _store(self) -> dist.Store:
+        if self._client is None:
+            assert self.process is not None
+            client = dist.TCPStore(self.host, self.process.port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
+            self._client = dist.PrefixStore(self.namespace, client)
+        return self._client
+
+    def server_cpu_s(self) -> float | None:
+        """CPU seconds the server process used so far; None when it is the driver's own (or
+        the system does not say)."""
+        return self.process.cpu_s() if self.process is not None else None
+
+    def close(self) -> None:
+        """Stop the server process, if it has one."""
+        if self.process is not None:
+            self.process.close()
 
     def read(self, key: str) -> str | None:
         """The value at ``key`` (outside any generation), or None if it is not set; no wait."""

@@ -108,13 +108,13 @@ class Growing:
 class CheckpointingBeforeFailure:
     """Too few workers are left: save the state of the survivor that applied the most steps
     (``holders``: worker id -> next step), then fail with ``reason``. ``in_flight`` and
-    ``reports`` (the first step's reports that came in, by rank) are the steps the failure
+    ``reports`` (the first batch's reports that came in, by rank) are the steps the failure
     caught: those the saved state holds are committed first."""
 
     holders: Mapping[int, int]
     reason: str
     in_flight: tuple[InFlight, ...] = ()
-    reports: Mapping[int, StepTelemetry] = field(default_factory=dict)
+    reports: Mapping[int, list[StepTelemetry]] = field(default_factory=dict)
     kind = JobState.CHECKPOINTING_BEFORE_FAILURE
 
 

@@ -33,6 +33,8 @@ class StragglerControl:
         self.suspects: set[int] = set()
         self._late_before: set[int] = set()
         self.expected_shard_s = 0.0
+        #: The last step observed left the plan as it was (run-ahead may grow).
+        self.quiet = True
 
     @property
     def evicting(self) -> bool:
@@ -96,6 +98,7 @@ class StragglerControl:
             self.event("straggler", step=step, worker=worker, status="persistent", **verdict.evidence())
         # One late step is often noise on a shared machine; two in a row, or persistent
         # slowness, makes a worker a suspect for the next steps.
+        suspects_before = self.suspects
         self.suspects = (set(verdict.late) & self._late_before) | set(verdict.persistent)
         self._late_before = set(verdict.late)
         if decided.rebalance is not None:
@@ -107,3 +110,7 @@ class StragglerControl:
         healthy = [s for w, s in measured.items() if w not in self.suspects] or list(measured.values())
         if healthy:
             self.expected_shard_s = statistics.median(healthy)
+        # Stealing, backups and rescues happen inside a step, worker to worker; only a plan
+        # that changes (the split, the suspects) or a membership change needs the driver
+        # between steps.
+        self.quiet = self.suspects == suspects_before and decided.rebalance is None and not self.pending_evictions

@@ -24,7 +24,7 @@ from policies.collective_choice import CollectiveChoice
 from policies.placement import unplaceable
 from policies.work_stealing import StepPlan
 from workers.actor import TrainWorker
-from workers.protocol import JoinRequest, Progress, SnapshotRequest, WorkerInfo
+from workers.protocol import JoinRequest, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
 
 RemoteTrainWorker = ray.remote(concurrency_groups={"compute": 1, "control": 1, "io": 1})(TrainWorker)
 
@@ -236,11 +236,25 @@ class RayWorkerGroup:
         return max(j.transfer_s for j in joined)
 
     @ray_errors_as_group_errors
-    def submit_step(self, step: int, plan: StepPlan) -> list[Call]:
-        if len(plan.shards_by_rank) != self.size:
-            raise ValueError(f"plan is for {len(plan.shards_by_rank)} ranks, group has {self.size}")
-        # By value: a small plan inlined in the task beats a ray.put the workers must fetch.
-        return [Call(m.info.worker, m.actor.train_step.remote(step, plan)) for m in self.members]
+    def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> list[Call]:
+        for plan in plans:
+            if len(plan.shards_by_rank) != self.size:
+                raise ValueError(f"plan is for {len(plan.shards_by_rank)} ranks, group has {self.size}")
+        # By value: small plans inlined in the task beat a ray.put the workers must fetch.
+        batch = list(plans)
+        return [Call(m.info.worker, m.actor.train_steps.remote(first, batch)) for m in self.members]
+
+    def kept_reports(self, workers: Sequence[int], first: int, end: int, timeout_s: float) -> list[StepTelemetry]:
+        asked = [m for m in self.members if m.info.worker in set(workers)]
+        refs = [m.actor.kept_reports.remote(first, end) for m in asked]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        reports: list[StepTelemetry] = []
+        for ref in ready:
+            try:
+                reports += ray.get(ref, timeout=0)
+            except ray.exceptions.RayError:
+                continue  # died since: its steps' reports from the others suffice
+        return reports
 
     def wait(self, calls: Sequence[Call], num_returns: int, timeout_s: float) -> tuple[list[Call], list[Call]]:
         if not calls:

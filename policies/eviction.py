@@ -26,24 +26,23 @@ class Evict:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
-def silent_workers(step: int, progress: dict[int, Progress | None], silent_s: float) -> list[Evict]:
-    """Workers holding up ``step``, which has run longer than ``silent_s``.
+def silent_workers(progress: dict[int, Progress | None], silent_s: float) -> list[Evict]:
+    """Workers holding up a step that others have waited in for ``silent_s`` or longer.
 
-    ``progress[w]`` is worker w's report or None if it did not answer. A worker is holding the step up when it has not reached the all-reduce of ``step``
-    (still stalled or computing it, or an earlier step, or not answering) while at least one
-    other worker is waiting there. If nobody is waiting, the whole step is slow, not one worker:
-    nobody is evicted.
+    ``progress[w]`` is worker w's report or None if it did not answer. The step held up is the
+    latest one some worker has done its own work of and waited in (``since_s``) that long; a
+    worker holds it up when it has not reached that step's all-reduce (still stalled or
+    computing it, or an earlier step, or not answering). If nobody has waited that long, the
+    whole step is slow (or just began), not one worker: nobody is evicted.
     """
-
-    def waiting(report: Progress | None) -> bool:
-        return report is not None and report.waiting_in(step)
-
-    if not any(waiting(r) for r in progress.values()):
+    waited = [r.step for r in progress.values() if r is not None and r.phase.waiting and r.since_s >= silent_s]
+    if not waited:
         return []
+    step = max(waited)
     return [
         Evict(worker, "silent", {"step": step, "progress": report and report.to_json(), "silent_s": silent_s})
         for worker, report in sorted(progress.items())
-        if not waiting(report)
+        if report is None or not report.waiting_in(step)
     ]
 
 

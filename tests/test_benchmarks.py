@@ -129,7 +129,9 @@ def test_control_plane_benchmark_measures_a_real_null_job_and_fits_the_growth(tm
         assert row["driver_cpu_ms"] > 0 and 0 < row["driver_busy_ms"] <= row["step_wall_ms"]
         # Each worker seals its block (one round trip at least) and the driver opens the step.
         assert row["store_round_trips"] >= row["workers"] + 1 and row["store_bytes"] > 0
+        assert row["store_cpu_ms"] >= 0  # the store runs in a process of its own, measured apart
     fitted = fit(rows)
+    assert "store_cpu_ms" in fitted
     assert fitted["store_round_trips"]["per_worker"] > 0
     assert "at 4096" in format_report(rows, fitted)
     # The fit itself: exact on a line, and it needs two worker counts.

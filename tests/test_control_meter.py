@@ -21,13 +21,13 @@ def test_intervals_between_commits_after_warm_up_with_the_wait_taken_out():
     meter = ControlPlaneMeter()
     meter.restart()
     for _ in range(WARMUP_STEPS):  # the first steps are warm-up: not counted
-        meter.committed([_report(1, 10)])
+        meter.committed([[_report(1, 10)]])
     assert meter.summary() == {}
     for _ in range(3):
         time.sleep(0.02)
         meter.waited(0.015)  # blocked on the workers for most of the interval
         meter.driver_store(1, 100)
-        meter.committed([_report(2, 30), _report(3, 40)])
+        meter.committed([[_report(2, 30)], [_report(3, 40)]])  # two ranks
     summary = meter.summary()
     assert summary["steps_measured"] == 3
     assert summary["store_round_trips"] == 1 + 2 + 3 and summary["store_bytes"] == 100 + 30 + 40
@@ -47,3 +47,30 @@ def test_a_recovery_between_two_commits_is_not_a_step():
         meter.committed([])
     summary = meter.summary()
     assert summary["steps_measured"] == 2 and max(s.wall_s for s in meter.steps) < 0.04
+
+
+def test_a_batch_spreads_its_interval_over_its_steps():
+    meter = ControlPlaneMeter()
+    for _ in range(WARMUP_STEPS):
+        meter.committed([[_report(1, 10)]])
+    time.sleep(0.04)
+    meter.waited(0.02)
+    # Two ranks, four steps each: one interval, four steps of a quarter of it.
+    meter.committed([[_report(2, 20)] * 4, [_report(2, 20)] * 4])
+    summary = meter.summary()
+    assert summary["steps_measured"] == 4
+    assert 9.5 <= summary["step_wall_ms"] < 20
+    assert summary["driver_busy_ms"] == pytest.approx(summary["step_wall_ms"] - 5, abs=0.5)
+    assert summary["store_round_trips"] == 4 and summary["store_bytes"] == 40
+
+
+def test_the_store_process_cpu_is_measured_apart_as_a_mean():
+    ticks = iter([0.0, 0.0, 0.0, 0.01, 0.01, 0.05])  # /proc's 10 ms ticks, read at each commit
+    meter = ControlPlaneMeter(server_cpu_s=lambda: next(ticks))
+    for _ in range(WARMUP_STEPS):
+        meter.committed([[_report(1, 10)]])
+    meter.committed([[_report(1, 10)]])  # +10 ms over one step
+    meter.committed([[_report(1, 10)]])  # nothing this step
+    meter.committed([[_report(1, 10)] * 2])  # +40 ms over a batch of two
+    assert meter.summary()["store_cpu_ms"] == pytest.approx(50 / 4)
+    assert "store_cpu_ms" not in ControlPlaneMeter().summary()  # in-process store: in the driver's CPU

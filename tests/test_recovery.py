@@ -68,6 +68,8 @@ class Ran:
         assert self.summary["status"] == "finished", self.summary.get("error")
         assert [e["step"] for e in self.of("step")] == list(range(STEPS))
         assert self.summary["steps"] == STEPS
+        # Every step committed with its reports (a batch cut by a failure included).
+        assert all(e["samples"] == self.job.batch_size for e in self.of("step"))
         assert len(self.group.at_shutdown) == self.summary["workers"]["end"] > 0
         for member in self.group.at_shutdown:
             assert member.next_step == STEPS
@@ -90,7 +92,7 @@ def test_one_death_mid_step_is_recovered_and_its_replacement_joins(tmp_path):
     ran.assert_exact()
     assert ran.states == ["running", "recovering", "running", "finished"]
     (recovery,) = ran.summary["recoveries"]
-    assert recovery["workers"] == [1] and recovery["at_step"] == 5 and recovery["redo_steps"] == [5, 6]
+    assert recovery["workers"] == [1] and recovery["at_step"] == 5 and recovery["redo_steps"] == [5]
     assert ran.summary["events"]["failures"] == 1 and ran.summary["events"]["joins"] == 1
     reformed = ran.of("group_reformed")[0]["workers"]
     assert reformed[-1] == 3 and reformed[0] != 3  # the replacement joined; it is never the source
@@ -110,9 +112,24 @@ def test_a_death_with_nothing_to_redo_charges_no_redone_time(tmp_path):
     )
 
 
+def test_run_ahead_grows_while_quiet_and_a_death_mid_batch_keeps_the_steps_before_it(tmp_path):
+    ran = _run(tmp_path, Faults(die_in_step={(1, 10): False}))
+    ran.assert_exact()
+    # One step at a time at first, then doubling per quiet batch up to max_steps_per_call (8).
+    assert ran.group.batches[:5] == [(0, 1), (1, 1), (2, 2), (4, 4), (8, 8)]
+    (recovery,) = ran.summary["recoveries"]
+    # Steps 8 and 9 of the batch 8-15 were applied everywhere: committed from the survivors'
+    # kept reports; 10 is redone, 11-15 were handed out but never started.
+    assert recovery["at_step"] == 10 and recovery["redo_steps"] == [10]
+    # 16-19 was in flight too; Running again, one step at a time.
+    assert ran.group.batches[5:8] == [(16, 4), (10, 1), (11, 1)]
+    ran_once = _run(tmp_path / "once", None, "worker.max_steps_per_call=1")
+    assert {count for _, count in ran_once.group.batches} == {1}
+
+
 def test_a_death_while_steps_are_redone_keeps_both_recoveries(tmp_path):
-    # Worker 3 replaces worker 1 and dies in step 6, which the first recovery is redoing.
-    ran = _run(tmp_path, Faults(die_in_step={(1, 5): False, (3, 6): False}))
+    # Worker 3 replaces worker 1 and dies in step 5, which the first recovery is redoing.
+    ran = _run(tmp_path, Faults(die_in_step={(1, 5): False, (3, 5): False}))
     ran.assert_exact()
     first, second = ran.summary["recoveries"]
     assert first["workers"] == [1] and first["redo_s"] is None  # cut short by the second failure
@@ -145,7 +162,7 @@ def test_a_step_only_a_lost_leader_held_is_redone_not_committed(tmp_path):
     ran = _run(tmp_path, faults, "scaling.workers=4", replacements=False)
     ran.assert_exact()
     (recovery,) = ran.summary["recoveries"]
-    assert recovery["at_step"] == 5 and recovery["redo_steps"] == [5, 6]
+    assert recovery["at_step"] == 5 and recovery["redo_steps"] == [5]
     assert sorted(recovery["workers"]) == [1, 3] and ran.summary["workers"]["end"] == 2
 
 
@@ -155,7 +172,7 @@ def test_a_worker_judged_dead_never_leads_even_if_it_answers(tmp_path):
     ran = _run(tmp_path, Faults(unavailable={(0, 5)}), replacements=False)
     ran.assert_exact()
     (recovery,) = ran.summary["recoveries"]
-    assert recovery["workers"] == [0] and recovery["at_step"] == 5 and recovery["redo_steps"] == [5, 6]
+    assert recovery["workers"] == [0] and recovery["at_step"] == 5 and recovery["redo_steps"] == [5]
     assert ran.of("group_reformed")[0]["workers"] == [1, 2]
 
 
@@ -242,7 +259,10 @@ def test_a_step_is_not_committed_when_the_save_before_failing_fails(tmp_path, mo
         "scaling.wait_for_workers_s=0", replacements=False,
     )
     assert ran.summary["status"] == "failed" and ran.of("checkpoint") == []
-    assert ran.summary["steps"] == 5  # step 5 lived only in the lost survivor's memory
+    # Step 5 lived only in the lost survivor's memory: not committed (nor the steps of its
+    # batch before it, whose reports were not all in when the failure struck).
+    committed = [e["step"] for e in ran.of("step")]
+    assert 5 not in committed and committed == list(range(ran.summary["steps"])) and ran.summary["steps"] <= 5
 
 
 def test_a_replacement_that_is_still_loading_is_waited_for_below_min_workers(tmp_path):
@@ -421,4 +441,8 @@ def test_commit_and_redo_decisions():
     assert state_holders(alive, steps_done=5) == {0: 6, 2: 5}  # 3's transfer broke off
     assert state_holders(alive, steps_done=5, without_state=frozenset({0})) == {2: 5}
     in_flight = [InFlight(5, ()), InFlight(6, ())]
-    assert steps_to_redo(in_flight, 6) == [6] and steps_to_redo(in_flight, 5) == [5, 6]
+    assert steps_to_redo(in_flight, 6, 6) == [6] and steps_to_redo(in_flight, 5, 6) == [5, 6]
+    # Survivors had reached no further than 5: step 6 was handed out, not started.
+    assert steps_to_redo(in_flight, 5, 4) == [5] and steps_to_redo(in_flight, 5, 5) == [5]
+    batches = [InFlight(3, (), 4), InFlight(7, (), 8)]  # run-ahead: steps 3-6 and 7-14
+    assert steps_to_redo(batches, 5, 5) == [5] and steps_to_redo(batches, 5, 8) == [5, 6, 7, 8]

@@ -28,3 +28,23 @@ def test_a_stray_client_cannot_read_or_forge_a_claim():
     stray.set(f"{prefix}claim/0/0", "done:9")  # a forged claim lands outside the namespace
     assert store.claims.get("claim/0/0") == b"free"
     assert len(store.namespace) == 33 and store.namespace != RendezvousStore("127.0.0.1", 5.0).namespace
+
+
+def test_the_store_in_its_own_process_serves_claims_and_stops_with_close():
+    store = RendezvousStore("127.0.0.1", 5.0, own_process=True)
+    try:
+        store.next_prefix()
+        store.claims.multi_set(["claim/0/0"], [b"free"])
+        assert store.claims.compare_set("claim/0/0", "free", "run:1") == b"run:1"
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=2))
+        worker = dist.PrefixStore("gen1/", dist.PrefixStore(store.namespace, client))  # as join_group builds it
+        assert worker.get("claim/0/0") == b"run:1"  # what a worker sees: the same server
+        assert store.process is not None and store.server_cpu_s() is not None and store.server_cpu_s() >= 0
+        with pytest.raises(OSError):  # it listens on the given address only
+            socket.create_connection(("127.0.0.2", store.port), timeout=2).close()
+    finally:
+        store.close()
+    assert store.process._proc.poll() is not None  # stopped and reaped
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", store.port), timeout=2).close()
+    assert RendezvousStore("127.0.0.1", 5.0).server_cpu_s() is None  # in-process: in the driver's CPU

@@ -213,17 +213,23 @@ def test_claim_states_round_trip(text):
     assert ClaimState.decode(text).encode() == text
 
 
-def _progress(step: int, phase: str) -> Progress:
-    return Progress(step=step, phase=Phase(phase), since_s=1.0, next_step=step)
+def _progress(step: int, phase: str, since_s: float = 6.0) -> Progress:
+    return Progress(step=step, phase=Phase(phase), since_s=since_s, next_step=step)
 
 
 def test_the_worker_holding_up_a_step_is_silent_but_a_slow_step_for_all_is_not():
-    waiting = {0: _progress(7, "reduce"), 1: _progress(7, "idle"), 3: _progress(8, "compute")}
-    assert [e.worker for e in silent_workers(7, {**waiting, 2: _progress(7, "stall")}, 5.0)] == [2]
-    assert [e.worker for e in silent_workers(7, {**waiting, 2: None}, 5.0)] == [2]  # no answer
-    assert [e.worker for e in silent_workers(7, {**waiting, 2: _progress(6, "reduce")}, 5.0)] == [2]
+    waiting = {0: _progress(7, "reduce"), 1: _progress(7, "idle", 1.0), 3: _progress(8, "compute")}
+    assert [e.worker for e in silent_workers({**waiting, 2: _progress(7, "stall")}, 5.0)] == [2]
+    assert [e.worker for e in silent_workers({**waiting, 2: None}, 5.0)] == [2]  # no answer
+    assert [e.worker for e in silent_workers({**waiting, 2: _progress(6, "reduce")}, 5.0)] == [2]
     everyone_busy = {w: _progress(7, "compute") for w in range(4)}
-    assert silent_workers(7, everyone_busy, 5.0) == []
+    assert silent_workers(everyone_busy, 5.0) == []
+    # Nobody has waited silent_s yet (a batch's next step just began): nobody is silent.
+    just_began = {0: _progress(7, "reduce", 1.0), 1: _progress(7, "compute", 1.0)}
+    assert silent_workers(just_began, 5.0) == []
+    # The step held up is the latest one waited in that long: those still in it hold it up.
+    later = {0: _progress(9, "reduce"), 1: _progress(9, "compute"), 2: _progress(8, "done")}
+    assert [(e.worker, e.evidence["step"]) for e in silent_workers(later, 5.0)] == [(1, 9), (2, 9)]
 
 
 def test_only_a_persistent_and_far_slower_worker_is_evicted_for_slowness():

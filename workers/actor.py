@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -68,6 +69,8 @@ from workers.training import FlatParameters, evaluate_job, finish_gradient
 
 #: When this module (and with it torch and the worker's code) had loaded: the launch's breakdown.
 IMPORTED_AT = time.time()
+# Reports kept for recovery: more than the steps the driver keeps in flight (two batches).
+KEPT_REPORTS = 64
 
 
 def process_started_at() -> float | None:
@@ -146,6 +149,9 @@ class TrainWorker:
         self.store: dist.Store | None = None
         #: The next step this replica will apply: the optimizer steps it holds, in job steps.
         self.next_step = 0
+        # The reports of the last steps applied: a batch whose call failed part-way (aborted
+        # after a peer died) returns nothing, and recovery reads the ones it committed here.
+        self._kept: deque[StepTelemetry] = deque(maxlen=KEPT_REPORTS)
         self._phase: tuple[int, Phase, float] = (-1, Phase.DONE, time.monotonic())
         self.chaos = ChaosSchedule.for_worker(job.chaos, worker_id, self.abort_flag)
         self._built_at = time.time()
@@ -298,6 +304,20 @@ class TrainWorker:
             self.group = None
 
     @ray.method(concurrency_group="compute")
+    def train_steps(self, first: int, plans: list[StepPlan]) -> list[StepTelemetry]:
+        """Run steps ``first``, ``first + 1``... with ``plans[i]`` for step ``first + i`` (the
+        driver's run-ahead: one call for several steps while the job is quiet); returns their
+        reports in order. Raises as ``train_step`` does at the first step that fails; the steps
+        applied before it stay applied and their reports stay in ``kept_reports``."""
+        return [self.train_step(first + i, plan) for i, plan in enumerate(plans)]
+
+    @ray.method(concurrency_group="control")
+    def kept_reports(self, first: int, end: int) -> list[StepTelemetry]:
+        """The reports of the steps from ``first`` to ``end`` (exclusive) this replica applied,
+        of the last ``KEPT_REPORTS``."""
+        return [r for r in list(self._kept) if first <= r.step < end]
+
+    @ray.method(concurrency_group="compute")
     def train_step(self, step: int, plan: StepPlan) -> StepTelemetry:
         """Compute this rank's share of the step's gradient, all-reduce it, take the optimizer step.
 
@@ -367,7 +387,7 @@ class TrainWorker:
         self._enter(step, Phase.DONE)
         done = time.perf_counter()
         busy_s = work.compute_s + work.slowed_s
-        return StepTelemetry(
+        report = StepTelemetry(
             step=step,
             rank=self.rank,
             worker=self.worker_id,
@@ -401,6 +421,8 @@ class TrainWorker:
             store_round_trips=self.claims_store.round_trips - store_trips,
             store_bytes=self.claims_store.bytes - store_bytes,
         )
+        self._kept.append(report)
+        return report
 
     @ray.method(concurrency_group="compute")
     def snapshot(self, request: SnapshotRequest) -> float:

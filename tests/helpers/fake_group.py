@@ -83,6 +83,31 @@ class FakeCall:
     expect_step: int | None = None  # a snapshot: the worker must be at this step when it ends
     applies_on_error: bool = False  # the step is applied although the call reports a failure
     ended: bool = False
+    before: FakeCall | None = None  # the batch's call of the step before: if it failed, this never runs
+
+
+@dataclass
+class FakeBatch:
+    """A batch's call into one worker: its steps' calls in order. It ends when they all have
+    or one failed (the steps after a failed one never run), answering their reports."""
+
+    parts: list[FakeCall]
+
+    @property
+    def ended(self) -> bool:
+        return all(p.ended for p in self.parts) or self.error is not None
+
+    @property
+    def ends_at(self) -> float:
+        return min((p.ends_at for p in self.parts if not p.ended), default=0.0)
+
+    @property
+    def error(self) -> CallFailed | None:
+        return next((p.error for p in self.parts if p.ended and p.error is not None), None)
+
+    @property
+    def value(self) -> list[StepTelemetry]:
+        return [p.value for p in self.parts]
 
 
 class FakeWorkerGroup:
@@ -98,6 +123,7 @@ class FakeWorkerGroup:
         self.joiners: list[tuple[FakeWorker, float]] = []
         self.retired = 0
         self.calls: list[FakeCall] = []
+        self.batches: list[tuple[int, int]] = []  # (first step, steps) of every submission
         self.at_shutdown: list[FakeWorker] = []
         self.generations = 0
         self._next_id = 0
@@ -216,7 +242,24 @@ class FakeWorkerGroup:
         self.calls.append(call)
         return Call(call.worker.worker, call)
 
-    def submit_step(self, step: int, plan: StepPlan) -> list[Call]:
+    def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> list[Call]:
+        self.batches.append((first, len(plans)))
+        by_member: list[list[FakeCall]] = [[] for _ in self.members]
+        for index, plan in enumerate(plans):
+            for parts, call in zip(by_member, self._submit_step(first + index, plan)):
+                call.before = parts[-1] if parts else None
+                parts.append(call)
+        return [Call(member.worker, FakeBatch(parts)) for member, parts in zip(self.members, by_member)]
+
+    def kept_reports(self, workers: Sequence[int], first: int, end: int, timeout_s: float) -> list[StepTelemetry]:
+        self._settle_calls()
+        return [
+            c.value for c in self.calls
+            if c.worker.worker in workers and c.worker.alive and c.step is not None and first <= c.step < end
+            and c.ended and c.error is None and c.value is not None
+        ]
+
+    def _submit_step(self, step: int, plan: StepPlan) -> list[FakeCall]:
         if len(plan.shards_by_rank) != self.size:
             raise ValueError(f"plan is for {len(plan.shards_by_rank)} ranks, group has {self.size}")
         now = time.monotonic()
@@ -247,7 +290,8 @@ class FakeWorkerGroup:
                 call.ends_at = BLOCKED  # a peer died before the all-reduce finished (here)
             else:
                 call.value, call.apply = self._report(step, rank, member, plan), step
-            calls.append(self._call(call))
+            self.calls.append(call)
+            calls.append(call)
         return calls
 
     def _report(self, step: int, rank: int, member: FakeWorker, plan: StepPlan) -> StepTelemetry:
@@ -268,6 +312,9 @@ class FakeWorkerGroup:
             if call.ends_at > now:
                 continue
             call.ended = True
+            if call.before is not None and call.before.error is not None:
+                call.error, call.apply, call.value = call.before.error, None, None  # never ran
+                continue
             if call.error is None and call.expect_step is not None and call.worker.next_step != call.expect_step:
                 call.error = CallFailed(call.worker.worker, FailureKind.ERROR, "RuntimeError: not at the step")
             if (call.error is None or call.applies_on_error) and call.apply is not None:

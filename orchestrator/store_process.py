@@ -1,0 +1,101 @@
+"""The job's TCPStore server in a child process of the driver (docs/architecture.md, "The
+control plane at scale").
+
+Every worker's shard claims (two round trips per worker per step, more while stealing or
+rescuing) and every rendezvous go through the store; served by a thread of the driver, that
+traffic took most of the driver's CPU at 32 workers and more. In a process of its own it runs
+on its own core and never holds the GIL the driver's loop needs. The child binds the listening
+socket to the given address only (as the in-process server does), prints its port, and exits
+when the driver goes away (it watches its parent) or is stopped by PID (``close``).
+
+Run as ``python -m orchestrator.store_process HOST TIMEOUT_S PARENT_PID``.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import time
+
+# How long the child may take to import torch and listen before the driver gives up.
+START_TIMEOUT_S = 60.0
+# How often the child checks that the driver that started it is still there.
+PARENT_POLL_S = 0.5
+
+
+class StoreProcessError(RuntimeError):
+    """The store's child process did not start or died."""
+
+
+class StoreProcess:
+    """Starts the server process at once (it imports torch, which takes a second or two, while
+    the workers start); ``port`` waits for it to listen (up to ``START_TIMEOUT_S``, then
+    StoreProcessError)."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        self.host = host
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.store_process", host, str(timeout_s), str(os.getpid())],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        self._port: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            self._port = self._read_port()
+        return self._port
+
+    def _read_port(self) -> int:
+        assert self._proc.stdout is not None
+        ready, _, _ = select.select([self._proc.stdout], [], [], START_TIMEOUT_S)
+        line = self._proc.stdout.readline() if ready else ""
+        if not line.strip().isdigit():
+            self.close()
+            error = self._proc.stderr.read() if self._proc.stderr is not None else ""
+            raise StoreProcessError(
+                f"the rendezvous store's process did not start listening on {self.host} within "
+                f"{START_TIMEOUT_S:.0f}s: {line.strip() or error.strip()[-500:] or 'no output'}"
+            )
+        return int(line)
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds (user and system) the server process has used so far, from
+        ``/proc/PID/stat``; None where there is no /proc (not Linux) or it is gone."""
+        try:
+            with open(f"/proc/{self._proc.pid}/stat") as stat:
+                # Fields after the command (which may hold spaces): utime and stime are 14 and 15.
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        """Stop the server process (by its PID) and reap it."""
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=5.0)
+
+
+def _serve(host: str, timeout_s: float, parent: int) -> None:
+    from orchestrator.rendezvous import listening_store
+
+    store, port = listening_store(host, timeout_s)
+    print(port, flush=True)
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    del store
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]))
