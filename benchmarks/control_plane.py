@@ -77,14 +77,14 @@ def fit(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def format_report(rows: list[dict[str, Any]], fitted: dict[str, dict[str, float]]) -> str:
     lines = [
-        f"{'workers':>7} {'cpu_ms':>8} {'busy_ms':>8} {'wall_ms':>8} {'trips':>7} {'bytes':>9} {'store_cpu_ms':>12}"
-        "  (per step: medians; the store process's CPU a mean)"
+        f"{'workers':>7} {'cpu_ms':>8} {'busy_ms':>8} {'wall_ms':>8} {'trips':>7} {'bytes':>9} {'store_cpu_ms':>12} {'per_call':>8}"
+        "  (per step: medians; the store process's CPU and steps per call means)"
     ]
     for r in rows:
         store_cpu = f"{r['store_cpu_ms']:>12.2f}" if "store_cpu_ms" in r else f"{'-':>12}"
         lines.append(
             f"{r['workers']:>7} {r['driver_cpu_ms']:>8.2f} {r['driver_busy_ms']:>8.2f} {r['step_wall_ms']:>8.2f} "
-            f"{r['store_round_trips']:>7.0f} {r['store_bytes']:>9.0f} {store_cpu}"
+            f"{r['store_round_trips']:>7.0f} {r['store_bytes']:>9.0f} {store_cpu} {r.get('steps_per_call', 1):>8.1f}"
         )
     lines.append("fit: cost = fixed + per_worker x N")
     for column, f in fitted.items():

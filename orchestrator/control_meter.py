@@ -50,6 +50,7 @@ class ControlPlaneMeter:
 
     server_cpu_s: Callable[[], float | None] = lambda: None
     steps: list[StepCost] = field(default_factory=list)
+    batches: list[int] = field(default_factory=list)  # steps per call of each measured batch
     _since: tuple[float, float, float | None] | None = None
     _seen: int = 0
     _waited_s: float = 0.0
@@ -87,6 +88,7 @@ class ControlPlaneMeter:
                 store_cpu_s=None if now[2] is None or self._since[2] is None else (now[2] - self._since[2]) / steps,
             )
             self.steps += [cost] * steps
+            self.batches.append(steps)
         self._seen += steps
         self._since = now
         self._waited_s = 0.0
@@ -94,7 +96,7 @@ class ControlPlaneMeter:
 
     def summary(self) -> dict[str, Any]:
         """Medians per step over the measured steps (ms, round trips, bytes; the store process's
-        CPU, when it has one, as a mean); empty if none."""
+        CPU, when it has one, as a mean) and the mean steps per call; empty if none."""
         if not self.steps:
             return {}
 
@@ -106,6 +108,7 @@ class ControlPlaneMeter:
         return {
             **({"store_cpu_ms": 1e3 * statistics.fmean(store_cpu)} if store_cpu else {}),
             "steps_measured": len(self.steps),
+            "steps_per_call": statistics.fmean(self.batches),
             "driver_cpu_ms": 1e3 * median([s.cpu_s for s in self.steps]),
             "driver_busy_ms": 1e3 * median([s.busy_s for s in self.steps]),
             "step_wall_ms": 1e3 * median([s.wall_s for s in self.steps]),

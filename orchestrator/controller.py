@@ -279,7 +279,7 @@ class JobController:
         if "first_step" not in self.startup_s:
             self.mark("first_step")
         if reports:
-            self.run.telemetry([r.to_json() for r in reports])
+            self.run.telemetry(reports)
         if complete:
             self._stragglers().observe(step, reports)
             self._failed_in_a_row = 0

@@ -17,9 +17,9 @@ from policies.run_ahead import BATCHES_IN_FLIGHT, RunAhead
 from policies.work_stealing import StepPlan
 from workers.protocol import StepTelemetry
 
-# While a batch runs the driver looks at the workers' finished calls this often: the bound on
-# how late it sees a failure (one wait per batch when batches are shorter).
-FAILURE_POLL_S = 0.05
+# Once one call of a batch has ended, how long the driver waits for the rest before it looks
+# at what came in: the bound on how late it sees a failure after a peer's call ended.
+GATHER_S = 0.05
 # How long recovery waits for the survivors' kept reports of a batch that failed part-way.
 KEPT_REPORTS_S = 5.0
 
@@ -109,8 +109,8 @@ def await_step(
     job: JobConfig,
     evicting: bool,
 ) -> StepOutcome:
-    """Wait for ``batch``, looking at what has come in every ``FAILURE_POLL_S``, so the first
-    failure is seen within that (most batches end within one wait). Returns the reports, the
+    """Wait for ``batch``: blocked until the first of its calls ends (a failure is seen as soon
+    as it happens), then up to ``GATHER_S`` for the others, and so on. Returns the reports, the
     workers to evict for holding a step up for ``stragglers.silent_s`` (when ``evicting`` and
     ``scaling.min_workers`` would remain), or the failure. Raises JobFailed after
     ``timeouts.step_s`` per step of the batch."""
@@ -121,12 +121,18 @@ def await_step(
     pending = list(batch.calls)
     looked = time.monotonic()
     while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
+        now = time.monotonic()
+        if now >= deadline:
             steps = f"step {batch.step}" if batch.count == 1 else f"steps {batch.step}-{batch.steps[-1]}"
             raise JobFailed(f"{steps} did not finish within {job.timeouts.step_s * batch.count:.0f}s")
+        wake = min(deadline, looked + silent_s / 2) if evicting else deadline
         blocked = time.perf_counter()
-        ended, pending = group.wait(pending, len(pending), min(FAILURE_POLL_S, left))
+        # One call ending wakes the driver; the others, ending about then, are gathered in one
+        # more wait (not a wake-up each: a wait looks at every pending call).
+        ended, pending = group.wait(pending, 1, max(0.0, wake - now))
+        if ended and pending:
+            more, pending = group.wait(pending, len(pending), GATHER_S)
+            ended += more
         outcome.waited_s += time.perf_counter() - blocked
         for call in ended:
             try:

@@ -8,7 +8,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Callable, Protocol
+from typing import IO, TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+import orjson
 
 from orchestrator.redaction import redact_all
 
@@ -133,8 +135,11 @@ class RunDirectory:
             for listener in self._listeners:
                 listener.on_event(record)
 
-    def telemetry(self, records: list[dict[str, Any]]) -> None:
-        self._telemetry.writelines(json.dumps(r) + "\n" for r in records)
+    def telemetry(self, records: Sequence[Any]) -> None:
+        """Append one JSON line per record (dicts or dataclasses such as ``StepTelemetry``).
+        orjson: a line per worker per step is the driver's largest per-worker cost after Ray's
+        calls, and it writes one ten times faster than ``json`` (non-finite floats as null)."""
+        self._telemetry.write(b"".join(orjson.dumps(r) + b"\n" for r in records).decode())
         self._telemetry.flush()
 
     def save_model(self, state: dict[str, torch.Tensor]) -> Path:

@@ -66,16 +66,22 @@ class StragglerControl:
 
     def observe(self, step: int, reports: list[StepTelemetry]) -> None:
         """Account one finished step: counters, detection, rebalancing."""
+        mitigated = {}
         for report in reports:
-            self.counters["stolen_shards"] += report.stolen
-            self.counters["speculative_shards"] += report.backups
-            self.counters["speculative_won"] += report.backups_won
-            self.counters["races_lost"] += report.races_lost
-            if report.stolen or report.backups:
-                self.event(
-                    "mitigation", step=step, worker=report.worker, stolen=report.stolen,
-                    backups=report.backups, backups_won=report.backups_won, races_lost=report.races_lost,
-                )
+            if report.stolen or report.backups or report.races_lost:
+                mitigated[report.worker] = (report.stolen, report.backups, report.backups_won, report.races_lost)
+        if mitigated:
+            # One event a step, whoever did what: at scale, an event per worker per step would
+            # cost the driver more than the step.
+            stolen, backups, won, lost = (sum(column) for column in zip(*mitigated.values()))
+            self.counters["stolen_shards"] += stolen
+            self.counters["speculative_shards"] += backups
+            self.counters["speculative_won"] += won
+            self.counters["races_lost"] += lost
+            self.event(
+                "mitigation", step=step, stolen=stolen, backups=backups, backups_won=won, races_lost=lost,
+                workers={w: dict(zip(("stolen", "backups", "backups_won", "races_lost"), m)) for w, m in mitigated.items()},
+            )
         if reports and reports[0].rescued:
             # The census that starts a rescue pass is the same on every rank: count it once.
             self.counters["rescues"] += 1

@@ -62,6 +62,7 @@ def test_a_batch_spreads_its_interval_over_its_steps():
     assert 9.5 <= summary["step_wall_ms"] < 20
     assert summary["driver_busy_ms"] == pytest.approx(summary["step_wall_ms"] - 5, abs=0.5)
     assert summary["store_round_trips"] == 4 and summary["store_bytes"] == 40
+    assert summary["steps_per_call"] == 4
 
 
 def test_the_store_process_cpu_is_measured_apart_as_a_mean():
