@@ -62,9 +62,11 @@ class ChaosControl:
             self.event("chaos", action="add_node", at_step=step, node=node.node_id, num_cpus=self.node_cpus)
 
     def acts_at(self, step: int) -> bool:
-        """Whether the driver has chaos to carry out at ``step``'s boundary or in it (a batch of
-        steps handed out at once ends in front of it, so it strikes as written)."""
-        return any(a.at_step <= step for a in self._adds) or any(k.at_step == step for k in self._kills)
+        """Whether a batch of steps handed out at once must end in front of ``step`` for chaos
+        to strike as written: a node added at that boundary; a kill in that step or the two
+        after it (the kill's step and the next run alone, so the victim is in it or at most
+        one step on when the driver strikes, as with one step per call)."""
+        return any(a.at_step <= step for a in self._adds) or any(k.at_step <= step <= k.at_step + 2 for k in self._kills)
 
     def during_step(self, group: WorkerGroup, step: int) -> None:
         """Strike the ``ray_kill``/``remove_node`` kills due in ``step``, once the victim is in it."""

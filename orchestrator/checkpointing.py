@@ -174,12 +174,11 @@ class CheckpointCoordinator:
         return self.pending is None and self.would_be_due(step)
 
     def would_be_due(self, step: int) -> bool:
-        """Whether a checkpoint may be due after ``step`` steps by the time it is submitted,
-        whatever becomes of the pending one: counted from the newest written checkpoint while
-        one is pending (it may be abandoned). A batch of steps handed out at once ends in front
-        of such a step, so the next checkpoint is not pushed a whole batch later."""
-        since = self.committed_step if self.pending is not None else self.last_step
-        return self.enabled and step > since and self.policy.due(step - since)
+        """Whether the interval calls for a checkpoint after ``step`` steps, counted from the
+        newest one taken (pending or written): a batch of steps handed out at once ends in
+        front of such a step. (A pending one that is abandoned makes the next due at once: it
+        starts at the next batch's first step.)"""
+        return self.enabled and step > self.last_step and self.policy.due(step - self.last_step)
 
     def start(self, group: WorkerGroup, step: int, meta: dict[str, Any], why: str = "periodic", ranks: int | None = None) -> None:
         """Queue the snapshot of the state after ``step`` steps on the first ``ranks`` members

@@ -35,6 +35,7 @@ from orchestrator.recovery import (
     steps_to_redo,
 )
 from orchestrator.rendezvous import RendezvousStore
+from orchestrator.store_process import StoreProcessError
 from orchestrator.run_dir import RunDirectory
 from orchestrator.states import (
     CheckpointingBeforeFailure,
@@ -148,7 +149,7 @@ class JobController:
             following = self._handle(previous)
         except KeyboardInterrupt:
             following = Stopped("interrupted")
-        except (JobFailed, CallFailed, WorkerGroupError, ChaosError) as err:
+        except (JobFailed, CallFailed, WorkerGroupError, ChaosError, StoreProcessError) as err:
             message = err.reason if isinstance(err, CallFailed) else f"{type(err).__name__}: {err}"
             self.run.event("error", message=message)
             following = Failed(message)
@@ -326,6 +327,7 @@ class JobController:
         failed_step = state.in_flight[0].step if state.in_flight else self.ledger.steps_done
         if not dead and not evicted:
             if outcome.user_error is not None:
+                self.store.check_alive()  # a dead store makes every worker's call fail too
                 raise JobFailed(f"step {failed_step}: {outcome.user_error}")
             # Collectives failed with every member alive (a network fault): re-form and retry,
             # but not forever.

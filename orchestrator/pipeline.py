@@ -112,9 +112,10 @@ def await_step(
     """Wait for ``batch``: blocked until the first of its calls ends (a failure is seen as soon
     as it happens), then up to ``GATHER_S`` for the others, and so on. Returns the reports, the
     workers to evict for holding a step up for ``stragglers.silent_s`` (when ``evicting`` and
-    ``scaling.min_workers`` would remain), or the failure. Raises JobFailed after
-    ``timeouts.step_s`` per step of the batch."""
-    deadline = time.monotonic() + job.timeouts.step_s * batch.count
+    ``scaling.min_workers`` would remain), or the failure. Raises JobFailed when no worker has
+    reached a further step within ``timeouts.step_s`` (a batch's steps each get that long)."""
+    deadline = time.monotonic() + job.timeouts.step_s
+    furthest = batch.step
     silent_s = job.stragglers.silent_s
     rank_of = {id(call): rank for rank, call in enumerate(batch.calls)}
     outcome = StepOutcome()
@@ -123,8 +124,11 @@ def await_step(
     while pending:
         now = time.monotonic()
         if now >= deadline:
-            steps = f"step {batch.step}" if batch.count == 1 else f"steps {batch.step}-{batch.steps[-1]}"
-            raise JobFailed(f"{steps} did not finish within {job.timeouts.step_s * batch.count:.0f}s")
+            reached = [p.step for p in group.progress(timeout_s=5.0).values() if p is not None]
+            if max(reached, default=furthest) <= furthest:
+                raise JobFailed(f"step {furthest} did not finish within {job.timeouts.step_s:.0f}s")
+            furthest, deadline = max(reached), time.monotonic() + job.timeouts.step_s
+            continue
         wake = min(deadline, looked + silent_s / 2) if evicting else deadline
         blocked = time.perf_counter()
         # One call ending wakes the driver; the others, ending about then, are gathered in one

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from orchestrator.store_process import StoreProcess
+from orchestrator.store_process import StoreProcess, StoreProcessError
 from workers.claims import CountingStore
 
 
@@ -75,6 +75,13 @@ class RendezvousStore:
         """CPU seconds the server process used so far; None when it is the driver's own (or
         the system does not say)."""
         return self.process.cpu_s() if self.process is not None else None
+
+    def check_alive(self) -> None:
+        """Raise StoreProcessError if the server process has died (the workers' store errors
+        then come from there, not from their own code)."""
+        status = self.process.exit_status() if self.process is not None else None
+        if status is not None:
+            raise StoreProcessError(f"the rendezvous store's process (pid {self.process.pid}) died with status {status}")
 
     def close(self) -> None:
         """Stop the server process, if it has one."""

@@ -17,6 +17,7 @@ import os
 import select
 import subprocess
 import sys
+import tempfile
 import time
 
 # How long the child may take to import torch and listen before the driver gives up.
@@ -36,9 +37,14 @@ class StoreProcess:
 
     def __init__(self, host: str, timeout_s: float) -> None:
         self.host = host
+        # Its log goes to a file: a pipe nobody reads would fill and block the server.
+        self._stderr = tempfile.TemporaryFile(mode="w+")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.store_process", host, str(timeout_s), str(os.getpid())],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+            # Its own session: a Ctrl-C at the terminal stops the driver, which then stops it
+            # after the job's teardown (that still reads the store); it watches the driver too.
+            start_new_session=True,
         )
         self._port: int | None = None
 
@@ -58,12 +64,17 @@ class StoreProcess:
         line = self._proc.stdout.readline() if ready else ""
         if not line.strip().isdigit():
             self.close()
-            error = self._proc.stderr.read() if self._proc.stderr is not None else ""
+            self._stderr.seek(0)
+            error = self._stderr.read()
             raise StoreProcessError(
                 f"the rendezvous store's process did not start listening on {self.host} within "
                 f"{START_TIMEOUT_S:.0f}s: {line.strip() or error.strip()[-500:] or 'no output'}"
             )
         return int(line)
+
+    def exit_status(self) -> int | None:
+        """The process's exit status if it has ended (it should live as long as the job)."""
+        return self._proc.poll()
 
     def cpu_s(self) -> float | None:
         """CPU seconds (user and system) the server process has used so far, from
@@ -85,6 +96,9 @@ class StoreProcess:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=5.0)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        self._stderr.close()
 
 
 def _serve(host: str, timeout_s: float, parent: int) -> None:

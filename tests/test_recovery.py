@@ -127,6 +127,14 @@ def test_run_ahead_grows_while_quiet_and_a_death_mid_batch_keeps_the_steps_befor
     assert {count for _, count in ran_once.group.batches} == {1}
 
 
+def test_a_batch_longer_than_the_step_timeout_runs_while_its_steps_advance(tmp_path):
+    # Steps 8-15 go out in one call and take 0.3 s each, 2.4 s in all: the step timeout (1 s)
+    # bounds each step, not the batch.
+    ran = _run(tmp_path, Faults(stall={(0, s): 0.3 for s in range(8, 16)}), "timeouts.step_s=1")
+    ran.assert_exact()
+    assert (8, 8) in ran.group.batches
+
+
 def test_a_death_while_steps_are_redone_keeps_both_recoveries(tmp_path):
     # Worker 3 replaces worker 1 and dies in step 5, which the first recovery is redoing.
     ran = _run(tmp_path, Faults(die_in_step={(1, 5): False, (3, 5): False}))
@@ -291,7 +299,10 @@ def test_a_failure_while_a_checkpoint_is_written_abandons_only_that_one(tmp_path
 
 def test_parts_not_where_the_manifest_would_say_abandon_the_checkpoint(tmp_path):
     # Worker 1 "wrote" its part of step 8 to a disk the driver does not see.
-    ran = _run(tmp_path, Faults(unwritten={(1, 8)}), "checkpoint.every_steps=4", "checkpoint.keep=10")
+    # One step per call: the next checkpoint's step shows where the interval counts from.
+    ran = _run(
+        tmp_path, Faults(unwritten={(1, 8)}), "checkpoint.every_steps=4", "checkpoint.keep=10", "worker.max_steps_per_call=1"
+    )
     ran.assert_exact()
     (abandoned,) = ran.of("checkpoint_abandoned")
     assert abandoned["name"] == "step-00000008" and "is missing" in abandoned["reason"]
@@ -446,3 +457,12 @@ def test_commit_and_redo_decisions():
     assert steps_to_redo(in_flight, 5, 4) == [5] and steps_to_redo(in_flight, 5, 5) == [5]
     batches = [InFlight(3, (), 4), InFlight(7, (), 8)]  # run-ahead: steps 3-6 and 7-14
     assert steps_to_redo(batches, 5, 5) == [5] and steps_to_redo(batches, 5, 8) == [5, 6, 7, 8]
+
+
+def test_chaos_at_a_step_cuts_the_batches_around_it():
+    job = _job("chaos.kill=[{worker: 1, at_step: 5, how: ray_kill}]")
+    chaos = ChaosControl(job.chaos, None, 0, lambda *a, **k: None)
+    # The kill's step and the next two start batches: 5 and 6 run alone, so the driver strikes
+    # with the victim in step 5 or 6, as with one step per call.
+    assert [step for step in range(10) if chaos.acts_at(step)] == [5, 6, 7]
+    assert ChaosControl(_job().chaos, None, 0, lambda *a, **k: None).acts_at(5) is False

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from policies.run_ahead import BATCHES_IN_FLIGHT, MAX_STEPS_PER_CALL
 from policies.work_stealing import FREE, ClaimKind, ClaimState, StepPlan
 
-# Every step in flight has its own slot, and one more: the driver opens the next batch's
+# Every step in flight has its own slot, and two more: the driver opens the next batch's
 # steps while the last steps of the batch before are still read by late watchers.
 SLOTS = BATCHES_IN_FLIGHT * MAX_STEPS_PER_CALL + 2
 
