@@ -222,7 +222,7 @@ class JobController:
         joining = self.joiners.want_to_join()
         evictions = self._stragglers().pending_evictions
         if not joining and not evictions:
-            pipeline.top_up(self.num_steps, self._before_submit)
+            pipeline.top_up(self.num_steps, self._before_submit, self._hold)
         if not pipeline.in_flight:  # drained for a change at this step boundary
             self._pipeline = None
             if evictions:
@@ -245,6 +245,12 @@ class JobController:
         self.run_ahead.observe(quiet)
         self.meter.committed(by_rank)
         return Running(pipeline.next_step)
+
+    def _hold(self, step: int) -> bool:
+        """Whether to submit ``step`` later: a checkpoint is due before it and the last one is
+        still being written (submitted now, it would go without; after the next commit the
+        write has likely ended, as it had with one step in flight)."""
+        return self.checkpoints.pending is not None and self.checkpoints.would_be_due(step)
 
     def _boundary(self, step: int) -> bool:
         """Whether the driver acts before ``step`` (a checkpoint, chaos): no batch runs past it."""

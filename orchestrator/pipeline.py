@@ -84,11 +84,14 @@ class StepPipeline:
         self._plan = plan
         self._boundary = boundary
 
-    def top_up(self, num_steps: int, before_submit: Callable[[int], None]) -> None:
+    def top_up(self, num_steps: int, before_submit: Callable[[int], None], hold: Callable[[int], bool]) -> None:
         """Submit batches until ``BATCHES_IN_FLIGHT`` are queued or ``num_steps`` reached;
         ``before_submit(step)`` runs first for each batch's first step (chaos at the boundary,
-        checkpoints)."""
+        checkpoints). While a batch is in flight, ``hold(step)`` may keep the next one back
+        for a later turn (a checkpoint due before it is still being written)."""
         while self.next_step < num_steps and len(self.in_flight) < BATCHES_IN_FLIGHT:
+            if self.in_flight and hold(self.next_step):
+                return
             first = self.next_step
             before_submit(first)
             count = self.run_ahead.batch(first, num_steps, self._boundary)
