@@ -15,7 +15,7 @@ contender:
 
 Then the exposed all-reduce (``policies/collective_cost.py``: the buckets of the gradient,
 reduced as backward produces them) and, for the contenders ringleader drives, the driver's
-floor (``control_plane``: it works a step ahead, so a step is never shorter than its cost;
+floor (``control_plane``: it works ahead of the workers, so a step is never shorter than its cost;
 restart-the-world's workers run their own loop and have none). Failures (node MTBF) cost the in-place
 contenders the interrupted step, ``detect_s`` and ``reform_s``; the node's workers are gone
 until a replacement joins ``replacement_s`` later (``join_s`` at a step boundary), and until

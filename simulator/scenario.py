@@ -95,7 +95,7 @@ class Snapshots(_Strict):
 
 class ControlPlane(_Strict):
     """The driver's cost per step, ``fixed_ms + per_worker_ms x N`` (``ringleader bench
-    control-plane`` fits both). The driver works one step ahead, so a step takes at least this."""
+    control-plane`` fits both). The driver works ahead of the workers (run-ahead), so a step takes at least this."""
 
     fixed_ms: float = Field(1.0, ge=0)
     per_worker_ms: float = Field(0.0, ge=0)
