@@ -240,8 +240,9 @@ class RayWorkerGroup:
         for plan in plans:
             if len(plan.shards_by_rank) != self.size:
                 raise ValueError(f"plan is for {len(plan.shards_by_rank)} ranks, group has {self.size}")
-        # By value: small plans inlined in the task beat a ray.put the workers must fetch.
-        batch = list(plans)
+        # Put once, passed by reference: each plan holds every rank's shards (O(N)), so sent by
+        # value it would be pickled once per call, O(N^2) per batch (1.8 s at 4096 ranks).
+        batch = ray.put(list(plans))
         return [Call(m.info.worker, m.actor.train_steps.remote(first, batch)) for m in self.members]
 
     def kept_reports(self, workers: Sequence[int], first: int, end: int, timeout_s: float) -> list[StepTelemetry]:
