@@ -246,16 +246,11 @@ class RayWorkerGroup:
         return [Call(m.info.worker, m.actor.train_steps.remote(first, batch)) for m in self.members]
 
     def kept_reports(self, workers: Sequence[int], first: int, end: int, timeout_s: float) -> list[StepTelemetry]:
-        asked = [m for m in self.members if m.info.worker in set(workers)]
-        refs = [m.actor.kept_reports.remote(first, end) for m in asked]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
-        reports: list[StepTelemetry] = []
-        for ref in ready:
-            try:
-                reports += ray.get(ref, timeout=0)
-            except ray.exceptions.RayError:
-                continue  # died since: its steps' reports from the others suffice
-        return reports
+        asked = set(workers)
+        members = [m for m in self.members if m.info.worker in asked]
+        answers = self._ask(members, lambda actor: actor.kept_reports.remote(first, end), timeout_s)
+        # A worker that died since has none: its steps' reports from the others suffice.
+        return [report for kept in answers.values() if kept is not None for report in kept]
 
     def wait(self, calls: Sequence[Call], num_returns: int, timeout_s: float) -> tuple[list[Call], list[Call]]:
         if not calls:
@@ -276,9 +271,17 @@ class RayWorkerGroup:
     def progress(self, timeout_s: float) -> dict[int, Progress | None]:
         """Each member's ``progress()`` by worker id; None for one that did not answer in time
         or is dead."""
-        refs = {m.info.worker: m.actor.progress.remote() for m in self.members}
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-        out: dict[int, Progress | None] = {}
+        return self._ask(self.members, lambda actor: actor.progress.remote(), timeout_s)
+
+    @staticmethod
+    def _ask(members: Sequence[Member], call: Callable[[Any], ray.ObjectRef], timeout_s: float) -> dict[int, Any]:
+        """Make ``call`` (a control-group method) on every one of ``members`` at once; their
+        answers by worker id after at most ``timeout_s``, None for one that did not answer in
+        time or is dead."""
+        refs = {m.info.worker: call(m.actor) for m in members}
+        if refs:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        out: dict[int, Any] = {}
         for worker, ref in refs.items():
             try:
                 out[worker] = ray.get(ref, timeout=0)

@@ -306,7 +306,7 @@ class TrainWorker:
     @ray.method(concurrency_group="compute")
     def train_steps(self, first: int, plans: list[StepPlan]) -> list[StepTelemetry]:
         """Run steps ``first``, ``first + 1``... with ``plans[i]`` for step ``first + i`` (the
-        driver's run-ahead: one call for several steps while the job is quiet); returns their
+        driver's run-ahead: one call for several steps while its plan holds); returns their
         reports in order. Raises as ``train_step`` does at the first step that fails; the steps
         applied before it stay applied and their reports stay in ``kept_reports``."""
         return [self.train_step(first + i, plan) for i, plan in enumerate(plans)]
