@@ -68,21 +68,26 @@ def test_the_fit_recovers_a_link_from_exact_times():
 
 def test_the_model_predicts_all_reduces_measured_here():
     """Calibrated on n = 2 and 4 (gloo, this machine's cores), it predicts n = 3, which it never
-    saw. Two runs of bench allreduce here put every point within 28% (median 11-20%), but the
-    same measurement differs by up to 50% from run to run on this shared 2-core machine, so
-    the bound is 50% per point and 30% on the median: what catches a model off by a factor
-    (hop count, bytes per hop, ranks sharing cores), not the 25% the bench reports against."""
+    saw, on real all-reduces. How close is a bench figure (``bench allreduce`` reports it against
+    25%), not a test: 16 runs of this very measurement here put the worst point anywhere from
+    1.3x to 2.5x off (a bound of 50% failed 1 run in 3, CI included) while the median error stayed
+    at or under 25%. The closed forms and the fit are checked exactly above; this catches what
+    real timings show: a fit that calibrates a different model than the one predicting (dropping
+    the core sharing from the fit fails the median here), a slip of units (ms for s fails the link
+    range): every point within 4x, the median within 40%, links of a loopback's order."""
     rows = []
     for n in (2, 3, 4):
         rows += allreduce_rows(n, [4, 16], 1, 10)
     cores = len(os.sched_getaffinity(0))
     links, seen = cost_model([r for r in rows if r["workers"] != 3], cores)
-    errors = []
+    ratios = []
     for r in rows:
         if r["workers"] == 3:
             link = links["native" if r["algorithm"] == "native" else "ours"]
             fabric = Fabric(link, link, cores_per_node=cores)
-            errors.append(allreduce_s(r["algorithm"], r["size_bytes"], 3, 1, fabric) / r["time_s"] - 1)
-    errors += [r["error"] for r in seen]
-    assert max(abs(e) for e in errors) < 0.5, errors
-    assert sorted(abs(e) for e in errors)[len(errors) // 2] < 0.3, errors
+            ratios.append(allreduce_s(r["algorithm"], r["size_bytes"], 3, 1, fabric) / r["time_s"])
+    ratios += [1 + r["error"] for r in seen]
+    assert all(0.25 < ratio < 4 for ratio in ratios), ratios
+    assert sorted(abs(ratio - 1) for ratio in ratios)[len(ratios) // 2] < 0.4, ratios
+    for link in links.values():
+        assert 0 <= link.alpha_s < 0.01 and 0.05e9 < link.beta_bytes_s < 100e9, links
