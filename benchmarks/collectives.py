@@ -103,11 +103,11 @@ def format_allreduce(rows: list[dict[str, Any]]) -> str:
 def _overlap_rank(
     rank: int, world: int, port: int, results: dict, job_json: str, rounds: int, steps: int
 ) -> None:
-    from orchestrator.config import JobConfig
+    from jobspec.job import JobConfig
+    from jobspec.wire import JoinRequest
     from policies.assignment import ShardAssignment
     from policies.work_stealing import StepPlan
     from workers.actor import TrainWorker
-    from workers.protocol import JoinRequest
 
     torch.set_num_threads(1)
     job = JobConfig.model_validate_json(job_json)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.throughput import BenchmarkError, read_run, run_ringleader
-from orchestrator.config import JobConfig
+from jobspec.job import JobConfig
 
 DEFAULT_WORKERS = (4, 8, 16, 32, 64)
 #: Measured columns of ``summary["control_plane"]`` fitted against N.

@@ -18,17 +18,16 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from orchestrator.config import JobConfig, OptimizerConfig
+from jobspec import targets as factories
+from jobspec.job import JobConfig
+from jobspec.recipe import OptimizerConfig
+from jobspec.targets import optional_callable
 from policies.assignment import ShardAssignment
-from workers import factories
 from workers.chaos import ChaosSchedule
-from workers.sampler import ShardSampler
-from workers.actor import learning_rate_schedule
-from workers.factories import optional_callable
 from workers.generic_optimizer import decay_groups, resolve_optimizer_class
 from workers.objective import Objective
+from workers.sampler import ShardSampler
 from workers.training import autocast, evaluate_job, fetch_batch
-
 
 _STOCK_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -78,7 +77,7 @@ class PeerRecipe:
         if state is not None:
             self.module.load_state_dict(state["model"])  # before DDP wraps it
         self.objective = Objective(job.loss.name, job.loss.kwargs)
-        self.schedule = learning_rate_schedule(job.schedule)
+        self.schedule = job.schedule.policy()
         self.horizon = job.schedule.total_steps or job.steps or 0
         self.scaler = torch.amp.GradScaler("cpu", enabled=job.precision == "fp16")
         self.collate = optional_callable(job.dataset.collate)

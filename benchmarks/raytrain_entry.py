@@ -12,7 +12,7 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer, prepare_model
 
 from benchmarks.ddp_loop import train_ddp, write_result
-from orchestrator.config import JobConfig
+from jobspec.job import JobConfig
 
 
 def _loop(config: dict[str, Any]) -> None:

@@ -66,8 +66,8 @@ from ray.train import (  # noqa: E402
 from ray.train.torch import TorchTrainer, prepare_model  # noqa: E402
 
 from benchmarks.ddp_loop import train_ddp  # noqa: E402
-from orchestrator.config import JobConfig  # noqa: E402
-from orchestrator.run_dir import read_jsonl  # noqa: E402
+from jobspec.durable import read_jsonl  # noqa: E402
+from jobspec.job import JobConfig  # noqa: E402
 from workers.sampler import ShardSampler  # noqa: E402
 
 # Files in the scratch directory, shared by the driver and the workers (one machine).

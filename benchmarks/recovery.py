@@ -31,8 +31,8 @@ from benchmarks.recovery_baseline import run_ray_train_recovery, run_torchft_rec
 from benchmarks.throughput import BenchmarkError, model_file, read_run, run_once, run_ringleader
 from benchmarks.torchft_loop import torchft_refusal
 from benchmarks.workloads import workload_job
-from orchestrator.config import JobConfig
-from orchestrator.run_dir import read_jsonl
+from jobspec.durable import read_jsonl
+from jobspec.job import JobConfig
 from workers.sampler import ShardSampler
 
 RUN_TIMEOUT_S = 900.0

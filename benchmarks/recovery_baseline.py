@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.throughput import BenchmarkError, run_command
-from orchestrator.config import JobConfig
+from jobspec.job import JobConfig
 
 
 def ray_train_recovery_command(

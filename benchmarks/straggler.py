@@ -35,8 +35,8 @@ from typing import Any, Callable
 from benchmarks.throughput import run_once
 from benchmarks.torchft_loop import torchft_refusal
 from benchmarks.workloads import workload_job
-from orchestrator.config import JobConfig
-from orchestrator.run_dir import read_jsonl
+from jobspec.durable import read_jsonl
+from jobspec.job import JobConfig
 
 VARIANTS = ("clean", "unmitigated", "mitigated", "ray_train", "torchft", "clean_unmitigated")
 #: Variants that are a peer framework, not ringleader: they run the chaos, never our mitigation.

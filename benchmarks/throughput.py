@@ -29,8 +29,8 @@ from typing import Any, Callable
 from benchmarks.ray_head import RayHead, start_head
 from benchmarks.torchft_loop import torchft_refusal
 from benchmarks.workloads import workload_job
-from orchestrator.config import JobConfig
-from orchestrator.run_dir import read_jsonl
+from jobspec.durable import read_jsonl
+from jobspec.job import JobConfig
 
 FRAMEWORKS = ("ringleader", "ringleader_attached", "ray_train", "torchft", "torchrun")
 RUN_TIMEOUT_S = 900

@@ -20,12 +20,12 @@ import time
 _ENTRY_STARTED = time.time()
 
 import argparse  # noqa: E402
-from collections import defaultdict  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -44,8 +44,8 @@ from benchmarks.torchft_loop import (  # noqa: E402
     torchft_shards,
     train_torchft,
 )
-from orchestrator.config import JobConfig  # noqa: E402
-from orchestrator.run_dir import read_jsonl  # noqa: E402
+from jobspec.durable import read_jsonl  # noqa: E402
+from jobspec.job import JobConfig  # noqa: E402
 from workers.sampler import ShardSampler  # noqa: E402
 
 ATTEMPTS = "attempts-{replica}.jsonl"  # every step attempt of one replica (all its lives)

@@ -33,7 +33,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from benchmarks.ddp_loop import PeerRecipe
-from orchestrator.config import JobConfig
+from jobspec.job import JobConfig
 from workers.chaos import ChaosSchedule
 
 #: torchft's collective, quorum and healing timeouts (Ray's example uses 30 s for the process

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.ddp_loop import train_ddp, write_result
-from orchestrator.config import JobConfig
+from jobspec.job import JobConfig
 
 
 def main() -> None:

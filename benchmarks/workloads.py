@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.config import JobConfig
+from jobspec.job import JobConfig
 from orchestrator.job_file import load_job
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

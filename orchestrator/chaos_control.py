@@ -12,11 +12,11 @@ import signal
 import time
 from typing import TYPE_CHECKING, Callable
 
-from orchestrator.config import ChaosConfig, KillChaos
+from jobspec.chaos import ChaosConfig, KillChaos
+from jobspec.wire import Phase
 from orchestrator.group import WorkerGroup
 from orchestrator.rendezvous import RendezvousStore
 from workers.chaos import death_key
-from workers.protocol import Phase
 
 if TYPE_CHECKING:
     from ray.cluster_utils import Cluster

@@ -16,22 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from orchestrator.config import ConfigError, JobConfig
+from jobspec.fields import ConfigError
+from jobspec.job import JobConfig
+from jobspec.redaction import redact_all
+from jobspec.wire import FileEntry, SnapshotRequest
 from orchestrator.group import Call, CallFailed, WorkerGroup
-from orchestrator.redaction import redact_all
 from orchestrator.run_dir import RunDirectory
 from policies.checkpoint_interval import CheckpointInterval
-from workers.checkpoint_manifest import (
-    MANIFEST,
-    CheckpointCorrupt,
-    FileEntry,
-    latest_valid,
-    prune,
-    verify_checkpoint,
-    write_manifest,
-)
+from workers.checkpoint_manifest import MANIFEST, CheckpointCorrupt, latest_valid, prune, verify_checkpoint, write_manifest
 from workers.checkpoint_storage import CheckpointStorage, absolute_root, checkpoint_name
-from workers.protocol import SnapshotRequest
 
 # Fields of a job that decide its trajectory: a checkpoint resumes only a job that agrees on
 # them. Worker counts, timeouts, straggler handling, chaos and ``steps`` (to extend a run) may

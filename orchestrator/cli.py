@@ -157,13 +157,13 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def _err(message: str) -> None:
     """A one-line message for the user on stderr, credentials in URIs masked."""
-    from orchestrator.redaction import redact
+    from jobspec.redaction import redact
 
     print(redact(f"ringleader: {message}"), file=sys.stderr)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from orchestrator.config import ConfigError
+    from jobspec.fields import ConfigError
     from orchestrator.job_file import job_source, load_job
     from orchestrator.run_dir import JOB_FILE, RunDirectory
 
@@ -186,8 +186,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _err(f"{err}")
         return EXIT_BAD_INPUT
 
+    from jobspec.redaction import redact
     from orchestrator.launch import LaunchTimeout, default_run_dir, run_job
-    from orchestrator.redaction import redact
 
     if args.local_nodes < 0 or (args.local_nodes and (args.address or os.environ.get("RAY_ADDRESS"))):
         _err("--local-nodes N starts its own N-node cluster: N must be >= 1, and it cannot join one (--address or RAY_ADDRESS)")
@@ -225,7 +225,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from orchestrator.config import ConfigError
+    from jobspec.fields import ConfigError
     from orchestrator.launch import ray_session
     from orchestrator.tune import format_ranking, run_sweep
 
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_BAD_INPUT
         return 0
     if args.command == "simulate":
-        from orchestrator.config import ConfigError
+        from jobspec.fields import ConfigError
         from simulator import output
 
         try:

@@ -44,7 +44,7 @@ def add_cluster_commands(commands: argparse._SubParsersAction, set_help: Callabl
 
 
 def run_cluster_command(args: argparse.Namespace, err: Callable[[str], None]) -> int:
-    from orchestrator.config import ConfigError
+    from jobspec.fields import ConfigError
     from orchestrator.submission import EXIT_CODES, Cluster, SubmissionError
 
     try:

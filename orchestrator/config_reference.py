@@ -17,7 +17,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from orchestrator.config import JobConfig, _import_path_or_callable, _name_path_or_callable
+from jobspec.fields import _import_path_or_callable, _name_path_or_callable
+from jobspec.job import JobConfig
 
 HEADER = """# Job file reference
 

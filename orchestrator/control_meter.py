@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from workers.protocol import StepTelemetry
+from jobspec.wire import StepTelemetry
 
 # The first steps after entering Running are warm-up (first calls, lazy imports, JIT'd paths).
 WARMUP_STEPS = 3

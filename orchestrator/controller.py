@@ -14,9 +14,10 @@ from typing import Any, Mapping
 
 from tqdm import tqdm
 
+from jobspec.job import JobConfig
+from jobspec.wire import StepTelemetry, WorkerInfo
 from orchestrator.chaos_control import ChaosControl, ChaosError
 from orchestrator.checkpointing import CheckpointCoordinator, ResumePoint
-from orchestrator.config import JobConfig
 from orchestrator.control_meter import ControlPlaneMeter
 from orchestrator.errors import JobFailed
 from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
@@ -35,7 +36,6 @@ from orchestrator.recovery import (
     steps_to_redo,
 )
 from orchestrator.rendezvous import RendezvousStore
-from orchestrator.store_process import StoreProcessError
 from orchestrator.run_dir import RunDirectory
 from orchestrator.states import (
     CheckpointingBeforeFailure,
@@ -50,6 +50,7 @@ from orchestrator.states import (
     check_transition,
     is_terminal,
 )
+from orchestrator.store_process import StoreProcessError
 from orchestrator.straggler_control import StragglerControl
 from orchestrator.summary import EVENT_COUNTERS, JobResult, job_goodput, job_summary
 from policies.elasticity import pick_root
@@ -57,7 +58,7 @@ from policies.goodput import Goodput
 from policies.run_ahead import RunAhead
 from policies.work_stealing import StepPlan
 from workers.claims import open_step
-from workers.protocol import StepTelemetry, WorkerInfo
+
 
 class JobController:
     """Runs one job on ``group`` (not started yet), meeting its workers at ``store``: start,

@@ -14,9 +14,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
+from jobspec.wire import Progress, SnapshotRequest, StepTelemetry, WorkerInfo
 from orchestrator.rendezvous import RendezvousStore
 from policies.work_stealing import StepPlan
-from workers.protocol import Progress, SnapshotRequest, StepTelemetry, WorkerInfo
 
 
 class WorkerGroupError(RuntimeError):

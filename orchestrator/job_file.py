@@ -9,10 +9,12 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from orchestrator.config import BUILTIN_LOSSES, ConfigError, JobConfig, OptimizerConfig, callable_name
-from orchestrator.redaction import masked
+from jobspec.fields import ConfigError, callable_name
+from jobspec.job import JobConfig
+from jobspec.recipe import BUILTIN_LOSSES, OptimizerConfig
+from jobspec.redaction import masked
+from jobspec.targets import as_callable
 from policies.schedule import BUILTIN_SCHEDULES
-from workers.factories import as_callable
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 import threading
+import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from orchestrator.config import ConfigError, JobConfig
+from jobspec.fields import ConfigError
+from jobspec.job import JobConfig
 from orchestrator.job_file import resolve_job
 from orchestrator.run_dir import RunDirectory, RunListener
 

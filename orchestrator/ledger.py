@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
+from jobspec.wire import StepTelemetry
 from orchestrator.errors import JobFailed
-from workers.protocol import StepTelemetry
 
 
 class CommitLedger:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jobspec.wire import StepTelemetry
 from policies.goodput import Goodput
-from workers.protocol import StepTelemetry
 
 #: name -> (description, tag keys) of every gauge.
 GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {

@@ -9,13 +9,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from orchestrator.config import JobConfig
+from jobspec.job import JobConfig
+from jobspec.wire import StepTelemetry
 from orchestrator.errors import JobFailed
 from orchestrator.group import Call, CallFailed, FailureKind, WorkerGroup
 from policies.eviction import Evict, silent_workers
 from policies.run_ahead import BATCHES_IN_FLIGHT, RunAhead
 from policies.work_stealing import StepPlan
-from workers.protocol import StepTelemetry
 
 # Once one call of a batch has ended, how long the driver waits for the rest before it looks
 # at what came in: the bound on how late it sees a failure after a peer's call ended.

@@ -8,9 +8,9 @@ from typing import Any, Callable, TypeVar
 
 import ray
 
+from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from orchestrator.group import CallFailed, FailureKind, WorkerGroupError
 from orchestrator.rendezvous import RendezvousStore
-from workers.comm_group import CollectiveAborted, CollectiveTimeout
 
 
 def driver_store(timeout_s: float) -> RendezvousStore:

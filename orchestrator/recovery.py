@@ -14,14 +14,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from orchestrator.config import ScalingConfig
+from jobspec.runtime import ScalingConfig
+from jobspec.wire import Progress
 from orchestrator.errors import JobFailed
 from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.membership import JoinerPool
 from orchestrator.pipeline import InFlight
 from orchestrator.rendezvous import RendezvousStore
 from policies.elasticity import after_failure, pick_root
-from workers.protocol import Progress
 
 # How long the driver waits for every member's progress() when it looks for the dead: the
 # control group answers in milliseconds even mid-step, so silence this long means a dead

@@ -4,31 +4,12 @@ by the driver, in its process or in a child process of its own (``orchestrator/s
 from __future__ import annotations
 
 import secrets
-import socket
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from orchestrator.store_process import StoreProcess, StoreProcessError
+from orchestrator.store_process import StoreProcess, StoreProcessError, listening_store
 from workers.claims import CountingStore
-
-
-def listening_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
-    """A TCPStore server listening on ``host`` only (an ephemeral port), and its port."""
-    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-    # Bound here and handed to the store: TCPStore alone would listen on every interface.
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, 0))
-    listener.listen(1024)
-    port = listener.getsockname()[1]
-    server = dist.TCPStore(
-        host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
-        # The store owns the descriptor from here on (and closes it): detach it from the
-        # Python socket, or both would close the same number.
-        master_listen_fd=listener.detach(),
-    )
-    return server, port
 
 
 class RendezvousStore:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.run_dir import read_jsonl, write_atomic
+from jobspec.durable import read_jsonl, write_atomic
 
 #: Event kinds marked on the time plots: (label, colour).
 MARKERS: dict[str, tuple[str, str]] = {

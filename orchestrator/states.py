@@ -19,8 +19,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Mapping, Union
 
+from jobspec.wire import StepTelemetry
 from orchestrator.pipeline import InFlight, StepOutcome
-from workers.protocol import StepTelemetry
 
 
 class JobState(str, enum.Enum):

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import os
 import select
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
+
+import torch.distributed as dist
 
 # How long the child may take to import torch and listen before the driver gives up.
 START_TIMEOUT_S = 60.0
@@ -101,9 +105,25 @@ class StoreProcess:
         self._stderr.close()
 
 
-def _serve(host: str, timeout_s: float, parent: int) -> None:
-    from orchestrator.rendezvous import listening_store
+def listening_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """A TCPStore server listening on ``host`` only (an ephemeral port), and its port."""
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    # Bound here and handed to the store: TCPStore alone would listen on every interface.
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(1024)
+    port = listener.getsockname()[1]
+    server = dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+        # The store owns the descriptor from here on (and closes it): detach it from the
+        # Python socket, or both would close the same number.
+        master_listen_fd=listener.detach(),
+    )
+    return server, port
 
+
+def _serve(host: str, timeout_s: float, parent: int) -> None:
     store, port = listening_store(host, timeout_s)
     print(port, flush=True)
     while os.getppid() == parent:

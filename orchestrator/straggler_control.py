@@ -6,12 +6,12 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
-from orchestrator.config import JobConfig
+from jobspec.job import JobConfig
+from jobspec.wire import StepTelemetry
 from policies.assignment import ShardAssignment
 from policies.eviction import Evict
 from policies.straggler_policies import StepColumns, StragglerPolicies
 from policies.work_stealing import StepPlan
-from workers.protocol import StepTelemetry
 
 EventSink = Callable[..., None]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import JobConfig
+from jobspec.job import JobConfig
 from orchestrator.ledger import CommitLedger
 from orchestrator.recovery import Recovery
 from policies.goodput import Goodput, RecoverySpans, account

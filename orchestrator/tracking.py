@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from orchestrator.config import TrackingConfig
-from workers import factories
+from jobspec import targets as factories
+from jobspec.runtime import TrackingConfig
 
 #: What a step event carries that trackers log, by metric name.
 STEP_METRICS = ("loss", "lr", "grad_norm", "step_s", "weight", "weight_per_s")

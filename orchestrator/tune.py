@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import ConfigError, JobConfig
+from jobspec.fields import ConfigError
+from jobspec.job import JobConfig
 from orchestrator.job_file import apply_overrides, job_from_mapping, load_job, resolve_job
 
 #: ``FIELD=NAME(ARGS)``; NAME one of DISTRIBUTIONS.

@@ -16,7 +16,9 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator.config import JobConfig, ScalingConfig
+from jobspec.job import JobConfig
+from jobspec.runtime import ScalingConfig
+from jobspec.wire import JoinRequest, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
 from orchestrator.group import Call, WorkerGroupError
 from orchestrator.ray_calls import failure_of, ray_errors_as_group_errors
 from orchestrator.rendezvous import RendezvousStore
@@ -24,7 +26,6 @@ from policies.collective_choice import CollectiveChoice
 from policies.placement import unplaceable
 from policies.work_stealing import StepPlan
 from workers.actor import TrainWorker
-from workers.protocol import JoinRequest, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
 
 RemoteTrainWorker = ray.remote(concurrency_groups={"compute": 1, "control": 1, "io": 1})(TrainWorker)
 

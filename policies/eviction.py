@@ -10,11 +10,24 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Collection
+from typing import Any, Collection, Protocol
 
 import numpy as np
 
-from workers.protocol import Progress
+
+class WorkerProgress(Protocol):
+    """Where one worker is (``jobspec.wire.Progress`` is one): in ``step`` since ``since_s``
+    seconds, and whether it has done its own work of a step and waits for the others."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def since_s(self) -> float: ...
+
+    def waiting_in(self, step: int) -> bool: ...
+
+    def to_json(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -26,7 +39,7 @@ class Evict:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
-def silent_workers(progress: dict[int, Progress | None], silent_s: float) -> list[Evict]:
+def silent_workers(progress: dict[int, WorkerProgress | None], silent_s: float) -> list[Evict]:
     """Workers holding up a step that others have waited in for ``silent_s`` or longer.
 
     ``progress[w]`` is worker w's report or None if it did not answer. The step held up is the
@@ -35,7 +48,7 @@ def silent_workers(progress: dict[int, Progress | None], silent_s: float) -> lis
     computing it, or an earlier step, or not answering). If nobody has waited that long, the
     whole step is slow (or just began), not one worker: nobody is evicted.
     """
-    waited = [r.step for r in progress.values() if r is not None and r.phase.waiting and r.since_s >= silent_s]
+    waited = [r.step for r in progress.values() if r is not None and r.waiting_in(r.step) and r.since_s >= silent_s]
     if not waited:
         return []
     step = max(waited)

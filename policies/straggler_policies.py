@@ -6,14 +6,13 @@ reports, the simulator (``simulator/engine.py``) simulated columns, the replay
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
 from policies.eviction import Evict, SlowEviction
 from policies.rebalance import Rebalance, Rebalancer
 from policies.straggler import StragglerDetector, StragglerReport
-from workers.protocol import StepTelemetry
 
 
 def arrival_s(shards_run: int, compute_s: float, stalled_s: float, gave_up: bool) -> float:
@@ -21,6 +20,28 @@ def arrival_s(shards_run: int, compute_s: float, stalled_s: float, gave_up: bool
     and stalls. One that ran nothing (none planned) arrives at once and says nothing (0), but
     one that gave its shards up held the step up for as long as it waited."""
     return compute_s + stalled_s if shards_run or gave_up else 0.0
+
+
+class WorkerStepFigures(Protocol):
+    """One worker's figures of one step (``jobspec.wire.StepTelemetry`` is one)."""
+
+    @property
+    def worker(self) -> int: ...
+
+    @property
+    def shards_run(self) -> int: ...
+
+    @property
+    def shard_s(self) -> float: ...
+
+    @property
+    def compute_s(self) -> float: ...
+
+    @property
+    def stalled_s(self) -> float: ...
+
+    @property
+    def gave_up(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -34,7 +55,7 @@ class StepColumns:
     arrival: np.ndarray
 
     @classmethod
-    def of_reports(cls, reports: Sequence[StepTelemetry]) -> "StepColumns":
+    def of_reports(cls, reports: Sequence[WorkerStepFigures]) -> "StepColumns":
         """The columns of the workers' reports of one step, in their order."""
         return cls(
             workers=np.array([r.worker for r in reports], np.int64),

@@ -6,7 +6,8 @@
 See ``ringleader.api`` for the contract, README ("Python API") for a complete example.
 """
 
-from orchestrator.config import ConfigError, JobConfig
+from jobspec.fields import ConfigError
+from jobspec.job import JobConfig
 from ringleader.api import RunResult, resume, run
 
 __all__ = ["ConfigError", "JobConfig", "RunResult", "resume", "run"]

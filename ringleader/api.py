@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import ConfigError, JobConfig
+from jobspec.fields import ConfigError
+from jobspec.job import JobConfig
 from orchestrator.job_file import apply_overrides, job_from_mapping, load_job
 from orchestrator.run_dir import JOB_FILE, RunDirectory
 

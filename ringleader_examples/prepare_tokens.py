@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.run_dir import write_atomic
+from jobspec.durable import write_atomic
 
 
 def encode_bytes(text: str) -> np.ndarray:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.run_dir import write_atomic
+from jobspec.durable import write_atomic
 from simulator.engine import Outcome, simulate
 from simulator.scenario import Scenario, load_scenario
 

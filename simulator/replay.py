@@ -8,10 +8,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import JobConfig
-from orchestrator.run_dir import read_jsonl
+from jobspec.durable import read_jsonl
+from jobspec.job import JobConfig
+from jobspec.wire import StepTelemetry
 from policies.straggler_policies import StepColumns, StragglerPolicies
-from workers.protocol import StepTelemetry
 
 #: The events a replay reproduces, and what identifies each decision.
 DECISIONS = ("straggler", "rebalance", "evict")

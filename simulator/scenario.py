@@ -10,17 +10,18 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from orchestrator.config import ConfigError, StragglerConfig
+from jobspec.fields import ConfigError
+from jobspec.stragglers import StragglerConfig
 from orchestrator.job_file import apply_overrides, describe_errors, read_mapping
 
 CONTENDERS = ("ringleader", "no_mitigation", "restart_world")
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Workload(_Strict):
+class Workload(StrictModel):
     """One data-parallel step at nominal speed: ``compute_s`` of forward, backward and optimizer
     on each worker's even share, ``backward_share`` of it backward (the window overlap hides
     the all-reduce in), the global batch cut into ``shards_per_worker`` x workers shards."""
@@ -31,21 +32,21 @@ class Workload(_Strict):
     jitter: float = Field(0.02, ge=0, le=1, description="log-normal sigma of a worker's step-to-step noise")
 
 
-class NodeType(_Strict):
+class NodeType(StrictModel):
     """A share of the nodes computing at ``speed`` x nominal (heterogeneous fleets)."""
 
     fraction: float = Field(gt=0, le=1)
     speed: float = Field(gt=0)
 
 
-class SlowNodes(_Strict):
+class SlowNodes(StrictModel):
     """``count`` nodes persistently ``factor`` x slower (thermal throttling, a bad DIMM)."""
 
     count: int = Field(0, ge=0)
     factor: float = Field(3.0, ge=1)
 
 
-class TransientSlowdowns(_Strict):
+class TransientSlowdowns(StrictModel):
     """At any moment ``fraction`` of the workers are in a slowdown episode lasting ``mean_steps``
     on average (geometric), computing ``factor`` x slower."""
 
@@ -54,7 +55,7 @@ class TransientSlowdowns(_Strict):
     mean_steps: float = Field(20.0, ge=1)
 
 
-class Failures(_Strict):
+class Failures(StrictModel):
     """Node failures as a Poisson process: each node fails after ``node_mtbf_h`` hours on average
     (0 nodes failing: ``node_mtbf_h`` null). ``at_s``: failures at fixed times instead (tests,
     what-ifs)."""
@@ -63,7 +64,7 @@ class Failures(_Strict):
     at_s: list[float] = Field(default_factory=list)
 
 
-class InPlaceRecovery(_Strict):
+class InPlaceRecovery(StrictModel):
     """ringleader's recovery (docs/architecture.md, "Recovery"): ``detect_s`` until the driver
     sees the death, ``reform_s`` to re-form the survivors' group; the interrupted step is redone.
     A replacement node comes ``replacement_s`` after the failure and joins at a step boundary
@@ -75,7 +76,7 @@ class InPlaceRecovery(_Strict):
     join_s: float = Field(30.0, ge=0)
 
 
-class RestartTheWorld(_Strict):
+class RestartTheWorld(StrictModel):
     """Ray Train's and torchrun's recovery: every worker restarts (``restart_s``: relaunch,
     rendezvous, load the last checkpoint) and the steps since that checkpoint are redone. A
     checkpoint holds training up ``checkpoint_s``; ``checkpoint_every_steps`` null: the
@@ -86,14 +87,14 @@ class RestartTheWorld(_Strict):
     checkpoint_every_steps: int | None = Field(None, ge=1)
 
 
-class Snapshots(_Strict):
+class Snapshots(StrictModel):
     """ringleader's checkpoints: the in-memory snapshot holds training up ``snapshot_s``; the
     write runs in the background. The interval is the job's policy (Young/Daly, measured)."""
 
     snapshot_s: float = Field(2.0, ge=0)
 
 
-class ControlPlane(_Strict):
+class ControlPlane(StrictModel):
     """The driver's cost per step, ``fixed_ms + per_worker_ms x N`` (``ringleader bench
     control-plane`` fits both). The driver works ahead of the workers (run-ahead), so a step takes at least this."""
 
@@ -101,14 +102,14 @@ class ControlPlane(_Strict):
     per_worker_ms: float = Field(0.0, ge=0)
 
 
-class LinkCost(_Strict):
+class LinkCost(StrictModel):
     """One hop: ``latency_us`` and ``bandwidth_gb_s`` (GB/s, one direction)."""
 
     latency_us: float = Field(ge=0)
     bandwidth_gb_s: float = Field(gt=0)
 
 
-class CollectiveCost(_Strict):
+class CollectiveCost(StrictModel):
     """The gradient all-reduce: ``gradient_mb`` in buckets of ``bucket_mb``, by ``algorithm``
     over ``intra`` (within a node) and ``inter`` (between nodes) links (policies/collective_cost.py)."""
 
@@ -119,7 +120,7 @@ class CollectiveCost(_Strict):
     inter: LinkCost = LinkCost(latency_us=10.0, bandwidth_gb_s=45.0)
 
 
-class Scenario(_Strict):
+class Scenario(StrictModel):
     """What ``ringleader simulate`` runs: ``workers`` in nodes of ``workers_per_node``, for
     ``steps``, each contender in ``contenders`` on the same draws (``seed``)."""
 

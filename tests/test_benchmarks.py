@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from benchmarks.ray_head import start_head
 from benchmarks.collectives import MB, allreduce_rows, format_allreduce, overlap_result
+from benchmarks.ray_head import start_head
 from benchmarks.straggler import VARIANTS as STRAGGLER_VARIANTS
 from benchmarks.straggler import StragglerChaos
 from benchmarks.straggler import run_benchmark as run_straggler

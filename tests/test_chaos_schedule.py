@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from orchestrator.config import ChaosConfig
+from jobspec.chaos import ChaosConfig
 from workers.chaos import ChaosSchedule
 
 

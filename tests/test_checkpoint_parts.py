@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.checkpoint_storage import CheckpointStorage
 from workers.checkpoint_manifest import CheckpointCorrupt, verify_checkpoint, write_manifest
+from workers.checkpoint_storage import CheckpointStorage
 from workers.checkpointing import load_residuals, load_state, part_range, take_snapshot, write_snapshot
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from jobspec.wire import FileEntry
+from workers.checkpoint_manifest import MANIFEST, CheckpointCorrupt, latest_valid, prune, verify_checkpoint, write_manifest
 from workers.checkpoint_storage import CheckpointStorage, checkpoint_name, step_of
-from workers.checkpoint_manifest import MANIFEST, CheckpointCorrupt, FileEntry, latest_valid, prune, verify_checkpoint, write_manifest
 
 
 @pytest.fixture(params=["local", "file-uri", "mock"])

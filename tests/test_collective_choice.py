@@ -8,15 +8,15 @@ import time
 
 import pytest
 import torch
-
 from multiproc import comm_group, run_ranks
+
+from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from policies.collective_choice import (
     MIN_BUCKET_BYTES,
-    LinkModel,
     LinkMeasurements,
+    LinkModel,
     choose_collective,
 )
-from workers.comm_group import CollectiveAborted, CollectiveTimeout
 from workers.communicator import make_communicator
 from workers.link_probe import auto_communicator, candidate_algorithms, measure_links, probe_sizes
 

@@ -9,7 +9,14 @@ import pytest
 
 from benchmarks.collectives import allreduce_rows, cost_model
 from policies.collective_cost import (
-    Fabric, Link, allreduce_s, bucket_sizes, exposed_s, fit_link, hierarchical_s, ring_s,
+    Fabric,
+    Link,
+    allreduce_s,
+    bucket_sizes,
+    exposed_s,
+    fit_link,
+    hierarchical_s,
+    ring_s,
 )
 
 NVLINK = Link(3.4e-6, 360e9)

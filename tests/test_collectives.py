@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
-
 from multiproc import comm_group, run_ranks, tcp_store
-from workers.comm_group import CollectiveAborted, CollectiveTimeout
+
+from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from workers.communicator import make_communicator
 from workers.compression import compress
 from workers.ring import chunk_bounds, node_groups

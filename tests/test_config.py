@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jobspec.chaos import KillChaos, SlowChaos, StallChaos
+from jobspec.fields import ConfigError
+from jobspec.job import JobConfig
 from orchestrator.cli import main
-from orchestrator.config import ConfigError, JobConfig, KillChaos, SlowChaos, StallChaos
 from orchestrator.job_file import load_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -233,7 +235,7 @@ def test_callables_are_recorded_by_a_name_that_imports_them_back_or_marked_not_i
     import functools
     import json
 
-    from orchestrator.config import callable_name
+    from jobspec.fields import callable_name
     from tests.helpers.losses import make_model, token_loss
 
     assert callable_name(token_loss) == "tests.helpers.losses:token_loss"

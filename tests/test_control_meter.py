@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from jobspec.wire import StepTelemetry
 from orchestrator.control_meter import WARMUP_STEPS, ControlPlaneMeter
-from workers.protocol import StepTelemetry
 
 
 def _report(trips: int, nbytes: int) -> StepTelemetry:

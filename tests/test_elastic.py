@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
-from workers.checkpoint_storage import CheckpointStorage
 from workers.checkpoint_manifest import MANIFEST, latest_valid, verify_checkpoint
+from workers.checkpoint_storage import CheckpointStorage
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import ConfigError
+from jobspec.fields import ConfigError
 from orchestrator.job_file import load_job
 from policies.elasticity import admit_count, after_failure, pick_root
 

@@ -33,7 +33,7 @@ def test_a_negative_span_is_refused_by_name():
 
 
 def _report(compute_s: float, idle_s: float = 0.0, stalled_s: float = 0.0):
-    from workers.protocol import StepTelemetry
+    from jobspec.wire import StepTelemetry
 
     return StepTelemetry(
         step=0, rank=0, worker=0, shards=(), samples=0, global_samples=0, loss=0.0,

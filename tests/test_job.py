@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from orchestrator.cli import main
 from orchestrator.job_file import load_job
-from orchestrator.summary import EVENT_COUNTERS
 from orchestrator.launch import run_job
+from orchestrator.summary import EVENT_COUNTERS
 from tests.helpers.jobs import assert_same_params, params, run
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -114,7 +113,7 @@ def test_builtin_example_end_to_end(tmp_path, capsys):
 
     state = params(run_dir)
     model = load_job(None).model
-    from workers.factories import build
+    from jobspec.targets import build
 
     build(model.factory, model.kwargs).load_state_dict(state)
 

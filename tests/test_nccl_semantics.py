@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from workers.comm_group import CollectiveAborted, CollectiveTimeout, CommGroup
+from jobspec.failures import CollectiveAborted, CollectiveTimeout
+from workers.comm_group import CommGroup
 from workers.communicator import NativeAllReduce
 from workers.ring import RingAllReduce
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from multiproc import comm_group, run_ranks
+
 from workers.communicator import make_communicator
 from workers.overlap import GradientReducer, plan_buckets
 from workers.training import FlatParameters

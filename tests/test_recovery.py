@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from jobspec.job import JobConfig
+from jobspec.wire import FileEntry, Phase, Progress
 from orchestrator.chaos_control import ChaosControl
-from orchestrator.config import JobConfig
-from orchestrator.job_file import load_job
 from orchestrator.controller import JobController
 from orchestrator.group import WorkerGroupError
+from orchestrator.job_file import load_job
+from orchestrator.pipeline import InFlight, StepOutcome
 from orchestrator.recovery import first_uncommitted, state_holders, steps_to_redo
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.run_dir import RunDirectory
-from orchestrator.pipeline import InFlight, StepOutcome
 from orchestrator.states import (
     Failed,
     Finished,
@@ -30,11 +31,10 @@ from orchestrator.states import (
     Starting,
     check_transition,
 )
-from tests.helpers.fake_group import Faults, FakeWorkerGroup
+from tests.helpers.fake_group import FakeWorkerGroup, Faults
 from tests.helpers.jobs import jsonl
+from workers.checkpoint_manifest import MANIFEST, latest_valid, verify_checkpoint, write_manifest
 from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpoint_manifest import MANIFEST, FileEntry, latest_valid, verify_checkpoint, write_manifest
-from workers.protocol import Phase, Progress
 
 STEPS = 20
 
@@ -422,7 +422,7 @@ def test_chaos_that_hits_nothing_says_so(tmp_path):
 def test_a_checkpoint_kill_strikes_at_the_first_checkpoint_after_its_step():
     import threading
 
-    from orchestrator.config import ChaosConfig
+    from jobspec.chaos import ChaosConfig
     from workers.chaos import ChaosSchedule
 
     chaos = ChaosConfig.model_validate({"kill": [{"at_step": 420, "worker": 0, "during": "checkpoint"}]})

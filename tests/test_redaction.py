@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from orchestrator.redaction import redact, redact_all
+from jobspec.redaction import redact, redact_all
 from orchestrator.run_dir import RunDirectory
 from workers.checkpoint_storage import CheckpointStorage
 
@@ -50,7 +50,7 @@ def test_checkpoint_messages_name_files_without_the_secret():
 
 
 def test_resuming_a_job_whose_saved_credential_was_masked_asks_for_it_again(tmp_path):
-    from orchestrator.config import ConfigError
+    from jobspec.fields import ConfigError
     from orchestrator.job_file import load_job
 
     run = RunDirectory(tmp_path / "run")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from jobspec.fields import ConfigError
 from orchestrator.cli import main
-from orchestrator.config import ConfigError
 from orchestrator.job_file import load_job
 from orchestrator.launch import run_job
 from tests.helpers.jobs import assert_same_params, jsonl, params, run

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from jobspec.fields import ConfigError
 from orchestrator.cli import main
-from orchestrator.config import ConfigError
 from simulator.engine import Run, simulate
 from simulator.replay import recorded_decisions, replayed_decisions
 from simulator.scenario import Scenario, load_scenario

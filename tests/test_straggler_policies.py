@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from jobspec.wire import Phase, Progress
 from policies.eviction import SlowEviction, silent_workers
 from policies.rebalance import Rebalancer, proportional_counts
 from policies.straggler import StragglerDetector, WorkerStep
@@ -23,7 +24,6 @@ from policies.work_stealing import (
     block_late,
     pick_work,
 )
-from workers.protocol import Phase, Progress
 
 
 def _step(rng: random.Random, speeds: list[float], noise: float, shards: list[int] | None = None) -> list[WorkerStep]:

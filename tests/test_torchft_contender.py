@@ -16,7 +16,7 @@ from benchmarks.recovery_baseline import run_torchft_recovery
 from benchmarks.torchft_entry import ATTEMPTS, summarize
 from benchmarks.torchft_loop import torchft_shards
 from benchmarks.workloads import workload_job
-from orchestrator.config import JobConfig
+from jobspec.job import JobConfig
 from workers.sampler import ShardSampler
 
 

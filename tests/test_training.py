@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import TensorDataset
-
 import torch.nn.functional as F
+from torch.utils.data import TensorDataset
 
 from workers.training import FlatParameters, fetch_batch
 

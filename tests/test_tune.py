@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from orchestrator.config import ConfigError
+from jobspec.fields import ConfigError
 from orchestrator.tune import format_ranking, parse_param, run_sweep
 
 

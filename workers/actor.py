@@ -21,14 +21,23 @@ import ray
 import torch
 import torch.distributed as dist
 
-from orchestrator.config import JobConfig, ScheduleConfig
-from policies.schedule import BUILTIN_SCHEDULES, LearningRateSchedule
+from jobspec import targets as factories
+from jobspec.failures import CollectiveAborted, CollectiveTimeout, ShardCensusError
+from jobspec.job import JobConfig
+from jobspec.targets import optional_callable
+from jobspec.wire import (
+    FileEntry,
+    Joined,
+    JoinRequest,
+    Phase,
+    Progress,
+    SnapshotRequest,
+    StepTelemetry,
+    WorkerInfo,
+)
 from policies.work_stealing import StepPlan
-from workers import factories
-from workers.factories import optional_callable
 from workers.chaos import ChaosSchedule, death_key, kill_self
 from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpoint_manifest import FileEntry
 from workers.checkpointing import (
     PartSnapshot,
     chain_future,
@@ -39,13 +48,7 @@ from workers.checkpointing import (
     write_snapshot,
 )
 from workers.claims import CountingStore, ShardClaims
-from workers.comm_group import (
-    CollectiveAborted,
-    CollectiveTimeout,
-    CommGroup,
-    call_abortable,
-    new_process_group,
-)
+from workers.comm_group import CommGroup, call_abortable, new_process_group
 from workers.communicator import Communicator, make_communicator, pick_backend
 from workers.compression import OWN_TRANSPORT, TopKAllReduce, compress
 from workers.generic_optimizer import make_optimizer
@@ -54,18 +57,8 @@ from workers.loss_scaler import LossScaler
 from workers.objective import Objective
 from workers.overlap import DEFAULT_BUCKET_BYTES, GradientReducer
 from workers.sampler import ShardSampler
-from workers.protocol import (
-    Joined,
-    JoinRequest,
-    Phase,
-    Progress,
-    SnapshotRequest,
-    StepTelemetry,
-    WorkerInfo,
-)
 from workers.step import BOOKKEEPING_SLOTS, LOSS_SLOT, SAMPLES_SLOT, WEIGHT_SLOT, ClaimedStep, RescuePass, StepRunner
 from workers.training import FlatParameters, evaluate_job, finish_gradient
-
 
 #: When this module (and with it torch and the worker's code) had loaded: the launch's breakdown.
 IMPORTED_AT = time.time()
@@ -82,18 +75,6 @@ def process_started_at() -> float | None:
     except (OSError, ValueError, IndexError, AttributeError):
         return None
     return time.time() - age_s
-
-
-class ShardCensusError(RuntimeError):
-    """After the all-reduce some shard was counted zero or several times: the step is invalid."""
-
-
-def learning_rate_schedule(config: ScheduleConfig) -> LearningRateSchedule:
-    """The policy for ``config``; a function schedule (import path or callable) is ``custom``."""
-    settings = config.model_dump(exclude={"total_steps"})
-    if settings["name"] in BUILTIN_SCHEDULES:
-        return LearningRateSchedule(**settings)
-    return LearningRateSchedule(**{**settings, "name": "custom", "function": factories.as_callable(config.name)})
 
 
 class TrainWorker:
@@ -126,7 +107,7 @@ class TrainWorker:
                 "(the master weights) and set precision: bf16 or fp16 to compute in half precision"
             )
         self.optimizer = make_optimizer(job.optimizer, self.flat)
-        self.schedule = learning_rate_schedule(job.schedule)
+        self.schedule = job.schedule.policy()
         scaling = job.loss_scaling
         self.scaler = LossScaler(
             job.precision == "fp16", scaling.init, scaling.growth, scaling.backoff, scaling.growth_interval, self.device

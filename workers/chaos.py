@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import get_args
 
-from orchestrator.config import ChaosConfig, KillChaos, KillPoint, RandomStalls, SlowChaos, StallChaos, StallPoint
+from jobspec.chaos import ChaosConfig, KillChaos, KillPoint, RandomStalls, SlowChaos, StallChaos, StallPoint
 from policies.ewma import ewma
 
 CHECK_EVERY_S = 0.01

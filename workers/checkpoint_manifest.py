@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Callable
 
+from jobspec.wire import FileEntry
 from workers.checkpoint_storage import CheckpointStorage, checkpoint_name, split_relpath, step_of
 
 MANIFEST = "manifest.json"
@@ -35,15 +36,6 @@ class CheckpointCorrupt(Exception):
 
     def __str__(self) -> str:
         return f"checkpoint {self.name}: {self.location}: {self.problem}"
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """One file of a checkpoint: ``path`` relative to the checkpoint directory, its sha256 hex and size in bytes."""
-
-    path: str
-    sha256: str
-    bytes: int
 
 
 def write_manifest(storage: CheckpointStorage, step: int, files: list[FileEntry], meta: dict[str, Any]) -> str:

@@ -14,10 +14,9 @@ import re
 import shutil
 import tempfile
 import urllib.parse
-
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
-from orchestrator.redaction import redact
+from jobspec.redaction import redact
 
 if TYPE_CHECKING:
     import pyarrow.fs

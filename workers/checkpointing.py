@@ -29,9 +29,10 @@ from typing import Any
 import torch
 from torch.utils.serialization import config as serialization_config
 
+from jobspec.wire import FileEntry
 from policies.split import even_bounds
+from workers.checkpoint_manifest import CheckpointCorrupt
 from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpoint_manifest import CheckpointCorrupt, FileEntry
 
 FORMAT = 1
 

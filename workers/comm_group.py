@@ -26,6 +26,8 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
+from jobspec.failures import CollectiveAborted, CollectiveTimeout
+
 # How often a waiting caller looks at the abort flag: the bound on how late an abort is seen.
 ABORT_POLL_S = 0.02
 # How often the communication thread looks whether an NCCL op has completed (short: it is
@@ -35,14 +37,6 @@ COMPLETION_POLL_S = 0.0002
 NCCL_CLEAN_UP_ONLY = "2"
 
 T = TypeVar("T")
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective did not finish within its timeout (a peer died, hung or is far behind)."""
-
-
-class CollectiveAborted(RuntimeError):
-    """The driver raised the abort flag while a collective was pending."""
 
 
 class PendingOp:

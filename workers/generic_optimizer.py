@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from orchestrator.config import OptimizerConfig
-from workers import factories
+from jobspec import targets as factories
+from jobspec.recipe import OptimizerConfig
 from workers.flat_optimizer import FlatOptimizer
 from workers.training import FlatParameters
 

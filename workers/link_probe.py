@@ -22,8 +22,8 @@ import torch.distributed as dist
 from policies.collective_choice import CollectiveChoice, LinkMeasurements, choose_collective
 from workers.comm_group import CommGroup, PendingOp
 from workers.communicator import Communicator, NativeAllReduce, make_communicator
-from workers.overlap import DEFAULT_BUCKET_BYTES
 from workers.compression import Int8RingAllReduce
+from workers.overlap import DEFAULT_BUCKET_BYTES
 from workers.ring import is_flat, node_groups
 
 PROBE_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from workers import factories
+from jobspec import targets as factories
 
 IGNORE_INDEX = -100  # torch's and Hugging Face's default
 

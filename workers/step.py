@@ -32,15 +32,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from jobspec.failures import CollectiveAborted, CollectiveTimeout
+from jobspec.wire import Phase
 from policies.work_stealing import FREE, Backup, ClaimKind, Finished, RunShards, StepPlan, Wait, block_late, pick_work
 from workers.chaos import ChaosSchedule
 from workers.claims import ShardClaims
-from workers.comm_group import CollectiveAborted, CollectiveTimeout
-from workers.overlap import GradientReducer
-from workers.sampler import ShardSampler
-from workers.protocol import Phase
 from workers.objective import Objective
+from workers.overlap import GradientReducer
 from workers.prefetch import BatchPrefetch
+from workers.sampler import ShardSampler
 from workers.step_work import ClaimedStep, PassResult, RescuePass, StepWork
 from workers.training import FlatParameters, autocast, fetch_batch, move_to
 

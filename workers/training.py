@@ -12,11 +12,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from workers import factories
+from jobspec import targets as factories
 from workers.objective import Objective
 
 if TYPE_CHECKING:
-    from orchestrator.config import JobConfig
+    from jobspec.job import JobConfig
 
 
 def fetch_batch(dataset: Dataset, indices: np.ndarray, collate: Callable[[list[Any]], Any] | None = None) -> Any:

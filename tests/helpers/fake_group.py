@@ -16,13 +16,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from orchestrator.config import JobConfig
+from jobspec.job import JobConfig
+from jobspec.wire import FileEntry, Phase, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
 from orchestrator.group import Call, CallFailed, FailureKind, WorkerGroupError
 from orchestrator.rendezvous import RendezvousStore
 from policies.work_stealing import StepPlan
 from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpoint_manifest import FileEntry
-from workers.protocol import Phase, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
 
 BLOCKED = float("inf")  # a call that ends only when aborted
 

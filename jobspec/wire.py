@@ -201,3 +201,12 @@ class StepTelemetry:
         # Every field is a number, a bool or the shards tuple: a shallow copy is enough, and
         # ~90x cheaper than asdict's deep copy (the driver writes one per worker per step).
         return {**vars(self), "shards": list(self.shards)}
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint: ``path`` relative to the checkpoint directory, its sha256 hex and size in bytes."""
+
+    path: str
+    sha256: str
+    bytes: int

@@ -1,0 +1,91 @@
+"""The job: one pydantic model validated once, at the edge, before any actor starts, and the
+checks that span its sections.
+
+The defaults of :class:`JobConfig` are the built-in example (the digits classifier), so
+``ringleader run`` with no job file trains it; ``examples/digits.yaml`` spells the same job out.
+Reading a job file and ``--set`` overrides into a JobConfig is ``orchestrator/job_file.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from jobspec.chaos import ChaosConfig
+from jobspec.fields import FactorySpec, StrictModel
+from jobspec.recipe import DatasetSpec, EvalSpec, LossConfig, LossScalingConfig, OptimizerConfig, ScheduleConfig
+from jobspec.runtime import (
+    CheckpointConfig,
+    CollectiveConfig,
+    ScalingConfig,
+    TimeoutConfig,
+    TrackingConfig,
+    WorkerConfig,
+)
+from jobspec.stragglers import StragglerConfig
+
+_DIGITS = "ringleader_examples.digits"
+
+
+class JobConfig(StrictModel):
+    """A data-parallel training job. The defaults are the built-in digits example."""
+
+    name: str = Field("digits", pattern=r"^[\w.-]+$")
+    seed: int = 0
+    model: FactorySpec = FactorySpec(factory=f"{_DIGITS}:make_model", kwargs={"hidden": 128})
+    dataset: DatasetSpec = DatasetSpec(factory=f"{_DIGITS}:make_dataset", kwargs={"split": "train"})
+    eval: EvalSpec | None = EvalSpec(factory=f"{_DIGITS}:make_dataset", kwargs={"split": "test"})
+    loss: LossConfig = LossConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="forward under torch.autocast in this dtype; master weights stay fp32"
+    )
+    loss_scaling: LossScalingConfig = LossScalingConfig()
+    batch_size: int = Field(256, ge=1, description="global samples per step")
+    shards: int = Field(16, ge=1, description="shards per step, independent of the worker count")
+    steps: int | None = Field(300, ge=1)
+    epochs: float | None = Field(None, gt=0, description="alternative to steps")
+    scaling: ScalingConfig = ScalingConfig()
+    collective: CollectiveConfig = CollectiveConfig()
+    worker: WorkerConfig = WorkerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    stragglers: StragglerConfig = StragglerConfig()
+    chaos: ChaosConfig = ChaosConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    run_dir: str | None = Field(None, description="default: runs/<name>-<timestamp>")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobConfig":
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of 'steps' and 'epochs' (use steps: null with epochs)")
+        if self.precision == "fp16" and self.collective.compression == "topk":
+            # Top-k keeps unsent gradient in loss-scaled units across steps: an overflow would
+            # stay in it, and a change of scale would re-weigh it.
+            raise ValueError("precision fp16 cannot be combined with collective.compression topk")
+        if self.shards > self.batch_size:
+            raise ValueError(
+                f"shards ({self.shards}) must not exceed batch_size ({self.batch_size}): "
+                "every shard needs at least one sample"
+            )
+        for kind in ("slow", "stall", "kill"):
+            for index, entry in enumerate(getattr(self.chaos, kind)):
+                if entry.worker is not None and entry.worker >= self.scaling.max_workers:
+                    raise ValueError(
+                        f"chaos.{kind}.{index}.worker: {entry.worker} is not a worker "
+                        f"(the job has at most {self.scaling.max_workers})"
+                    )
+        if self.shards < self.scaling.max_workers:
+            raise ValueError(
+                f"shards ({self.shards}) must be >= the most workers the job may have "
+                f"({self.scaling.max_workers}), or some workers would have nothing to do"
+            )
+        return self
+
+    @property
+    def rebalancing(self) -> bool:
+        """Shard counts follow measured speed: mitigation and rebalancing on, and the shards not
+        shuffled every step (a test of invariance, not a split)."""
+        return self.stragglers.mitigation and self.stragglers.rebalance and not self.chaos.shuffle_shards

@@ -1,0 +1,149 @@
+"""The training recipe: what is learned and how. Datasets, the loss, the optimizer, loss scaling
+and the learning-rate schedule."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from jobspec.fields import FactorySpec, ImportTarget, Kwargs, NamedTarget, StrictModel, builtin_or_path
+from jobspec.targets import as_callable
+from policies.schedule import BUILTIN_SCHEDULES, LearningRateSchedule
+
+
+class DatasetSpec(FactorySpec):
+    """A dataset factory, and ``collate`` (``module:function``, optional): turns a list of
+    dataset items into a batch (default: torch's ``default_collate``, which stacks tensors,
+    tuples and dicts of tensors; variable-length items need one that pads). Items may be read
+    from two threads at once (a step's first batch is read ahead, and a read a worker stopped
+    waiting for goes on beside the next): indexing must be safe for that (tensors, memmaps
+    and files opened per read are; one shared file handle with seek and read is not)."""
+
+    collate: ImportTarget | None = None
+
+
+class EvalSpec(DatasetSpec):
+    """The eval dataset (``collate`` defaults to ``dataset.collate``), and ``metrics`` (``module:function``, optional): called as
+    ``fn(model, batch)`` on each eval batch under ``torch.no_grad``, returning a dict of sums
+    (floats or scalar tensors); they are added up over the eval set and divided by the number
+    of samples (so a per-batch sum becomes a per-sample mean). ``batch_size``: samples per
+    eval batch."""
+
+    metrics: ImportTarget | None = None
+    batch_size: int = Field(256, ge=1)
+
+
+BuiltinLoss = Literal["cross_entropy", "mse", "causal_lm"]
+BUILTIN_LOSSES: tuple[str, ...] = ("cross_entropy", "mse", "causal_lm")
+
+
+class LossConfig(StrictModel):
+    """The training loss (``workers/objective.py``): a built-in ``name`` (``cross_entropy``,
+    ``mse``, ``causal_lm``) or a ``module:function`` (or callable) called as
+    ``fn(model, batch, **kwargs)``, returning per-sample losses ``[batch]`` or a pair
+    ``(loss_sum, weight)``. Built-ins take ``ignore_index`` (cross_entropy, causal_lm).
+    In a job file ``loss: cross_entropy`` is short for ``loss: {name: cross_entropy}``."""
+
+    name: NamedTarget = "cross_entropy"
+    kwargs: Kwargs = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_form(cls, data: Any) -> Any:
+        if isinstance(data, str) or callable(data):
+            return {"name": data}
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _builtin_or_path(cls, value: Any) -> Any:
+        return builtin_or_path(value, BUILTIN_LOSSES, "loss")
+
+    @field_validator("kwargs")
+    @classmethod
+    def _builtin_kwargs(cls, value: dict[str, Any], info: Any) -> dict[str, Any]:
+        name = info.data.get("name")
+        if isinstance(name, str) and name in BUILTIN_LOSSES:
+            accepted = [] if name == "mse" else ["ignore_index"]
+            unknown = sorted(set(value) - set(accepted))
+            if unknown:
+                raise ValueError(f"loss {name!r} takes {accepted or 'no arguments'}, got {unknown}")
+        return value
+
+
+class OptimizerConfig(StrictModel):
+    """The optimizer: ``sgd``, ``adam`` and ``adamw`` step the flat parameter buffer with
+    torch's fused kernels (``workers/flat_optimizer.py``); any other name of a
+    ``torch.optim.Optimizer`` (``RAdam``, ``Adagrad``, ...), a ``module:Class`` path or a class
+    runs through the generic path (``workers/generic_optimizer.py``). ``kwargs``: the
+    optimizer's constructor arguments (``lr`` is the base rate a schedule scales).
+    ``decay_biases_and_norms``: false puts parameters with fewer than 2 dimensions (biases,
+    norm weights) in a group without weight decay, as GPT-style recipes do.
+    ``clip_grad_norm``: clip the step's reduced gradient to this global L2 norm (null: off).
+    """
+
+    name: NamedTarget = "adam"
+    kwargs: Kwargs = Field(default_factory=lambda: {"lr": 0.001})
+    decay_biases_and_norms: bool = True
+    clip_grad_norm: float | None = Field(None, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: Any) -> Any:
+        if isinstance(value, str) and ":" not in value and not value.isidentifier():
+            raise ValueError(f"expected sgd, adam, adamw, a torch.optim class name or 'package.module:Class', got {value!r}")
+        return value
+
+    @property
+    def is_fused(self) -> bool:
+        return self.name in ("sgd", "adam", "adamw")
+
+
+class LossScalingConfig(StrictModel):
+    """Dynamic loss scaling for ``precision: fp16``: the loss is multiplied by the scale
+    before backward; a step whose reduced gradient is not finite is skipped (on every replica:
+    they all see the same reduced gradient) and the scale multiplied by ``backoff``; after
+    ``growth_interval`` finite steps in a row it is multiplied by ``growth``."""
+
+    init: float = Field(65536.0, gt=0)
+    growth: float = Field(2.0, gt=1)
+    backoff: float = Field(0.5, gt=0, lt=1)
+    growth_interval: int = Field(2000, ge=1)
+
+
+class ScheduleConfig(StrictModel):
+    """The learning-rate schedule (``policies/schedule.py``): a factor on ``optimizer.kwargs.lr``
+    that is a pure function of the step, so resume, redo and rescaling give the same rates.
+    ``name``: ``constant``, ``linear``, ``cosine``, ``warmup_cosine`` or ``step``;
+    ``warmup_steps`` ramp up linearly first; ``min_lr_ratio`` is where linear and cosine end;
+    ``step`` multiplies by ``gamma`` every ``step_size`` steps. A ``module:function`` (or
+    callable) is called as ``fn(step, num_steps)`` and returns the factor (a float >= 0); it
+    must depend on its arguments only. ``warmup_steps`` then still applies first.
+    ``total_steps``: the horizon of ``linear`` and ``cosine`` (and ``num_steps`` of a function);
+    default the job's step count, so extending a run stretches them; set it to keep the rates of
+    a run that is to be continued (``steps: 12`` now, resumed later with ``steps: 25``)."""
+
+    name: NamedTarget = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    step_size: int = Field(100, ge=1)
+    gamma: float = Field(0.1, gt=0, le=1)
+    total_steps: int | None = Field(None, ge=1, description="the horizon linear and cosine decay over (default: the job's steps)")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, value: Any) -> Any:
+        return builtin_or_path(value, BUILTIN_SCHEDULES, "schedule")
+
+    @property
+    def is_default(self) -> bool:
+        return self == ScheduleConfig()
+
+    def policy(self) -> LearningRateSchedule:
+        """The schedule as the pure policy; a function schedule (import path or callable) is
+        ``custom``, its function imported here (raises ValueError if the path names nothing)."""
+        settings = self.model_dump(exclude={"total_steps"})
+        if settings["name"] in BUILTIN_SCHEDULES:
+            return LearningRateSchedule(**settings)
+        return LearningRateSchedule(**{**settings, "name": "custom", "function": as_callable(self.name)})

@@ -1,0 +1,53 @@
+"""Straggler detection and mitigation settings (``stragglers``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from jobspec.fields import StrictModel
+
+
+class StragglerConfig(StrictModel):
+    """Straggler detection and mitigation (docs/architecture.md, "The step protocol").
+
+    ``mitigation``: master switch; when off, every worker runs exactly its planned shards.
+    ``steal``: idle workers take unstarted shards of late workers; ``speculate``: they back up
+    late running shards (first commit wins); ``rebalance``: shard counts follow measured speed;
+    ``evict``: remove a worker at a step boundary when it holds a step up for ``silent_s``
+    (stalled or hung while the others wait) or, persistently slow, is ``evict_ratio`` times slower
+    than the median of the others and still late in ``persistent_steps`` of its last ``window``
+    steps, as long as ``scaling.min_workers`` remain.
+    Detection: a worker is slow when its seconds per shard exceed both ``min_ratio`` x the
+    median and ``threshold`` robust deviations (MAD) of the recent ``window`` steps; slow in
+    ``persistent_steps`` of the window makes it persistently slow. ``late_factor``: a shard that
+    has sat longer than this many times its expected time gets stolen or backed up.
+    ``rebalance_alpha`` (EWMA weight) and ``rebalance_hysteresis`` (fraction of step time a new
+    split must save).
+    """
+
+    mitigation: bool = True
+    steal: bool = True
+    speculate: bool = True
+    rebalance: bool = True
+    evict: bool = True
+    threshold: float = Field(4.0, gt=0)
+    min_ratio: float = Field(1.5, gt=1)
+    window: int = Field(8, ge=1)
+    persistent_steps: int = Field(5, ge=1)
+    late_factor: float = Field(3.0, gt=1)
+    rebalance_alpha: float = Field(0.3, gt=0, le=1)
+    rebalance_hysteresis: float = Field(0.15, ge=0, lt=1)
+    evict_ratio: float = Field(8.0, gt=1)
+    silent_s: float = Field(30.0, gt=0)
+
+    def policy_kwargs(self) -> dict[str, float | int]:
+        """The settings ``policies.straggler_policies.StragglerPolicies`` takes."""
+        return self.model_dump(include={
+            "threshold", "min_ratio", "window", "persistent_steps", "rebalance_alpha", "rebalance_hysteresis", "evict_ratio",
+        })
+
+    @model_validator(mode="after")
+    def _window(self) -> "StragglerConfig":
+        if self.persistent_steps > self.window:
+            raise ValueError(f"persistent_steps ({self.persistent_steps}) must be <= window ({self.window})")
+        return self
