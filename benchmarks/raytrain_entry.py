@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -12,6 +10,7 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer, prepare_model
 
 from benchmarks.ddp_loop import train_ddp, write_result
+from benchmarks.entry_args import entry_parser, read_job
 from jobspec.job import JobConfig
 
 
@@ -25,13 +24,11 @@ def _loop(config: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--job", required=True, help="job as JSON")
-    parser.add_argument("--result", required=True, help="where rank 0 writes its JSON")
-    parser.add_argument("--model", help="where rank 0 saves its final parameters")
+    parser = entry_parser(
+        __doc__.splitlines()[0], result="where rank 0 writes its JSON", model="where rank 0 saves its final parameters"
+    )
     args = parser.parse_args()
-    job_json = Path(args.job).read_text()
-    job = JobConfig.model_validate_json(job_json)
+    job_json, job = read_job(args)
     ray.init(address="local", include_dashboard=False, logging_level="WARNING")
     try:
         with tempfile.TemporaryDirectory() as storage:

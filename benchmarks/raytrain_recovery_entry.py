@@ -43,7 +43,6 @@ import time
 # Before the heavy imports: the wall time a user waits for includes them.
 _ENTRY_STARTED = time.time()
 
-import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -66,6 +65,7 @@ from ray.train import (  # noqa: E402
 from ray.train.torch import TorchTrainer, prepare_model  # noqa: E402
 
 from benchmarks.ddp_loop import train_ddp  # noqa: E402
+from benchmarks.entry_args import entry_parser, read_job  # noqa: E402
 from jobspec.durable import read_jsonl  # noqa: E402
 from jobspec.job import JobConfig  # noqa: E402
 from workers.sampler import ShardSampler  # noqa: E402
@@ -223,17 +223,13 @@ def _scratch_dir(path: str | None) -> Iterator[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--job", required=True, help="job as JSON")
-    parser.add_argument("--result", required=True, help="where to write the result JSON")
-    parser.add_argument("--kill-step", type=int, required=True, help="0-based step in which rank R dies")
-    parser.add_argument("--kill-rank", type=int, required=True, help="the rank that SIGKILLs itself")
+    parser = entry_parser(
+        __doc__.splitlines()[0], result="where to write the result JSON", model="where rank 0 saves its final parameters",
+        kill=True, scratch="keep storage, checkpoints and logs here (empty dir; default: a temp dir)",
+    )
     parser.add_argument("--checkpoint-every", type=int, required=True, help="report a checkpoint every N steps")
-    parser.add_argument("--model", help="where rank 0 saves its final parameters")
-    parser.add_argument("--scratch", help="keep storage, checkpoints and logs here (empty dir; default: a temp dir)")
     args = parser.parse_args(argv)
-    job_json = Path(args.job).read_text()
-    job = JobConfig.model_validate_json(job_json)
+    job_json, job = read_job(args)
     _check_args(job, args.kill_step, args.kill_rank, args.checkpoint_every)
     with _scratch_dir(args.scratch) as scratch:
         ray.init(address="local", include_dashboard=False, logging_level="WARNING")

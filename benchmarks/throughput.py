@@ -55,7 +55,7 @@ class RunRow:
 
 
 def _command_ringleader(job_file: Path, result: Path) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.cli", "run", str(job_file), "--run-dir", str(result), "--no-progress"]
+    return [sys.executable, "-m", "ringleader", "run", str(job_file), "--run-dir", str(result), "--no-progress"]
 
 
 def _command_attached(head: RayHead | None) -> Callable[[Path, Path], list[str]]:

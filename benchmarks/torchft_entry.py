@@ -19,7 +19,6 @@ import time
 # Before the heavy imports: the wall time a user waits for includes them.
 _ENTRY_STARTED = time.time()
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -36,6 +35,7 @@ from ray.train.torch import TorchTrainer  # noqa: E402
 from ray.train.v2.torch.torchft_config import TorchftConfig  # noqa: E402
 
 from benchmarks.ddp_loop import write_result  # noqa: E402
+from benchmarks.entry_args import entry_parser, read_job  # noqa: E402
 from benchmarks.raytrain_recovery_entry import KILL_FILE, append_json_line  # noqa: E402
 from benchmarks.torchft_loop import (  # noqa: E402
     LIGHTHOUSE_KWARGS,
@@ -157,16 +157,13 @@ def summarize(scratch: Path, job: JobConfig, kill_rank: int, wall_s: float) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--job", required=True, help="job as JSON")
-    parser.add_argument("--result", required=True, help="where to write the result JSON")
-    parser.add_argument("--model", help="where replica 0 saves its final parameters")
-    parser.add_argument("--kill-step", type=int, help="0-based step in which worker R dies (first life only)")
-    parser.add_argument("--kill-rank", type=int, help="the worker that SIGKILLs itself")
-    parser.add_argument("--scratch", help="attempt logs and the kill marker (empty dir; default: a temp dir)")
+    # The kill strikes in the first life only: a replacement does not die again.
+    parser = entry_parser(
+        __doc__.splitlines()[0], result="where to write the result JSON", model="where replica 0 saves its final parameters",
+        kill=False, scratch="attempt logs and the kill marker (empty dir; default: a temp dir)",
+    )
     args = parser.parse_args(argv)
-    job_json = Path(args.job).read_text()
-    job = JobConfig.model_validate_json(job_json)
+    job_json, job = read_job(args)
     kill = args.kill_step is not None
     if kill and (args.kill_rank is None or not 0 < args.kill_step < (job.steps or 0)):
         # Not step 0: a replacement healing into step 0 would look like one that found nobody.

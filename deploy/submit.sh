@@ -16,4 +16,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${RAY_ADDRESS:=http://127.0.0.1:8265}"
 exec ray job submit --address "$RAY_ADDRESS" --runtime-env deploy/runtime_env.yaml \
-    -- python -m orchestrator.cli run --no-progress "$@"
+    -- python -m ringleader run --no-progress "$@"

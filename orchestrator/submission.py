@@ -1,7 +1,7 @@
 """Jobs on a Ray cluster's job server: ``ringleader submit | status | logs | stop``.
 
 ``submit`` validates the job here (a bad field fails before anything is uploaded), then asks
-Ray's ``JobSubmissionClient`` to run ``python -m orchestrator.cli run JOB ...`` on the cluster
+Ray's ``JobSubmissionClient`` to run ``python -m ringleader run JOB ...`` on the cluster
 with a runtime env: the working directory (where the job file and the user's factories are)
 and ringleader's own packages as ``py_modules``, so the cluster runs this version of the code.
 Every argument of the entrypoint is shell-quoted: Ray runs it through a shell.
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 #: ringleader's packages, shipped with every submission (the cluster runs this code).
-PACKAGES = ("orchestrator", "workers", "policies", "ringleader", "ringleader_examples")
+PACKAGES = ("jobspec", "orchestrator", "workers", "policies", "ringleader", "ringleader_examples")
 #: Never uploaded from the working directory.
 EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache"]
 #: How long a submission waits for a just-started head's job agent.
@@ -188,7 +188,7 @@ class Cluster:
 
 def job_entrypoint(job_file: str, overrides: list[str], run_dir: str | None) -> str:
     """The command the cluster runs, each argument quoted for the shell Ray runs it in."""
-    argv = ["python", "-m", "orchestrator.cli", "run", job_file, "--no-progress"]
+    argv = ["python", "-m", "ringleader", "run", job_file, "--no-progress"]
     for override in overrides:
         argv += ["--set", override]
     if run_dir is not None:

@@ -8,6 +8,6 @@ See ``ringleader.api`` for the contract, README ("Python API") for a complete ex
 
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
-from ringleader.api import RunResult, resume, run
+from ringleader.api import LaunchOptions, RunResult, resume, run
 
-__all__ = ["ConfigError", "JobConfig", "RunResult", "resume", "run"]
+__all__ = ["ConfigError", "JobConfig", "LaunchOptions", "RunResult", "resume", "run"]

@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
+
+from typing_extensions import Unpack
 
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
@@ -70,58 +72,57 @@ def as_job(job: JobLike, overrides: Sequence[str] = ()) -> JobConfig:
     raise ConfigError(f"job: expected a JobConfig, a mapping or a job file path, got {type(job).__name__}")
 
 
-def run(
-    job: JobLike = None,
-    run_dir: str | Path | None = None,
-    address: str | None = None,
-    *,
-    overrides: Sequence[str] = (),
-    local_nodes: int = 0,
-    progress: bool = False,
-    warn: Callable[[str], None] = lambda message: None,
-) -> RunResult:
+class LaunchOptions(TypedDict, total=False):
+    """How ``run`` and ``resume`` launch a job, by keyword, all optional.
+
+    ``address``: a Ray cluster to join; none uses the Ray this process already initialised,
+    else ``RAY_ADDRESS``, else a fresh local one. ``overrides``: CLI-style changes to the job
+    (``["steps=600"]``). ``local_nodes``: simulated Ray nodes on this machine (0: none).
+    ``progress``: a progress bar on stderr. ``warn``: called with each warning for the user.
+    """
+
+    address: str | None
+    overrides: Sequence[str]
+    local_nodes: int
+    progress: bool
+    warn: Callable[[str], None]
+
+
+def run(job: JobLike = None, run_dir: str | Path | None = None, **options: Unpack[LaunchOptions]) -> RunResult:
     """Train ``job`` (default: the built-in example) to the end and return its result.
 
     ``run_dir``: where its files go (default ``job.run_dir``, else ``runs/<name>-<time>``); a
-    directory an earlier run left is resumed (see ``resume``). ``address``: a Ray cluster to
-    join; none uses the Ray this process already initialised, else ``RAY_ADDRESS``, else a
-    fresh local one. Raises ConfigError (before any worker starts) for a bad job, and
+    directory an earlier run left is resumed (see ``resume``); ``options``: see
+    ``LaunchOptions``. Raises ConfigError (before any worker starts) for a bad job, and
     FileExistsError if ``run_dir`` holds something that is not a run.
     """
     from orchestrator.launch import default_run_dir, run_job
 
-    config = as_job(job, overrides)
+    config = as_job(job, options.get("overrides", ()))
     path = Path(run_dir) if run_dir is not None else default_run_dir(config)
     result = run_job(
-        config, address=address, local_nodes=local_nodes, run_dir=path, progress=progress,
-        source=str(job) if isinstance(job, (str, Path)) else "Python job", warn=warn,
+        config, address=options.get("address"), local_nodes=options.get("local_nodes", 0), run_dir=path,
+        progress=options.get("progress", False), source=str(job) if isinstance(job, (str, Path)) else "Python job",
+        warn=options.get("warn", lambda message: None),
     )
     return RunResult(result.run_dir, result.summary)
 
 
-def resume(
-    run_dir: str | Path,
-    job: JobLike = None,
-    address: str | None = None,
-    *,
-    overrides: Sequence[str] = (),
-    local_nodes: int = 0,
-    progress: bool = False,
-    warn: Callable[[str], None] = lambda message: None,
-) -> RunResult:
+def resume(run_dir: str | Path, job: JobLike = None, **options: Unpack[LaunchOptions]) -> RunResult:
     """Go on with the run in ``run_dir`` from its newest good checkpoint, on any worker count.
 
     ``job`` defaults to the run's ``job.json`` (pass it again when it holds callables that do
-    not import by name); ``overrides`` change it, e.g. ``["steps=600"]`` to train longer.
-    Raises ConfigError if ``run_dir`` is not a run, or the job is not the one checkpointed.
+    not import by name); ``options`` as for ``run``, whose ``overrides`` change the job, e.g.
+    ``["steps=600"]`` to train longer. Raises ConfigError if ``run_dir`` is not a run, or the
+    job is not the one checkpointed.
     """
     path = Path(run_dir)
     if not RunDirectory.is_run(path):
         raise ConfigError(f"{path} is not a run directory (no {JOB_FILE})")
     if job is None:
         try:
-            job = load_job(path / JOB_FILE, list(overrides), resolve=False)
+            job = load_job(path / JOB_FILE, list(options.get("overrides", ())), resolve=False)
         except ConfigError as err:
             raise ConfigError(f"{err}\n(if the run was given Python callables, pass job= again)") from None
-        overrides = ()
-    return run(job, path, address, overrides=overrides, local_nodes=local_nodes, progress=progress, warn=warn)
+        options = {**options, "overrides": ()}
+    return run(job, path, **options)

@@ -11,8 +11,8 @@ import yaml
 from jobspec.chaos import KillChaos, SlowChaos, StallChaos
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
-from orchestrator.cli import main
 from orchestrator.job_file import load_job
+from ringleader.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -174,14 +174,16 @@ def test_non_empty_run_dir_is_refused_before_starting(tmp_path, capsys):
     assert (tmp_path / "keep.txt").read_text() == "precious"
 
 
-def test_console_entry_point_exit_code_and_no_traceback(tmp_path):
+@pytest.mark.parametrize("module", ["ringleader", "orchestrator.cli"])
+def test_console_entry_point_exit_code_and_no_traceback(tmp_path, module):
+    # orchestrator.cli is the old entrypoint of jobs submitted by hand: it still runs the
+    # command, saying it is deprecated.
     path = _write(tmp_path, {"scaling": {"workers": "two"}})
-    proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "run", path], capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, "-m", module, "run", path], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "field 'scaling.workers'" in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert ("'python -m orchestrator.cli' is deprecated" in proc.stderr) == (module == "orchestrator.cli")
 
 
 def test_jobconfig_is_immutable():

@@ -3,16 +3,18 @@ ringleader accepts (a cluster is not needed to catch a renamed flag or field).""
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 from ray.runtime_env import RuntimeEnv
 
-from orchestrator.cli import _parser
 from orchestrator.job_file import load_job
+from ringleader.cli import _parser
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -36,15 +38,29 @@ def test_runtime_env_is_one_ray_accepts():
     assert env["working_dir"] == "."
 
 
+# What the cluster image (rayproject/ray) already has: Ray itself and its own dependencies.
+IMAGE_PROVIDES = {"ray", "numpy", "pyarrow"}
+
+
+def test_runtime_env_installs_every_runtime_dependency():
+    # The driver and the workers import these on the cluster: one missing from the list fails
+    # a submitted job at import, which no local run shows.
+    project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]
+    needed = {re.split(r"[<>=\[ ]", spec, maxsplit=1)[0].lower() for spec in project["dependencies"]}
+    env = yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text())
+    installed = {re.split(r"[<>=\[ ]", spec, maxsplit=1)[0].lower() for spec in env["pip"]}
+    assert needed - IMAGE_PROVIDES <= installed, sorted(needed - IMAGE_PROVIDES - installed)
+
+
 def test_submit_script_is_valid_bash_and_runs_the_cli():
     subprocess.run(["bash", "-n", str(DEPLOY / "submit.sh")], check=True)
-    assert "python -m orchestrator.cli run" in (DEPLOY / "submit.sh").read_text()
+    assert "python -m ringleader run" in (DEPLOY / "submit.sh").read_text()
 
 
 def test_rayjob_entrypoint_is_a_valid_ringleader_run():
     rayjob = yaml.safe_load((DEPLOY / "k8s" / "rayjob.yaml").read_text())
     argv = shlex.split(rayjob["spec"]["entrypoint"])
-    assert argv[:4] == ["python", "-m", "orchestrator.cli", "run"]
+    assert argv[:4] == ["python", "-m", "ringleader", "run"]
     job = _job_from(argv[4:])
     assert job.checkpoint.enabled and job.checkpoint.path.startswith("s3://")
     RuntimeEnv(**yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"]))
@@ -77,7 +93,7 @@ def test_submit_quotes_every_value_before_it_reaches_the_heads_shell(tmp_path):
     subprocess.run(["bash", str(DEPLOY / "submit.sh"), "examples/digits.yaml", "--set", evil], check=True, env=env)
     entrypoint = recorded.read_text()  # what Ray hands the head node's shell
     assert shlex.split(entrypoint) == [
-        "python", "-m", "orchestrator.cli", "run", "--no-progress", "examples/digits.yaml", "--set", evil,
+        "python", "-m", "ringleader", "run", "--no-progress", "examples/digits.yaml", "--set", evil,
     ]
     echoed = subprocess.run(["sh", "-c", f"printf '%s\\n' {entrypoint.split(' ', 4)[4]}"], capture_output=True, text=True)
     assert evil in echoed.stdout.splitlines() and not marker.exists()

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from orchestrator.cli import main
 from orchestrator.job_file import load_job
 from orchestrator.launch import run_job
 from orchestrator.summary import EVENT_COUNTERS
+from ringleader.cli import main
 from tests.helpers.jobs import assert_same_params, params, run
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -172,7 +172,7 @@ def test_ctrl_c_stops_cleanly_and_releases_actors(tmp_path):
     run_dir = tmp_path / "interrupted"
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "orchestrator.cli", "run", "--no-progress", "--workers", "2",
+            sys.executable, "-m", "ringleader", "run", "--no-progress", "--workers", "2",
             "--address", ray.get_runtime_context().gcs_address, "--run-dir", str(run_dir),
             "--set", "steps=100000", "--set", "eval=null",
         ],

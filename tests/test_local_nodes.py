@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from orchestrator.cli import EXIT_BAD_INPUT, main
+from ringleader.cli import EXIT_BAD_INPUT, main
 from tests.helpers.jobs import assert_same_params, params
 
 
@@ -18,7 +18,7 @@ from tests.helpers.jobs import assert_same_params, params
 def test_workers_spread_over_simulated_nodes_and_hierarchical_runs(tmp_path):
     run_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "orchestrator.cli", "run", "--local-nodes", "2", "--no-progress",
+        sys.executable, "-m", "ringleader", "run", "--local-nodes", "2", "--no-progress",
         "--run-dir", str(run_dir), "--set", "steps=5", "--set", "eval=null",
         "--set", "scaling.placement_strategy=SPREAD", "--set", "collective.algorithm=hierarchical",
     ]
@@ -39,7 +39,7 @@ def test_local_nodes_cannot_join_a_cluster(tmp_path, capsys):
 def test_a_removed_node_is_survived_and_a_new_node_grows_the_group_back(tmp_path, reference):
     run_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "orchestrator.cli", "run", "--local-nodes", "2", "--no-progress",
+        sys.executable, "-m", "ringleader", "run", "--local-nodes", "2", "--no-progress",
         "--run-dir", str(run_dir), "--set", "steps=25", "--set", "eval=null", "--set", "scaling.workers=4",
         "--set", "scaling.placement_strategy=SPREAD",
         "--set", "chaos.kill=[{at_step: 4, node: 1, how: remove_node}]",

@@ -63,7 +63,7 @@ def test_resuming_a_job_whose_saved_credential_was_masked_asks_for_it_again(tmp_
 
 
 def test_the_cli_never_prints_the_secret(tmp_path, capsys):
-    from orchestrator.cli import main
+    from ringleader.cli import main
 
     # A value that is not valid YAML: the message quotes the whole --set item back.
     code = main(["run", "--run-dir", str(tmp_path / "r"), "--set", f"checkpoint.path=[{SECRET_URI}"])

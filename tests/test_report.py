@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from orchestrator.cli import main
 from orchestrator.report import ReportError, marker_times, read_run, write_report
+from ringleader.cli import main
 from tests.helpers.jobs import run
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")

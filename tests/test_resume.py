@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from jobspec.fields import ConfigError
-from orchestrator.cli import main
 from orchestrator.job_file import load_job
 from orchestrator.launch import run_job
+from ringleader.cli import main
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")

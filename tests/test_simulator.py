@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jobspec.fields import ConfigError
-from orchestrator.cli import main
+from ringleader.cli import main
 from simulator.engine import Run, simulate
 from simulator.replay import recorded_decisions, replayed_decisions
 from simulator.scenario import Scenario, load_scenario

@@ -23,7 +23,7 @@ def test_no_user_value_reaches_the_shell_unquoted():
     hostile = ["steps=5; touch /tmp/pwned", "name=$(whoami)", "run_dir='a b'"]
     entry = job_entrypoint("my job.yaml", hostile, "/runs/x y")
     assert shlex.split(entry) == [
-        "python", "-m", "orchestrator.cli", "run", "my job.yaml", "--no-progress",
+        "python", "-m", "ringleader", "run", "my job.yaml", "--no-progress",
         "--set", hostile[0], "--set", hostile[1], "--set", hostile[2], "--run-dir", "/runs/x y",
     ]
 

@@ -29,7 +29,7 @@ def _ringleader(head: RayHead, *args: str, cwd: Path, env: dict[str, str] | None
     # The CLI as a user runs it, from ``cwd``; the repository on the path as an install would put it.
     environment = {**(env or head.env), "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd, env=environment,
+        [sys.executable, "-m", "ringleader", *args], cwd=cwd, env=environment,
         capture_output=True, text=True, timeout=SUBMIT_TIMEOUT_S,
     )
 

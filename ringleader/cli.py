@@ -1,0 +1,308 @@
+"""``ringleader`` command line.
+
+Exit codes: 0 finished, 1 the job failed, 2 bad input (job file, overrides, run directory),
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from ringleader.cli_cluster import CLUSTER_COMMANDS, add_cluster_commands, run_cluster_command
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringleader", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run a training job (the built-in example without JOB)")
+    run.add_argument("job", nargs="?", help="job file (YAML); omit for the built-in digits example")
+    run.add_argument("--run-dir", help="where events, telemetry, model and summary go")
+    _add_launch_options(run, "e.g. --set steps=50 --set scaling.workers=3")
+
+    resume = commands.add_parser(
+        "resume", help="go on with a run from its last good checkpoint (on any worker count)"
+    )
+    resume.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds job.json)")
+    _add_launch_options(resume, "e.g. --set steps=600 to train longer")
+
+    add_cluster_commands(commands, _add_overrides)
+
+    tune = commands.add_parser("tune", help="a Ray Tune sweep whose trials are elastic ringleader jobs")
+    tune.add_argument("job", nargs="?", help="job file (YAML); omit for the built-in example")
+    tune.add_argument(
+        "--param", action="append", default=[], metavar="FIELD=DIST(ARGS)",
+        help="a searched field: uniform|loguniform|randint(low,high), choice(a,b,...), grid(a,b,...); repeatable",
+    )
+    tune.add_argument("--samples", type=int, default=1, help="trials per grid point (default 1)")
+    tune.add_argument("--scheduler", choices=["asha"], help="stop bad trials early (ASHA, on the step)")
+    tune.add_argument("--address", help="Ray cluster to join; default: start a local Ray")
+    tune.add_argument("--storage", default="runs/tune", help="where Tune's results and the trials' runs go")
+    _add_overrides(tune)
+
+    report = commands.add_parser("report", help="one HTML page with plots of a run (loss, speed, workers, goodput)")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("--out", metavar="DIR", help="where report.html goes (default: the run directory)")
+
+    simulate = commands.add_parser(
+        "simulate", help="discrete-event simulation of N workers: ringleader's policies vs no mitigation and restart-the-world"
+    )
+    simulate.add_argument("scenario", metavar="SCENARIO", help="scenario file (YAML), e.g. examples/sim-4096.yaml")
+    simulate.add_argument("--json", dest="json_path", metavar="FILE", help="write every contender's figures as JSON")
+    simulate.add_argument("--plot", dest="plot_path", metavar="FILE", help="write a PNG: progress over time, recovery times")
+    _add_overrides(simulate, "e.g. --set workers=1024")
+
+    bench = commands.add_parser("bench", help="benchmarks (side by side, one run)")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    throughput = benches.add_parser(
+        "throughput", help="clean samples/s, launch time and step overhead over plain DDP: vs Ray Train, Ray Train + torchft, torchrun"
+    )
+    throughput.add_argument("--workers", type=int, default=2)
+    throughput.add_argument("--steps", type=int, default=100)
+    throughput.add_argument("--repeats", type=int, default=3)
+    throughput.add_argument(
+        "--workload", action="append", choices=["digits", "tinylm", "gpt"],
+        help="repeatable; default: digits and tinylm",
+    )
+    throughput.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
+
+    control = benches.add_parser(
+        "control-plane", help="driver CPU and store traffic per step vs worker count (null model), fitted to 4096"
+    )
+    control.add_argument("--workers", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="worker counts (default: 4 8 16 32 64)")
+    control.add_argument("--steps", type=int, default=60, help="steps per job (the first ones are warm-up)")
+    control.add_argument("--json", dest="json_path", metavar="FILE", help="write the rows and the fit as JSON")
+
+    allreduce = benches.add_parser("allreduce", help="all-reduce bandwidth: our ring (and hierarchical) vs native")
+    allreduce.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="world sizes (default: 2 4)")
+    allreduce.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64], metavar="MB")
+    allreduce.add_argument("--nodes", type=int, default=1, help="simulated nodes (>1 adds hierarchical)")
+    allreduce.add_argument("--iters", type=int, default=10, help="timed rounds per size")
+    allreduce.add_argument("--json", dest="json_path", metavar="FILE", help="write the rows as JSON")
+
+    overlap = benches.add_parser("overlap", help="step time and exposed communication, overlap on vs off")
+    overlap.add_argument("--workload", choices=["digits", "tinylm"], default="digits")
+    overlap.add_argument("--workers", type=int, default=2)
+    overlap.add_argument("--rounds", type=int, default=3, help="alternating on/off rounds")
+    overlap.add_argument("--steps", type=int, default=20, help="steps per round")
+    overlap.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
+
+    straggler = benches.add_parser(
+        "straggler", help="a slowed worker or random stalls: clean vs unmitigated vs mitigated vs Ray Train (+ torchft)"
+    )
+    straggler.add_argument("--kind", choices=["slow", "stall"], default="slow")
+    straggler.add_argument("--workload", choices=["digits", "tinylm"], default="digits")
+    straggler.add_argument("--workers", type=int, default=4)
+    straggler.add_argument("--steps", type=int, default=100)
+    straggler.add_argument("--factor", type=float, default=3.0, help="slow: how many times slower the last worker is")
+    straggler.add_argument("--probability", type=float, default=0.02, help="stall: chance each worker-step stalls")
+    straggler.add_argument("--stall-steps", type=float, default=20.0, help="stall: its length, in clean step times")
+    straggler.add_argument("--during", choices=["fetch", "compute"], default="fetch", help="stall: where it strikes")
+    straggler.add_argument("--seed", type=int, default=0, help="stall: seed of the draws")
+    straggler.add_argument("--repeats", type=int, default=2)
+    straggler.add_argument("--json", dest="json_path", metavar="FILE", help="write medians as JSON")
+
+    recovery = benches.add_parser(
+        "recovery",
+        help="a worker SIGKILLed: seconds to commit again and to full size, steps and samples lost, exactness; "
+        "ours vs Ray Train vs Ray Train + torchft; checkpoint cost",
+    )
+    recovery.add_argument("--workload", choices=["digits", "tinylm"], default="digits")
+    recovery.add_argument("--workers", type=int, default=2)
+    # Long enough after the kill for torchft's replacement (~5 s until the lighthouse gives up
+    # on the dead, ~10 s for Ray Train to start its replacement here) to rejoin the survivors
+    # before they finish (~370 steps x 40-50 ms).
+    recovery.add_argument("--steps", type=int, default=500)
+    recovery.add_argument("--kill-step", type=int, default=130, help="the step in which the last worker is killed")
+    recovery.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (ours, Ray Train)")
+    recovery.add_argument("--exact-steps", type=int, default=60, help="steps of the exactness runs (short)")
+    recovery.add_argument("--exact-kill-step", type=int, default=35, help="the kill's step in the exactness runs")
+    recovery.add_argument("--repeats", type=int, default=3, help="runs of each checkpoint-overhead variant")
+    recovery.add_argument("--overhead-steps", type=int, default=200, help="steps of each checkpoint-overhead run")
+    recovery.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
+    return parser
+
+
+def _add_launch_options(command: argparse.ArgumentParser, set_example: str) -> None:
+    """The options ``run`` and ``resume`` share: where to run, how many workers, overrides."""
+    command.add_argument("--workers", type=int, help="number of workers (overrides scaling.workers)")
+    command.add_argument("--address", help="Ray cluster to join; default: start a local Ray")
+    command.add_argument(
+        "--local-nodes", type=int, default=0, metavar="N",
+        help="start N simulated Ray nodes on this machine (try node loss, hierarchical all-reduce)",
+    )
+    _add_overrides(command, set_example)
+    command.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_overrides(command: argparse.ArgumentParser, example: str = "e.g. --set steps=50") -> None:
+    command.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+        help=f"override a job field, {example}",
+    )
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _err(message: str) -> None:
+    """A one-line message for the user on stderr, credentials in URIs masked."""
+    from jobspec.redaction import redact
+
+    print(redact(f"ringleader: {message}"), file=sys.stderr)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from jobspec.fields import ConfigError
+    from orchestrator.job_file import job_source, load_job
+    from orchestrator.run_dir import JOB_FILE, RunDirectory
+
+    # Like `python -m`: job files may name factories in modules next to where the user runs.
+    sys.path.insert(0, os.getcwd())
+    overrides = list(args.overrides)
+    if args.workers is not None:
+        overrides.append(f"scaling.workers={args.workers}")
+    if args.command == "resume":
+        if not RunDirectory.is_run(Path(args.run_dir)):
+            _err(f"{args.run_dir} is not a run directory (no {JOB_FILE})")
+            return EXIT_BAD_INPUT
+        args.job = str(Path(args.run_dir) / JOB_FILE)
+    if args.run_dir is not None:
+        overrides.append(f"run_dir={json.dumps(args.run_dir)}")
+    try:
+        # Checks that import torch and user code run in run_job, while Ray starts.
+        job = load_job(args.job, overrides, resolve=False)
+    except ConfigError as err:
+        _err(f"{err}")
+        return EXIT_BAD_INPUT
+
+    from jobspec.redaction import redact
+    from orchestrator.launch import LaunchTimeout, default_run_dir, run_job
+
+    if args.local_nodes < 0 or (args.local_nodes and (args.address or os.environ.get("RAY_ADDRESS"))):
+        _err("--local-nodes N starts its own N-node cluster: N must be >= 1, and it cannot join one (--address or RAY_ADDRESS)")
+        return EXIT_BAD_INPUT
+    try:
+        result = run_job(
+            job,
+            address=args.address,
+            local_nodes=args.local_nodes,
+            run_dir=default_run_dir(job),
+            progress=not args.no_progress,
+            source=job_source(args.job),
+            warn=lambda message: _err(f"warning: {message}"),
+        )
+    except (ConfigError, FileExistsError) as err:
+        _err(f"{err}")
+        return EXIT_BAD_INPUT
+    except LaunchTimeout as err:
+        _err(f"job failed: {err}")
+        return EXIT_FAILED
+    summary = result.summary
+    accuracy = summary["eval"].get("accuracy")
+    shown = f", eval accuracy {accuracy:.4f}" if accuracy is not None else ""
+    print(
+        redact(f"ringleader: {summary['status']}: {summary['steps']} steps, "
+        f"{summary['samples_per_s']:.0f} samples/s, final loss {summary['final_loss']}"
+        f"{shown}, wall {summary['wall_s']:.1f}s; run dir {result.run_dir}")
+    )
+    if summary["status"] == "finished":
+        return 0
+    if summary["status"] == "stopped":
+        return EXIT_INTERRUPTED
+    _err(f"job failed: {summary.get('error')}")
+    return EXIT_FAILED
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from jobspec.fields import ConfigError
+    from orchestrator.launch import ray_session
+    from orchestrator.tune import format_ranking, run_sweep
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        with ray_session(args.address):
+            ranked = run_sweep(
+                args.job, args.param, args.samples, scheduler=args.scheduler, overrides=args.overrides,
+                storage=Path(args.storage),
+            )
+    except ConfigError as err:
+        _err(str(err))
+        return EXIT_BAD_INPUT
+    print(format_ranking(ranked))
+    return 0 if ranked and ranked[0]["status"] == "ok" else EXIT_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    if args.command in ("run", "resume"):
+        return _cmd_run(args)
+    if args.command in CLUSTER_COMMANDS:
+        return run_cluster_command(args, _err)
+    if args.command == "tune":
+        return _cmd_tune(args)
+    if args.command == "report":
+        from orchestrator.report import ReportError, write_report
+
+        try:
+            print(write_report(Path(args.run_dir), Path(args.out) if args.out else None))
+        except ReportError as err:
+            _err(str(err))
+            return EXIT_BAD_INPUT
+        return 0
+    if args.command == "simulate":
+        from jobspec.fields import ConfigError
+        from simulator import output
+
+        try:
+            return output.main(args.scenario, args.overrides, args.json_path, args.plot_path)
+        except (ConfigError, RuntimeError) as err:
+            _err(str(err))
+            return EXIT_BAD_INPUT
+    if args.command == "bench" and args.bench == "throughput":
+        from benchmarks import throughput
+
+        workloads = args.workload or ["digits", "tinylm"]
+        return throughput.main(workloads, args.workers, args.steps, args.repeats, args.json_path)
+    if args.command == "bench" and args.bench == "control-plane":
+        from benchmarks import control_plane
+
+        return control_plane.main(args.workers, args.steps, args.json_path)
+    if args.command == "bench" and args.bench == "allreduce":
+        from benchmarks import collectives
+
+        return collectives.main_allreduce(args.workers, args.sizes, args.nodes, args.iters, args.json_path)
+    if args.command == "bench" and args.bench == "overlap":
+        from benchmarks import collectives
+
+        return collectives.main_overlap(args.workload, args.workers, args.rounds, args.steps, args.json_path)
+    if args.command == "bench" and args.bench == "straggler":
+        from benchmarks import straggler
+
+        chaos = straggler.StragglerChaos(
+            args.kind, args.factor, args.probability, args.stall_steps, args.during, args.seed
+        )
+        return straggler.main(args.workload, args.workers, args.steps, chaos, args.repeats, args.json_path)
+    if args.command == "bench" and args.bench == "recovery":
+        from benchmarks import recovery
+
+        return recovery.main(
+            args.workload, args.workers, args.steps, args.kill_step, args.checkpoint_every, args.repeats,
+            args.overhead_steps, args.json_path, args.exact_steps, args.exact_kill_step,
+        )
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
