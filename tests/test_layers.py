@@ -1,0 +1,171 @@
+"""The packages stay layered (docs/architecture.md, "Layers"): every import, at module level or
+inside a function, points to a lower layer or stays in its own package, no two files import each
+other even indirectly, and the pure layers import nothing heavy. Read from the source with
+``ast``: nothing is imported, so a lazy import cannot hide an arrow."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tomllib
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Bottom up. A package may import packages of lower layers only; packages of one layer do not
+#: import each other.
+LAYERS: dict[str, int] = {
+    "policies": 0,  # pure decisions
+    "jobspec": 1,  # the job schema, wire types, import targets, durable files
+    "workers": 2,  # the worker actor
+    "ringleader_examples": 2,  # recipes the workers build (import targets)
+    "orchestrator": 3,  # the driver
+    "simulator": 4,  # the policies at scale, in simulated time
+    "benchmarks": 4,  # ringleader against its contenders
+    "ringleader": 5,  # the public API and the CLI
+}
+
+#: What the pure layers may import beyond the standard library and the layers beneath them.
+ALLOWED_THIRD_PARTY = {
+    "policies": {"numpy"},
+    "jobspec": {"pydantic", "pydantic_core", "typing_extensions", "numpy"},
+}
+
+
+def _shipped_packages() -> list[str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for package in _shipped_packages():
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _imported(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The dotted names ``node`` imports (a ``from`` import's names when they are modules)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        package = module.split(".")
+        if MODULES[module].name != "__init__.py":
+            package = package[:-1]
+        package = package[: len(package) - (node.level - 1)]
+        base = ".".join(package + ([base] if base else []))
+    return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every module's imports: project modules by their own name, others by top-level name."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for name in _imported(module, node):
+                    while name and name not in MODULES and name.split(".")[0] in LAYERS:
+                        name = name.rpartition(".")[0]
+                    if name:
+                        found[module].add(name if name in MODULES else name.split(".")[0])
+    return found
+
+
+IMPORTS = _imports()
+
+
+def test_every_shipped_package_has_a_layer():
+    assert set(_shipped_packages()) == set(LAYERS)
+
+
+def upward_imports(imports: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for each import of a package at the same layer or above ``a``'s."""
+    found = []
+    for module, targets in sorted(imports.items()):
+        package = module.split(".")[0]
+        for target in sorted(targets):
+            other = target.split(".")[0]
+            if other in LAYERS and other != package and LAYERS[other] >= LAYERS[package]:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_imports_point_down_the_layers():
+    assert upward_imports(IMPORTS) == []
+
+
+def import_cycles(imports: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of two or more modules (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(imports):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(imports.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        cycles.append(sorted(group))
+            elif child in MODULES and child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(imports.get(child, ())))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return cycles
+
+
+def test_no_two_modules_import_each_other():
+    # A package's __init__ importing its own modules is not an arrow back: leave those edges out.
+    edges = {m: {t for t in ts if t in MODULES and not m.startswith(t + ".")} for m, ts in IMPORTS.items()}
+    assert import_cycles(edges) == []
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED_THIRD_PARTY))
+def test_pure_layers_import_only_the_standard_library(package):
+    allowed = ALLOWED_THIRD_PARTY[package] | set(sys.stdlib_module_names) | {"__future__"}
+    heavy = sorted(
+        f"{module} -> {target}"
+        for module, targets in IMPORTS.items() if module.split(".")[0] == package
+        for target in targets if target.split(".")[0] not in allowed and target.split(".")[0] not in LAYERS
+    )
+    assert heavy == []
+
+
+def test_the_checks_catch_an_upward_import_and_a_cycle():
+    # The checks themselves, on made-up arrows between real modules: a policy reaching into
+    # the worker, a package importing its neighbour in the same layer, two driver modules
+    # importing each other through a third.
+    upward = {"policies.split": {"workers.ring", "policies.ewma"}, "simulator.engine": {"benchmarks.workloads"}}
+    assert upward_imports(upward) == ["policies.split -> workers.ring", "simulator.engine -> benchmarks.workloads"]
+    loop = {"orchestrator.launch": {"orchestrator.summary"}, "orchestrator.summary": {"orchestrator.report"},
+            "orchestrator.report": {"orchestrator.launch", "jobspec.job"}}
+    assert import_cycles(loop) == [["orchestrator.launch", "orchestrator.report", "orchestrator.summary"]]
