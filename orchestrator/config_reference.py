@@ -1,5 +1,5 @@
 """The job-file reference (``docs/job-file.md``), generated from the pydantic models of
-``orchestrator/config.py`` so it cannot drift from them: ``tests/test_config.py`` fails when
+the job schema (``jobspec/``) so it cannot drift from them: ``tests/test_config.py`` fails when
 the file is stale. Regenerate with::
 
     python -m orchestrator.config_reference > docs/job-file.md
@@ -23,7 +23,7 @@ from jobspec.job import JobConfig
 HEADER = """# Job file reference
 
 Every field of a job file (YAML), with its type and default; a job file may leave any field
-out. Generated from the pydantic models in `orchestrator/config.py` by
+out. Generated from the pydantic models of the job schema (`jobspec/`) by
 `python -m orchestrator.config_reference > docs/job-file.md` (a test fails when this file is
 stale). `--set FIELD=VALUE` takes the dotted names below.
 """

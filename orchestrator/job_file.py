@@ -108,7 +108,7 @@ def job_from_mapping(raw: dict[str, Any], source: str) -> JobConfig:
 
 
 def _masked_fields(raw: Any, where: str = "") -> list[str]:
-    """Dotted names of the fields whose values ``orchestrator.redaction`` masked."""
+    """Dotted names of the fields whose values ``jobspec.redaction`` masked."""
     if isinstance(raw, dict):
         return [f for key, value in raw.items() for f in _masked_fields(value, f"{where}.{key}" if where else str(key))]
     if isinstance(raw, list):
