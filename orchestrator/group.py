@@ -1,7 +1,8 @@
 """The worker group as the controller sees it: an interface, so the controller and the
 recovery core run the same against Ray actors (``orchestrator/worker_group.py``) and against
 an in-process fake (``tests/helpers/fake_group.py``), as Ray Train V2's controller runs
-against its worker group or a dummy one.
+against its worker group or a dummy one. Both keep their members with ``Membership``
+(``orchestrator/membership.py``).
 
 Calls into workers are ``Call`` handles; the group waits on them and turns what came back into
 a value or a ``CallFailed`` that says what kind of failure it was. Nothing outside a group

@@ -205,7 +205,7 @@ def run_job(
             ) from None
         from orchestrator.chaos_control import ChaosControl
         from orchestrator.controller import JobController
-        from orchestrator.metrics import JobMetrics
+        from orchestrator.metrics import JobMetrics, MetricsListener
         from orchestrator.ray_calls import driver_store
         from orchestrator.worker_group import RayWorkerGroup
 
@@ -236,9 +236,9 @@ def run_job(
                 launched=launched,
                 progress=progress,
                 resume=resume,
-                metrics=JobMetrics(job.name),
             )
-            controller.mark("ray_ready", ray_ready)
+            run.subscribe(MetricsListener(JobMetrics(job.name), controller.accounting, run.event))
+            controller.accounting.mark("ray_ready", ray_ready)
             return controller.execute()
         finally:
             store.close()

@@ -1,15 +1,119 @@
-"""Workers waiting to join: replacements for the dead and new workers when there is room.
+"""A worker group's membership: who is in it, in rank order, and who waits to join.
 
-A freed or reserved slot gets a new actor; it loads in the background and joins the group at a
-step boundary (``Growing``) or when the group re-forms after a failure (``Recovering``)."""
+``Membership`` is the bookkeeping every ``WorkerGroup`` implementation shares (the Ray one,
+``orchestrator/worker_group.py``, and the in-process fake, ``tests/helpers/fake_group.py``), so
+the two cannot drift. ``JoinerPool`` is the driver's side of joining: a freed or reserved slot
+gets a new worker; it loads in the background and joins the group at a step boundary
+(``Growing``) or when the group re-forms after a failure (``Recovering``)."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
-from orchestrator.group import WorkerGroup
+from jobspec.runtime import ScalingConfig
+from jobspec.wire import Progress, WorkerInfo
+from orchestrator.group import Member, WorkerGroup, WorkerGroupError
 from policies.elasticity import admit_count
+
+M = TypeVar("M", bound=Member)  # a member of the group
+J = TypeVar("J")  # a worker still loading
+
+
+class Membership(ABC, Generic[M, J]):
+    """The members of a group of at most ``scaling.max_workers`` workers, in rank order, the
+    ``joiners`` still loading and the slots ``retired`` with evicted workers; worker ids never
+    repeat. An implementation ends a member's process (``_kill``), may give up its slot
+    (``_retire``) and asks the members' progress (``progress``)."""
+
+    def __init__(self, scaling: ScalingConfig) -> None:
+        assert scaling.max_workers is not None, "set by ScalingConfig's validation"
+        self.max_workers = scaling.max_workers
+        self.members: list[M] = []
+        self.joiners: list[J] = []
+        self.retired = 0
+        self._next_worker = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def workers(self) -> list[int]:
+        """Worker ids in rank order."""
+        return [m.info.worker for m in self.members]
+
+    @property
+    def info(self) -> list[WorkerInfo]:
+        return [m.info for m in self.members]
+
+    @property
+    def capacity(self) -> int:
+        """The most workers this group may have: ``scaling.max_workers`` less retired slots."""
+        return self.max_workers - self.retired
+
+    @property
+    def loading(self) -> int:
+        return len(self.joiners)
+
+    def _new_worker_id(self) -> int:
+        worker = self._next_worker
+        self._next_worker += 1
+        return worker
+
+    @abstractmethod
+    def progress(self, timeout_s: float) -> dict[int, Progress | None]:
+        """Each member's progress by worker id; None for one that is dead or did not answer."""
+
+    @abstractmethod
+    def _kill(self, member: M) -> None:
+        """End ``member``'s process."""
+
+    def _retire(self, member: M) -> None:
+        """Give up ``member``'s slot (an implementation with slots releases it)."""
+
+    def probe(self, timeout_s: float) -> tuple[dict[int, Progress], list[int]]:
+        """Which members are alive: their ``progress()`` by worker id, and the ids of those that
+        are dead or did not answer within ``timeout_s`` (the control group answers even while a
+        step is blocked, so silence means a dead process or node Ray has not noticed yet)."""
+        alive: dict[int, Progress] = {}
+        dead: list[int] = []
+        for worker, report in self.progress(timeout_s).items():
+            if report is None:
+                dead.append(worker)
+            else:
+                alive[worker] = report
+        return alive, dead
+
+    def lead_with(self, worker: int) -> None:
+        """Make ``worker`` rank 0 of the next generation (the state every rank takes)."""
+        if worker not in self.workers:
+            raise WorkerGroupError(f"worker {worker} is not a member (members: {self.workers}); it cannot lead")
+        self.members.sort(key=lambda m: m.info.worker != worker)
+
+    def admit(self, members: Sequence[M]) -> None:
+        """Add ready joiners at the end of the rank order (they join at the next form_group)."""
+        self.members.extend(members)
+
+    def kill(self, worker: int) -> None:
+        """End one member's process, leaving it in the group (chaos: the driver must notice)."""
+        for member in self.members:
+            if member.info.worker == worker:
+                self._kill(member)
+
+    def remove(self, workers: Sequence[int], retire: bool = False) -> None:
+        """End these workers' processes and drop them from the group (ranks close up). Their
+        slots are free for replacements, unless ``retire``: an evicted worker's slot is given
+        up (a replacement there would likely be as slow), leaving room for one worker fewer."""
+        for member in self.members:
+            if member.info.worker in workers:
+                self._kill(member)
+                if retire:
+                    self.retired += 1
+                    self._retire(member)
+        self.members = [m for m in self.members if m.info.worker not in workers]
+
 
 # At most this often the driver looks for free slots to start workers in (a GCS round trip).
 FILL_EVERY_S = 1.0

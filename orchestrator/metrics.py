@@ -6,12 +6,18 @@ export port (``ray start --metrics-export-port``), prefixed ``ray_``; Ray adds `
 which Prometheus sets to its scrape job's name); per-worker ones also ``worker`` (the worker
 id), events ``kind``, lost time ``cause``, phases ``phase``.
 ``deploy/grafana/ringleader.json`` is a dashboard on these series.
+
+A ``MetricsListener`` subscribed to the run (``RunDirectory.subscribe``, as tracking is)
+records them from what the run records: each ``step``, ``recovered`` and ``checkpoint`` event
+and the summary. A failure to record is reported once (a ``metrics_failed`` event) and stops
+the recording: metrics never fail a job.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 from jobspec.wire import StepTelemetry
 from policies.goodput import Goodput
@@ -32,6 +38,8 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "ringleader_checkpoint_seconds": ("the last checkpoint's seconds: copy (training held) and write", ("ringleader_job", "phase")),
 }
 EVENTS = "ringleader_events"  # a Counter: what happened, by kind (failures, recoveries, ...)
+#: A recovery's phases, each ``<phase>_s`` in its ``recovered`` event.
+RECOVERY_PHASES = ("detect", "reform", "transfer", "redo")
 
 
 class JobMetrics:
@@ -90,3 +98,64 @@ class JobMetrics:
     def observe_checkpoint(self, copy_s: float, write_s: float) -> None:
         self._set("ringleader_checkpoint_seconds", copy_s, phase="copy")
         self._set("ringleader_checkpoint_seconds", write_s, phase="write")
+
+
+class LiveAccount(Protocol):
+    """What the metrics read of a job at a committed step beyond its ``step`` event
+    (``orchestrator/step_accounting.py``'s StepAccounting)."""
+
+    @property
+    def last_reports(self) -> Sequence[StepTelemetry]: ...
+    @property
+    def workers(self) -> int: ...
+    @property
+    def counters(self) -> Mapping[str, int]: ...
+    def goodput(self) -> Goodput: ...
+
+
+class MetricsListener:
+    """Records a run's figures in ``metrics`` (a ``RunListener``, see the module doc), reading
+    the rest of a step's from ``account``; ``report(kind, **fields)`` records its failure."""
+
+    def __init__(self, metrics: JobMetrics, account: LiveAccount, report: Callable[..., None]) -> None:
+        self.metrics: JobMetrics | None = metrics
+        self.account = account
+        self.report = report
+
+    def _record(self, record: Callable[[JobMetrics], None]) -> None:
+        metrics = self.metrics
+        if metrics is None:
+            return
+        try:
+            record(metrics)
+        except Exception as err:  # noqa: BLE001 - Ray's metrics agent, our accounting: never the job's end
+            self.metrics = None
+            self.report("metrics_failed", error=f"{type(err).__name__}: {err}")
+
+    def on_event(self, record: Mapping[str, Any]) -> None:
+        kind = record["event"]
+        if kind == "step":
+            account = self.account
+            steps_done = record["step"] + 1  # steps commit in order: step s is the (s + 1)th
+            self._record(
+                lambda metrics: metrics.observe_step(
+                    account.last_reports, record["step_s"], steps_done, account.workers, account.counters, account.goodput()
+                )
+            )
+        elif kind == "recovered":
+            self._record(lambda metrics: metrics.observe_recovery({p: record[f"{p}_s"] for p in RECOVERY_PHASES}))
+        elif kind == "checkpoint":
+            self._record(lambda metrics: metrics.observe_checkpoint(record["copy_s"], record["write_s"]))
+
+    def on_model(self, path: Path) -> None:
+        """The model file is no figure."""
+
+    def on_summary(self, summary: Mapping[str, Any]) -> None:
+        """The final counters and goodput (the summary's)."""
+        goodput = summary["goodput"]
+
+        def final(metrics: JobMetrics) -> None:
+            metrics.observe_counters(summary["events"])
+            metrics.observe_goodput(Goodput(goodput["wall_s"], goodput["lost_s"]))
+
+        self._record(final)

@@ -5,7 +5,8 @@ rank 0), and re-forming the group, retried when someone dies meanwhile
 
 The decisions are pure functions over the survivors' ``Progress``; the procedures drive a
 ``WorkerGroup`` (``orchestrator/group.py``), so ``tests/test_recovery.py`` runs them against an
-in-process fake group in milliseconds.
+in-process fake group in milliseconds. ``orchestrator/recovery_procedure.py`` carries them out
+in the ``Recovering`` state.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The Ray implementation of the worker group (``orchestrator/group.py``): worker actors in
-placement-group bundles, driven through Ray calls whose failures are classified here."""
+slots of the job's placement groups (``orchestrator/slots.py``), driven through Ray calls whose
+failures ``orchestrator/ray_calls.py`` classifies."""
 
 from __future__ import annotations
 
@@ -8,20 +9,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import ray
-from ray.util.placement_group import (
-    PlacementGroup,
-    placement_group,
-    placement_group_table,
-    remove_placement_group,
-)
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from jobspec.job import JobConfig
 from jobspec.runtime import ScalingConfig
 from jobspec.wire import JoinRequest, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
 from orchestrator.group import Call, WorkerGroupError
+from orchestrator.membership import Membership
 from orchestrator.ray_calls import failure_of, ray_errors_as_group_errors
 from orchestrator.rendezvous import RendezvousStore
+from orchestrator.slots import Slot, SlotPlacement
 from policies.collective_choice import CollectiveChoice
 from policies.placement import unplaceable
 from policies.work_stealing import StepPlan
@@ -44,14 +42,6 @@ def actor_options(scaling: ScalingConfig) -> dict[str, Any]:
     return options
 
 
-@dataclass(frozen=True)
-class Slot:
-    """Where a worker runs: one bundle of one of the job's placement groups."""
-
-    placement: PlacementGroup
-    index: int
-
-
 @dataclass
 class Member:
     actor: Any
@@ -69,18 +59,16 @@ class Joiner:
     ready: ray.ObjectRef  # its describe()
 
 
-class RayWorkerGroup:
+class RayWorkerGroup(Membership[Member, Joiner]):
     """Starts, drives, grows and tears down the worker actors of one job.
 
-    Workers live in slots (placement-group bundles). A slot freed by a death gets a replacement
-    actor; slots beyond the starting count are reserved one placement group each, up to
-    ``scaling.max_workers``, and fill when the cluster has room (a node joins). New actors load
-    in the background (``joiners``) and join the process group at a step boundary.
-    ``members`` are in rank order; worker ids never repeat.
+    Workers live in slots (placement-group bundles, ``orchestrator/slots.py``). A slot freed by
+    a death gets a replacement actor; slots beyond the starting count are reserved one
+    placement group each, up to ``scaling.max_workers``, and fill when the cluster has room (a
+    node joins). New actors load in the background (``joiners``) and join the process group at
+    a step boundary. The membership bookkeeping is ``Membership``'s; ``members`` are in rank
+    order; worker ids never repeat.
     """
-
-    #: After a replacement failed to start in a slot, wait this long before trying it again.
-    RETRY_S = 5.0
 
     #: While workers wait for resources, ``on_wait`` is told what is pending this often.
     WAIT_REPORT_S = 10.0
@@ -93,52 +81,26 @@ class RayWorkerGroup:
         within: PlacementGroup | None = None,
         on_collective: Callable[[CollectiveChoice], None] = lambda choice: None,
     ) -> None:
-        """``within``: a placement group reserved for the job by someone else (a Tune trial's):
-        its bundles 1..``max_workers`` are the workers' slots (bundle 0 holds the driver), and
-        no placement group of the job's own is reserved. ``on_collective`` is told what
-        ``collective.algorithm: auto`` chose at each group formation."""
+        """``within``: a placement group reserved for the job by someone else (a Tune trial's;
+        see ``SlotPlacement``). ``on_collective`` is told what ``collective.algorithm: auto``
+        chose at each group formation."""
+        super().__init__(job.scaling)
         self.job = job
-        self.within = within
-        self._within_used = 0  # bundles of ``within`` handed out as slots
         self.fixed_cluster = fixed_cluster  # its resources are all it will have: refuse the impossible at once
         self._on_wait = on_wait
         self._on_collective = on_collective
         self.scaling = job.scaling
         self.timeouts = job.timeouts
-        self.members: list[Member] = []
-        self.joiners: list[Joiner] = []
-        self.placements: list[PlacementGroup] = []
-        self.slots: list[Slot] = []
-        self._retry_at: dict[Slot, float] = {}
-        self.retired = 0  # slots given up with evicted workers
-        self._next_worker = 0
-        self._bundle = {k: v for k, v in self.scaling.resources_per_worker.items() if v > 0}
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
+        self.placement = SlotPlacement(job.scaling, within)
 
     @property
     def actors(self) -> list[Any]:
         return [m.actor for m in self.members]
 
     @property
-    def info(self) -> list[WorkerInfo]:
-        return [m.info for m in self.members]
-
-    @property
-    def loading(self) -> int:
-        return len(self.joiners)
-
-    @property
-    def capacity(self) -> int:
-        """The most workers this group may have: ``scaling.max_workers`` less retired slots."""
-        return self.scaling.max_workers - self.retired
-
-    @property
-    def workers(self) -> list[int]:
-        """Worker ids in rank order."""
-        return [m.info.worker for m in self.members]
+    def placements(self) -> list[PlacementGroup]:
+        """The placement groups the job reserved (released at shutdown)."""
+        return self.placement.placements
 
     def start(self, count: int) -> list[WorkerInfo]:
         """Reserve ``count`` bundles, start one actor in each, wait until all have loaded.
@@ -149,19 +111,13 @@ class RayWorkerGroup:
         ``fixed_cluster`` at once if the workers can never fit. While resources are pending,
         ``on_wait`` is told every WAIT_REPORT_S.
         """
+        bundle = self.placement.bundle
         if self.fixed_cluster:
             nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-            problem = unplaceable(self._bundle, count, nodes)
+            problem = unplaceable(bundle, count, nodes)
             if problem is not None:
                 raise WorkerGroupError(problem)
-        if self.within is not None:
-            placement = self.within
-            slots = [self._within_slot() for _ in range(count)]
-        else:
-            placement = placement_group([self._bundle] * count, strategy=self.scaling.placement_strategy)
-            self.placements.append(placement)
-            slots = [Slot(placement, i) for i in range(count)]
-        self.slots.extend(slots)
+        placement, slots = self.placement.reserve(count)
         actors = [self._new_actor(slot) for slot in slots]
         try:
             infos = self._await_start([a.describe.remote() for a, _ in actors], placement, count)
@@ -169,7 +125,7 @@ class RayWorkerGroup:
             ready, _ = ray.wait([placement.ready()], timeout=0)
             if not ready:
                 raise WorkerGroupError(
-                    f"could not reserve {count} x {self._bundle} within {self.timeouts.start_s:.0f}s "
+                    f"could not reserve {count} x {bundle} within {self.timeouts.start_s:.0f}s "
                     f"(cluster has {ray.cluster_resources()}); lower scaling.workers or "
                     "scaling.resources_per_worker"
                 ) from None
@@ -193,23 +149,12 @@ class RayWorkerGroup:
             placed, _ = ray.wait([placement.ready()], timeout=0)
             if not placed:
                 self._on_wait(
-                    f"waiting for {count} x {self._bundle} (available now: {ray.available_resources()}; "
+                    f"waiting for {count} x {self.placement.bundle} (available now: {ray.available_resources()}; "
                     f"giving up after timeouts.start_s = {self.timeouts.start_s:.0f}s)"
                 )
 
-    def _within_slot(self) -> Slot:
-        assert self.within is not None
-        self._within_used += 1
-        if self._within_used >= len(self.within.bundle_specs):
-            raise WorkerGroupError(
-                f"the job's placement group has {len(self.within.bundle_specs)} bundles: not enough for "
-                f"scaling.max_workers = {self.scaling.max_workers} workers and the driver"
-            )
-        return Slot(self.within, self._within_used)
-
     def _new_actor(self, slot: Slot) -> tuple[Any, int]:
-        worker = self._next_worker
-        self._next_worker += 1
+        worker = self._new_worker_id()
         actor = RemoteTrainWorker.options(
             **actor_options(self.scaling),
             scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement, placement_group_bundle_index=slot.index),
@@ -290,79 +235,33 @@ class RayWorkerGroup:
                 out[worker] = None
         return out
 
-    def probe(self, timeout_s: float) -> tuple[dict[int, Progress], list[int]]:
-        """Which members are alive: their ``progress()`` by worker id, and the ids of those that
-        are dead or did not answer within ``timeout_s`` (the control group answers even while a
-        step is blocked, so silence means a dead process or node Ray has not noticed yet)."""
-        alive: dict[int, Progress] = {}
-        dead: list[int] = []
-        for worker, report in self.progress(timeout_s).items():
-            if report is None:
-                dead.append(worker)
-            else:
-                alive[worker] = report
-        return alive, dead
-
     def abort_all(self, generation: int, pending: Sequence[Call], timeout_s: float) -> None:
         """Raise every member's abort flag for ``generation`` and earlier and wait (bounded)
         until ``pending`` calls end; they end in errors, which are expected and dropped."""
         refs = [actor.abort.remote(generation) for actor in self.actors] + [c.handle for c in pending]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
-    @ray_errors_as_group_errors
-    def remove(self, workers: Sequence[int], retire: bool = False) -> None:
-        """Kill the actors of these worker ids and drop them from the group (ranks close up).
-        Their slots are free for replacements, unless ``retire``: an evicted worker's slot is
-        given up (a replacement there would likely be as slow), one slot fewer is reserved, and
-        a single-bundle placement group is released."""
-        for member in self.members:
-            if member.info.worker in workers:
-                ray.kill(member.actor, no_restart=True)
-                if retire:
-                    self.slots.remove(member.slot)
-                    self.retired += 1
-                    placement = member.slot.placement
-                    if len(placement.bundle_specs) == 1:  # its own group: give the resources back
-                        remove_placement_group(placement)
-                        self.placements.remove(placement)
-        self.members = [m for m in self.members if m.info.worker not in workers]
+    def _kill(self, member: Member) -> None:
+        ray.kill(member.actor, no_restart=True)
 
-    @ray_errors_as_group_errors
-    def kill(self, worker: int) -> None:
-        """``ray.kill`` one member, leaving it in the group (chaos: the driver must notice)."""
-        for member in self.members:
-            if member.info.worker == worker:
-                ray.kill(member.actor, no_restart=True)
+    def _retire(self, member: Member) -> None:
+        self.placement.retire(member.slot)
 
-    def lead_with(self, worker: int) -> None:
-        """Make ``worker`` rank 0 of the next generation (the state every rank takes)."""
-        if worker not in self.workers:
-            raise WorkerGroupError(f"worker {worker} is not a member (members: {self.workers}); it cannot lead")
-        self.members.sort(key=lambda m: m.info.worker != worker)
+    # Ray's errors killing an actor or releasing its placement group, as WorkerGroupErrors.
+    kill = ray_errors_as_group_errors(Membership.kill)
+    remove = ray_errors_as_group_errors(Membership.remove)
 
     @ray_errors_as_group_errors
     def fill_slots(self, dead_nodes: set[str]) -> int:
-        """Start an actor in every free slot (up to ``scaling.max_workers`` slots less retired
-        ones, reserving new ones as single-bundle placement groups), except slots whose bundle
-        sits on a node in ``dead_nodes`` (Ray moves those bundles once it declares the node
-        dead) or that failed less than RETRY_S ago. Returns how many actors were started."""
-        while len(self.slots) < self.capacity:
-            if self.within is not None:
-                self.slots.append(self._within_slot())
-                continue
-            placement = placement_group([self._bundle])
-            self.placements.append(placement)
-            self.slots.append(Slot(placement, 0))
+        """Start an actor in every free slot (up to ``capacity`` slots, reserved as needed; none
+        on a node in ``dead_nodes`` or that failed lately: ``SlotPlacement.free``). Returns how
+        many actors were started."""
         taken = {m.slot for m in self.members} | {j.slot for j in self.joiners}
-        now = time.monotonic()
-        started = 0
-        for slot in self.slots:
-            if slot in taken or self._retry_at.get(slot, 0.0) > now or _bundle_node(slot) in dead_nodes:
-                continue
+        free = self.placement.free(self.capacity, taken, dead_nodes)
+        for slot in free:
             actor, worker = self._new_actor(slot)
             self.joiners.append(Joiner(actor, worker, slot, actor.describe.remote()))
-            started += 1
-        return started
+        return len(free)
 
     def ready_joiners(self, timeout_s: float = 0.0) -> list[Member]:
         """Joiners that finished loading (waiting up to ``timeout_s`` for at least one), removed
@@ -379,12 +278,8 @@ class RayWorkerGroup:
                 out.append(Member(joiner.actor, ray.get(joiner.ready, timeout=0), joiner.slot))
             except ray.exceptions.RayError:
                 ray.kill(joiner.actor, no_restart=True)
-                self._retry_at[joiner.slot] = time.monotonic() + self.RETRY_S
+                self.placement.failed(joiner.slot)
         return out
-
-    def admit(self, members: Sequence[Member]) -> None:
-        """Add ready joiners at the end of the rank order (they join at the next form_group)."""
-        self.members.extend(members)
 
     @ray_errors_as_group_errors
     def restore(self, root: str, name: str, manifest: dict[str, Any]) -> None:
@@ -429,11 +324,4 @@ class RayWorkerGroup:
         for actor in self.actors + [j.actor for j in self.joiners]:
             ray.kill(actor, no_restart=True)
         self.members, self.joiners = [], []
-        for placement in self.placements:
-            remove_placement_group(placement)
-        self.placements, self.slots = [], []
-
-
-def _bundle_node(slot: Slot) -> str | None:
-    """The node a slot's bundle is placed on, or None while it is not placed."""
-    return placement_group_table(slot.placement).get("bundles_to_node_id", {}).get(slot.index)
+        self.placement.release()

@@ -18,7 +18,8 @@ from typing import Any, Sequence
 
 from jobspec.job import JobConfig
 from jobspec.wire import FileEntry, Phase, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
-from orchestrator.group import Call, CallFailed, FailureKind, WorkerGroupError
+from orchestrator.group import Call, CallFailed, FailureKind
+from orchestrator.membership import Membership
 from orchestrator.rendezvous import RendezvousStore
 from policies.work_stealing import StepPlan
 from workers.checkpoint_storage import CheckpointStorage
@@ -109,50 +110,27 @@ class FakeBatch:
         return [p.value for p in self.parts]
 
 
-class FakeWorkerGroup:
-    """Implements ``orchestrator.group.WorkerGroup`` in-process. ``replacements``: whether free
-    slots get new workers (each ready ``join_delay_s`` after it is started)."""
+class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
+    """Implements ``orchestrator.group.WorkerGroup`` in-process, its membership bookkeeping
+    ``Membership``'s as the Ray group's is. ``replacements``: whether free slots get new workers
+    (each ready ``join_delay_s`` after it is started); a joiner is (worker, ready at)."""
 
     def __init__(self, job: JobConfig, faults: Faults | None = None, *, replacements: bool = True, join_delay_s: float = 0.0) -> None:
+        super().__init__(job.scaling)
         self.job = job
         self.faults = faults or Faults()
         self.replacements = replacements
         self.join_delay_s = join_delay_s
-        self.members: list[FakeWorker] = []
-        self.joiners: list[tuple[FakeWorker, float]] = []
-        self.retired = 0
         self.calls: list[FakeCall] = []
         self.batches: list[tuple[int, int]] = []  # (first step, steps) of every submission
         self.at_shutdown: list[FakeWorker] = []
         self.generations = 0
-        self._next_id = 0
         self._num_steps = job.steps or 0
 
     # Membership
 
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-    @property
-    def workers(self) -> list[int]:
-        return [m.worker for m in self.members]
-
-    @property
-    def info(self) -> list[WorkerInfo]:
-        return [m.info for m in self.members]
-
-    @property
-    def capacity(self) -> int:
-        return (self.job.scaling.max_workers or self.job.scaling.workers) - self.retired
-
-    @property
-    def loading(self) -> int:
-        return len(self.joiners)
-
     def _new_worker(self) -> FakeWorker:
-        worker = self._next_id
-        self._next_id += 1
+        worker = self._new_worker_id()
         now = time.time()
         info = WorkerInfo(
             worker, 1000, self._num_steps, 10, "cpu", f"node{worker % 2}", "fake", 10_000 + worker,
@@ -182,28 +160,8 @@ class FakeWorkerGroup:
         self.joiners = [(w, at) for w, at in self.joiners if at > now]
         return ready
 
-    def admit(self, members: Sequence[FakeWorker]) -> None:
-        self.members.extend(members)
-
-    def lead_with(self, worker: int) -> None:
-        if worker not in self.workers:
-            raise WorkerGroupError(f"worker {worker} is not a member (members: {self.workers}); it cannot lead")
-        self.members.sort(key=lambda m: m.worker != worker)
-
-    def remove(self, workers: Sequence[int], retire: bool = False) -> None:
-        gone = [m for m in self.members if m.worker in workers]
-        for member in gone:
-            self._die(member)
-        self.retired += len(gone) if retire else 0
-        self.members = [m for m in self.members if m.worker not in workers]
-
-    def kill(self, worker: int) -> None:
-        for member in self.members:
-            if member.worker == worker:
-                self._die(member)
-
-    def _die(self, member: FakeWorker) -> None:
-        """The worker's pending calls fail at once; its peers' block in their collectives."""
+    def _kill(self, member: FakeWorker) -> None:
+        """The worker dies: its pending calls fail at once; its peers' block in their collectives."""
         member.alive = False
         for call in self._pending():
             if call.worker is member:
@@ -368,10 +326,6 @@ class FakeWorkerGroup:
                 out[member.worker] = Progress(mine[0].step or 0, phase, 1.0, member.next_step)
         return out
 
-    def probe(self, timeout_s: float) -> tuple[dict[int, Progress], list[int]]:
-        report = self.progress(timeout_s)
-        return {w: p for w, p in report.items() if p is not None}, [w for w, p in report.items() if p is None]
-
     # Checkpoints, evaluation, shutdown
 
     def snapshot(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> tuple[list[Call], list[Call]]:
@@ -383,7 +337,7 @@ class FakeWorkerGroup:
             write = FakeCall(member, after)
             if (member.worker, request.step) in self.faults.die_writing:
                 self.faults.die_writing.discard((member.worker, request.step))
-                self._die(member)
+                self._kill(member)
                 write.error = CallFailed(member.worker, FailureKind.DIED, "ActorDiedError: died writing")
             else:
                 write.value = [_write_part(request, written=(member.worker, request.step) not in self.faults.unwritten)]

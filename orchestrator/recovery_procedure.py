@@ -1,0 +1,165 @@
+"""The recovery procedure, the ``Recovering`` state's work: abort every member, find the dead,
+commit what some survivor finished, re-form without the dead and the evicted (with any ready
+replacements) and redo the steps that were in flight (docs/architecture.md, "Recovery").
+
+The decisions it takes (who settled, what is committed, what to redo, who leads) and the
+re-forming itself are ``orchestrator/recovery.py``'s; this carries them out on the job's
+group and accounts them: events, counters, the ``Recovery`` record, the held steps' commits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import InitVar, dataclass, field
+from typing import Mapping
+
+from jobspec.job import JobConfig
+from jobspec.wire import StepTelemetry
+from orchestrator.chaos_control import ChaosControl
+from orchestrator.checkpointing import CheckpointCoordinator
+from orchestrator.errors import JobFailed
+from orchestrator.group import WorkerGroup
+from orchestrator.membership import JoinerPool
+from orchestrator.pipeline import InFlight, StepOutcome, batch_reports
+from orchestrator.recovery import MAX_REFORMS, GiveUp, Recovery, Reformer, first_uncommitted, settle, steps_to_redo
+from orchestrator.rendezvous import RendezvousStore
+from orchestrator.run_dir import RunDirectory
+from orchestrator.states import CheckpointingBeforeFailure, Recovering, Running, State
+from orchestrator.step_accounting import StepAccounting
+from orchestrator.straggler_control import StragglerControl
+
+
+@dataclass(eq=False)
+class RecoveryProcedure:
+    """Recovers ``job`` on ``group`` (meeting at ``store``) after a failure or an eviction,
+    ``joiners`` joining; ``chaos`` tells when a worker it killed died, ``checkpoints`` learns of
+    failures, ``accounting`` commits the steps the re-formed group holds and counts. Register
+    ``step_completed`` with the accounting: failures with nobody dead count from the last
+    completed step."""
+
+    job: JobConfig
+    run: RunDirectory
+    group: WorkerGroup
+    store: RendezvousStore
+    chaos: ChaosControl
+    checkpoints: CheckpointCoordinator
+    accounting: StepAccounting
+    joiners: InitVar[JoinerPool]
+    reformer: Reformer = field(init=False)
+    _failed_in_a_row: int = field(init=False, default=0)  # recoveries with nobody dead since the last completed step
+
+    def __post_init__(self, joiners: JoinerPool) -> None:
+        self.reformer = Reformer(
+            self.group, self.store, joiners, self.job.scaling, self.job.timeouts.collective_s, self._failed_join
+        )
+
+    def step_completed(self, step: int, reports: list[StepTelemetry]) -> None:
+        """A step completed (every rank's report in): the failures in a row are over."""
+        self._failed_in_a_row = 0
+
+    def recover(self, state: Recovering, stragglers: StragglerControl) -> State:
+        """Recover from ``state`` (see the module doc) and tell ``stragglers`` the new group;
+        the next state is Running, or CheckpointingBeforeFailure with too few workers left.
+        Raises JobFailed if the failure is not a lost worker."""
+        noticed = time.time()
+        outcome = state.outcome
+        steps_done = self.accounting.ledger.steps_done
+        silent, evicted = self._leaving(outcome)
+        settled = settle(
+            self.group, self.store.generation, state.in_flight, frozenset(evicted) | frozenset(silent),
+            self.job.timeouts.collective_s,
+        )
+        dead = sorted((outcome.dead | set(settled.lost) | set(silent)) - set(evicted))
+        # A worker judged dead never carries the state on, even if it still answers (Ray's
+        # ActorUnavailableError: it may or may not have run); it is removed below.
+        alive = {w: p for w, p in settled.alive.items() if w not in dead}
+        if not dead and not evicted:
+            self._nobody_lost(outcome, state.in_flight[0].step if state.in_flight else steps_done)
+        # Where the furthest survivor is; committed only once the re-formed group holds it.
+        furthest = first_uncommitted(alive, steps_done)
+        died_at = [t for w in dead if (t := self.chaos.death_time(self.store, w)) is not None]
+        recovery = Recovery(
+            at_step=furthest,
+            workers=dead + evicted,
+            reasons={
+                **{w: silent.get(w) or outcome.errors.get(w, "did not answer") for w in dead},
+                **{w: "evicted" for w in evicted},
+            },
+            started=min(died_at) if died_at else noticed,
+        )
+        recovery.detect_s = time.time() - recovery.started
+        if dead:
+            self.accounting.counters["failures"] += len(dead)
+            self.run.event("failure", at_step=furthest, workers=dead, reasons=recovery.reasons, detect_s=recovery.detect_s)
+            self.checkpoints.observe_failure()
+        self.group.remove(dead)
+        self.group.remove(evicted, retire=True)
+        self.checkpoints.abandon(f"worker(s) {dead + evicted} left the group")
+        reforming = time.time()
+        reformed = self.reformer.reform(alive, steps_done, state.without_state)
+        if isinstance(reformed, GiveUp):
+            return CheckpointingBeforeFailure(reformed.holders, reformed.reason, state.in_flight, outcome.reports)
+        next_step = reformed.next_step
+        self.commit_held(state.in_flight, outcome.reports, next_step)
+        redo = steps_to_redo(state.in_flight, next_step, max((p.step for p in alive.values()), default=next_step))
+        recovery.at_step = next_step
+        recovery.workers += list(reformed.lost)
+        self.accounting.counters["joins"] += len(reformed.joined)
+        recovery.transfer_s, recovery.waited_s = reformed.transfer_s, reformed.waited_s
+        recovery.reform_s = time.time() - reforming - reformed.transfer_s  # every attempt, and waiting
+        stragglers.set_workers(self.group.workers)
+        if dead or redo:
+            self.accounting.counters["recoveries"] += 1
+            self.accounting.counters["steps_redone"] += len(redo)
+            recovery.redo_steps = redo
+            self.accounting.recoveries.opened(recovery)
+        self.run.event("group_reformed", workers=self.group.workers, redo=redo, transfer_s=recovery.transfer_s)
+        return Running(next_step, f"{self.group.size} workers")
+
+    def _leaving(self, outcome: StepOutcome) -> tuple[dict[int, str], list[int]]:
+        """Who leaves by the driver's decision, each counted and recorded (an ``evict`` event):
+        (the silent, with why; the evicted). A silent worker (stalled, hung, partitioned) is a
+        failure: replaced, its slot kept. One persistently far slower is evicted: its slot is
+        retired (a replacement there would likely be as slow)."""
+        silent = {e.worker: f"silent for {e.evidence.get('silent_s')}s (stalled or hung)" for e in outcome.evict if e.reason == "silent"}
+        evicted = [e.worker for e in outcome.evict if e.worker not in silent]
+        for eviction in outcome.evict:
+            self.accounting.counters["evictions"] += eviction.worker not in silent
+            self.run.event(
+                "evict", at_step=self.accounting.ledger.steps_done, worker=eviction.worker, reason=eviction.reason,
+                evidence=eviction.evidence,
+            )
+        return silent, evicted
+
+    def _nobody_lost(self, outcome: StepOutcome, failed_step: int) -> None:
+        """Nobody died and nobody is evicted: a worker's own error fails the job; collectives
+        that failed with every member alive (a network fault) are re-formed and retried, but
+        not forever (raises JobFailed)."""
+        if outcome.user_error is not None:
+            self.store.check_alive()  # a dead store makes every worker's call fail too
+            raise JobFailed(f"step {failed_step}: {outcome.user_error}")
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row > MAX_REFORMS:
+            raise JobFailed(f"step {failed_step} failed {MAX_REFORMS} times in a row: {outcome.errors}")
+
+    def commit_held(
+        self, in_flight: tuple[InFlight, ...], known: Mapping[int, list[StepTelemetry]], through: int
+    ) -> None:
+        """Commit the steps in flight before ``through``, the next step of the state the group
+        (or the checkpoint) now holds: a survivor applied them and the census proved each.
+        ``known``: the reports of the first batch in flight that came in, by rank."""
+        for batch in in_flight:
+            if batch.step >= through:
+                break
+            reports = batch_reports(self.group, batch, known if batch is in_flight[0] else {})
+            for step in batch.steps:
+                if step >= through:
+                    break
+                self.accounting.commit(step, reports[step], complete=False)
+
+    def _failed_join(self, lost: list[int], error: str) -> None:
+        """A re-forming attempt failed; ``lost``: the workers it found dead (removed)."""
+        self.run.event("reform_failed", error=error)
+        self.accounting.counters["failures"] += len(lost)
+        if lost:
+            self.run.event("failure", at_step=self.accounting.ledger.steps_done, workers=lost, reasons={}, detect_s=None)
