@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from policies.work_stealing import ClaimKind, StepPlan
 from workers.claims import CountingStore, ShardClaims, open_step
-from workers.step import watched_peers
+from workers.rescue_watch import watched_peers
 
 
 def _store(port: int = 0) -> dist.Store:

@@ -14,8 +14,10 @@ import re
 import shutil
 import tempfile
 import urllib.parse
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Callable
 
+from jobspec.durable import write_atomic
 from jobspec.redaction import redact
 
 if TYPE_CHECKING:
@@ -116,22 +118,18 @@ class CheckpointStorage:
         if self._local is None:
             return self._upload_from(relpath, write)
         target = self._path(relpath)
-        directory = os.path.dirname(target)
-        _makedirs_durable(directory)
-        fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as raw:
-                hashed = _HashingWriter(raw)
-                write(hashed)
-                raw.flush()
-                os.fsync(raw.fileno())
-            os.replace(temp, target)
-        except BaseException:
-            # BaseException too: a KeyboardInterrupt mid-save must not leave a temp file behind.
-            _remove_quietly(temp)
-            raise
-        # The rename is durable only once the directory entry is.
-        _fsync_dir(directory)
+        _makedirs_durable(os.path.dirname(target))
+        hashed: _HashingWriter | None = None
+
+        def write_hashed(raw: IO[bytes]) -> None:
+            nonlocal hashed
+            hashed = _HashingWriter(raw)
+            write(hashed)
+
+        # Private (0600), fsynced, renamed over the target, the directory fsynced; no temp file
+        # is left behind, whatever ``write`` raises (a KeyboardInterrupt mid-save included).
+        write_atomic(Path(target), write_hashed)
+        assert hashed is not None
         return hashed.hexdigest(), hashed.size
 
     def read_bytes(self, relpath: str) -> bytes:
@@ -234,7 +232,7 @@ class CheckpointStorage:
 class _HashingWriter:
     """Passes writes through to ``raw`` and hashes them on the way, so nothing is read back."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: IO[bytes]) -> None:
         self._raw = raw
         self._sha = hashlib.sha256()
         self.size = 0
@@ -294,10 +292,3 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass

@@ -1,11 +1,12 @@
-"""A worker's share of a coordinated checkpoint: snapshot in memory, then write in the background.
+"""A worker's share of a coordinated checkpoint, as files: a snapshot in memory, written, read back.
 
 The training state is replicated on every worker, so each of the ``count`` workers of a
 checkpoint writes a contiguous ``index``-th slice of every flat tensor (parameters and optimizer
 state), in parallel; part 0 also carries what is small and whole (optimizer step, model
 buffers, RNG). A worker also writes its own top-k residuals (per-worker state), if any. Files
 are ``torch.save`` dicts of tensors, ints and strings only, so they load with
-``weights_only=True``: no arbitrary pickle is ever run when a checkpoint is read.
+``weights_only=True``: no arbitrary pickle is ever run when a checkpoint is read. Which of the
+replica's tensors go in, the background writer and restoring are ``workers/replica_checkpoint.py``.
 
 Why not torch.distributed.checkpoint: its ``.metadata`` file is read back with plain
 ``pickle`` (contrary to loading with ``weights_only``); its save and load plan through
@@ -20,9 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
-import threading
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,22 +189,3 @@ def load_residuals(
         if entry["path"].startswith(mine):
             return {_residual_bucket(k): v for k, v in _load(storage, name, entry)["residuals"].items()}
     return {}
-
-
-def lowest_priority() -> None:
-    """Run this thread at the lowest CPU priority: a checkpoint write (serialising, hashing)
-    should take the CPU training leaves idle, not slow the steps down (Linux sets niceness per
-    thread; elsewhere this is a no-op)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
-
-
-def chain_future(done: Future[Any], into: Future[Any]) -> None:
-    """Settle ``into`` with ``done``'s result or error."""
-    error = done.exception()
-    if error is not None:
-        into.set_exception(error)
-    else:
-        into.set_result(done.result())

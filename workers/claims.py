@@ -13,8 +13,8 @@ worker two round trips instead of one per shard. Anyone else must first open the
 a shard is never both sealed by block and claimed alone.
 
 A peer also opens a block to rescue its owner, found late before it sealed (see
-``StepRunner.watch``); the owner, seeing its block opened (``block_taken``), gives its shards
-up to the step's rescue pass.
+``workers/rescue_watch.py``); the owner, seeing its block opened (``block_taken``), gives its
+shards up to the step's rescue pass.
 
 Keys live in ``SLOTS`` rotating slots (step mod SLOTS), reset to free when a step opens, so
 the store does not grow with the run; SLOTS exceeds the steps the driver keeps in flight.

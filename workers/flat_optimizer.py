@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from workers.named_tensors import check_fit, copy_by_name
+
 FUSED_DEVICES = ("cpu", "cuda")
 
 
@@ -174,14 +176,8 @@ class FlatOptimizer:
         names or shapes differ."""
         mine_flat, mine_whole = self.checkpoint_tensors()
         mine, loaded = {**mine_flat, **mine_whole}, {**flat, **whole}
-        if mine.keys() != loaded.keys() or any(loaded[k].shape != v.shape for k, v in mine.items()):
-            raise ValueError(
-                f"optimizer state {sorted((k, tuple(v.shape)) for k, v in loaded.items())} does not fit "
-                f"{self.name}'s {sorted((k, tuple(v.shape)) for k, v in mine.items())}"
-            )
-        with torch.no_grad():
-            for key, target in mine.items():
-                target.copy_(loaded[key])
+        check_fit(mine, loaded, lambda held, needed: f"optimizer state {held} does not fit {self.name}'s {needed}")
+        copy_by_name(mine, loaded)
         self.state_restored()
 
     def _stock_optimizer(self) -> torch.optim.Optimizer:

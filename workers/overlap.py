@@ -131,7 +131,7 @@ class GradientReducer:
     def finish(self, watch: Callable[[], bool] | None = None) -> float:
         """Launch what backward did not, wait for every bucket; returns seconds waited.
 
-        ``watch`` (the step's rescue watch, ``workers/step.py``) is called every
+        ``watch`` (the step's rescue watch, ``workers/rescue_watch.py``) is called every
         ``WATCH_POLL_S`` while a bucket is still being summed, until it returns False; it must
         return False once it has nothing more to do or the abort flag is up (the wait proper,
         with its abort and timeout, comes after it)."""

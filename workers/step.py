@@ -12,14 +12,15 @@ Two ways, chosen by the step's plan:
   after computing removes the shard's gradient with a negated pass. The final own pass is
   overlapped only when sealed (no backup can start any more, so its commit is certain).
   It reads its first batch before sealing, watching its block meanwhile, and watches its
-  peers' blocks while it waits in the all-reduce: a peer stalled before sealing is rescued
-  (``run_claimed``, ``watch``, ``rescue``; docs/architecture.md, "Rescue").
+  peers' blocks while it waits in the all-reduce (``workers/rescue_watch.py``): a peer
+  stalled before sealing is rescued (``run_claimed``, ``rescue``; docs/architecture.md, "Rescue").
 
 Every pass is one forward/backward over a group of shards (split into passes of at most
 ``max_samples_per_pass`` samples): the backward of the loss sum (``workers/objective.py``)
 divided by the step's global batch size and times the fp16 loss scale, both known before the
 step. What the loss sums are finally normalised by, the step's total weight, is known only
-after the all-reduce, which carries it with the gradient; the worker divides then.
+after the all-reduce, which carries it with the gradient (in the census slots,
+``workers/census.py``); the worker divides then.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import torch
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from jobspec.wire import Phase
-from policies.work_stealing import FREE, Backup, ClaimKind, Finished, RunShards, StepPlan, Wait, block_late, pick_work
+from policies.work_stealing import FREE, Backup, ClaimKind, Finished, RunShards, StepPlan, Wait, pick_work
+from workers.census import missing_shards, write_census
 from workers.chaos import ChaosSchedule
 from workers.claims import ShardClaims
 from workers.objective import Objective
@@ -46,29 +48,6 @@ from workers.training import FlatParameters, autocast, fetch_batch, move_to
 
 # How often an idle worker looks at the claims again (store round trips are ~50-150 us).
 POLL_S = 0.002
-# Peers each rank watches while it waits for the all-reduce: the next rank with shards and the
-# one half the ring away (on another node, where ranks are dealt node by node, so a node whose
-# ranks all stall together is still watched from outside). Each rank is watched by two when
-# every rank has shards, so a step's watch traffic grows with N, not N^2 (every rank reading every key).
-WATCHED_PEERS = 2
-
-
-def watched_peers(plan: StepPlan, me: int) -> list[int]:
-    """The ranks ``me`` watches, at most ``WATCHED_PEERS``, each with planned shards: the next
-    rank, then the first ones from half the ring on (wrapping round to me + 2)."""
-    ranks = len(plan.shards_by_rank)
-    half = max(2, ranks // 2)
-    order = [1, *range(half, ranks), *range(2, half)]
-    peers: list[int] = []
-    for offset in order:
-        rank = (me + offset) % ranks
-        if rank != me and plan.shards_by_rank[rank] and rank not in peers:
-            peers.append(rank)
-            if len(peers) == WATCHED_PEERS:
-                break
-    return peers
-
-
 def shard_seed(seed: int, step: int, shard: int) -> int:
     # Randomness inside the forward pass (dropout) depends on the shard, not on the worker.
     return ((seed * 1_000_003 + step) * 1_000_003 + shard) & 0x7FFF_FFFF_FFFF_FFFF
@@ -88,11 +67,6 @@ def seed_forward(seed: int, device: torch.device) -> None:
     if device.type == "cuda":
         with torch.cuda.device(device):
             torch.cuda.manual_seed(seed)
-
-
-#: Where the step's bookkeeping sits after the census in the buffer's extra slots.
-LOSS_SLOT, SAMPLES_SLOT, WEIGHT_SLOT = 0, 1, 2
-BOOKKEEPING_SLOTS = 3
 
 
 class StepRunner:
@@ -175,13 +149,7 @@ class StepRunner:
 
     def _write_bookkeeping(self, work: StepWork, num_shards: int) -> None:
         """The census, loss sum, sample count and weight ride in the buffer's extra slots."""
-        extra = self.flat.extra
-        extra[:num_shards] = 0.0
-        if work.committed:
-            extra[work.committed] = 1.0
-        extra[num_shards + LOSS_SLOT] = work.total.loss
-        extra[num_shards + SAMPLES_SLOT] = work.total.samples
-        extra[num_shards + WEIGHT_SLOT] = work.total.weight
+        write_census(self.flat.extra, num_shards, work.committed, work.total)
 
     def run_fixed(self, step: int, shards: list[int], num_shards: int, reducer: GradientReducer) -> StepWork:
         """Exactly ``shards``, after sitting out any stall; the final pass overlaps with the all-reduce."""
@@ -243,32 +211,6 @@ class StepRunner:
             self._write_bookkeeping(work, ctx.plan.num_shards)
         return work
 
-    def watch(self, ctx: ClaimedStep, work: StepWork) -> Callable[[], bool]:
-        """What this rank does while it waits for the step's all-reduce: open the block of any
-        peer it watches (``watched_peers``) whose shards all still sit unstarted after
-        ``late_factor`` x their expected time (``block_late``). The peer, seeing it while it
-        waits for its data, stops waiting and brings nothing to the all-reduce; its shards go
-        to the rescue pass. The returned callable does one look (a store round trip over the
-        watched peers' keys only) and says whether to look again: while some watched peer has
-        not sealed its block or had it opened, and neither the driver's abort nor the deadline
-        came first."""
-        until = time.monotonic() + ctx.deadline_s
-        plan, claims = ctx.plan, ctx.claims
-        peers = watched_peers(plan, claims.me)
-
-        def look() -> bool:
-            if not peers or not plan.steal or plan.expected_shard_s <= 0 or ctx.abort.is_set() or time.monotonic() > until:
-                return False  # (nothing is ever late before the driver knows what to expect)
-            states, blocks = claims.read(peers)
-            ages = work.ages(states, time.monotonic())
-            undecided = [rank for rank in peers if blocks[rank] == FREE.encode()]
-            for rank in undecided:
-                if block_late(plan, rank, states, ages):
-                    claims.open_block(rank)
-            return bool(undecided)
-
-        return look
-
     def rescue(self, ctx: ClaimedStep, work: StepWork) -> RescuePass:
         """After the step's all-reduce: if its census (the same on every rank) shows shards
         nobody brought (their owner stopped waiting for its data, see ``run_claimed``), run the
@@ -279,9 +221,8 @@ class StepRunner:
         only waits. The pass is summed exactly in one more all-reduce and added back. Its
         passes and commits are added to ``work``. A census that is not all 0s and 1s is left
         for the caller to reject."""
-        counts = self.flat.extra[: ctx.plan.num_shards]
-        missing = int((counts == 0).sum())
-        if not missing or not bool(torch.all((counts == 0) | (counts == 1))):
+        missing = missing_shards(self.flat.extra, ctx.plan.num_shards)
+        if not missing:
             return RescuePass()
         started = time.perf_counter()
         reduced = self.flat.buffer.clone()

@@ -1,0 +1,166 @@
+"""A worker's link to one generation's process group: joining the group and leaving it.
+
+Joining connects to the driver's store (where the step's shard claims live), forms the process
+group (abortable), builds the gradient reducer over it (the all-reduce the job names, or the
+one ``auto`` picks by probing the group's links; compression wrapped round it; top-k residuals
+carried over) and takes rank 0's training state, so that every replica starts the generation
+identical. Leaving closes the reducer and the group.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from jobspec.runtime import CollectiveConfig
+from jobspec.wire import Joined, JoinRequest
+from policies.collective_choice import CollectiveChoice
+from workers.claims import CountingStore
+from workers.comm_group import CommGroup, call_abortable, new_process_group
+from workers.communicator import Communicator, make_communicator, pick_backend
+from workers.compression import OWN_TRANSPORT, TopKAllReduce, compress
+from workers.link_probe import auto_communicator
+from workers.overlap import DEFAULT_BUCKET_BYTES, GradientReducer
+from workers.replica import Replica
+from workers.training import FlatParameters
+
+
+class GroupLink:
+    """This worker's place in the current generation's group: the driver's ``store`` and the
+    ``claims_store`` on it, its ``rank`` in the comm ``group``, and the gradient ``reducer``
+    with its communicator ``reducer_comm``. ``join`` forms them, ``leave`` closes them; only
+    the top-k residuals outlive a generation.
+
+    ``collective`` are the job's all-reduce settings, ``timeout_s`` one collective's limit and
+    ``abort_flag`` the driver's abort, which fails a pending rendezvous or collective at once.
+    """
+
+    def __init__(self, collective: CollectiveConfig, timeout_s: float, abort_flag: threading.Event) -> None:
+        self.collective = collective
+        self.timeout_s = timeout_s
+        self.abort_flag = abort_flag
+        self.rank = -1
+        self.world_size = 0
+        self.store: dist.Store | None = None
+        self.claims_store: CountingStore | None = None
+        self.group: CommGroup | None = None
+        self.reducer: GradientReducer | None = None
+        self.reducer_comm: Communicator | None = None  # the reducer's (top-k keeps residuals)
+        #: The step whose reduction last started (top-k stages its residuals).
+        self.reducing_step = -1
+        #: Top-k residuals read from a checkpoint (``TrainWorker.restore``): the next join hands them to top-k.
+        self.restored_residuals: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def residuals(self) -> dict[tuple[int, int], torch.Tensor]:
+        """This worker's committed top-k residuals (its unsent gradient) by bucket; {} without top-k."""
+        return getattr(self.reducer_comm, "residuals", None) or {}
+
+    def commit_residuals(self) -> None:
+        """The step's reduction counted every shard: top-k's unsent remainder becomes the residuals."""
+        if isinstance(self.reducer_comm, TopKAllReduce):
+            self.reducer_comm.commit()
+
+    def join(self, request: JoinRequest, replica: Replica) -> Joined:
+        """Form generation ``request.generation``'s process group through the driver's TCPStore,
+        then take rank 0's training state into ``replica``. Raises CollectiveAborted or
+        CollectiveTimeout if the rendezvous or the transfer cannot finish."""
+        store: dist.Store = dist.TCPStore(
+            request.store_host, request.store_port, is_master=False, timeout=timedelta(seconds=request.timeout_s)
+        )
+        if request.namespace:
+            store = dist.PrefixStore(request.namespace, store)
+        self.store = store
+        self.claims_store = CountingStore(dist.PrefixStore(request.prefix, store))
+        backend = pick_backend(replica.device)
+        pg = call_abortable(
+            lambda: new_process_group(
+                backend, dist.PrefixStore(request.prefix, store), request.rank, request.world_size, self.timeout_s
+            ),
+            self.abort_flag,
+            request.timeout_s,
+            "rendezvous",
+        )
+        previous = self.reducer_comm
+        residuals = self.residuals or self.restored_residuals
+        self.group = CommGroup(
+            pg, request.rank, request.world_size, self.timeout_s, self.abort_flag, poll_completion=backend == "nccl"
+        )
+        self.rank, self.world_size = request.rank, request.world_size
+        choice = self._build_reducer(self.group, request.nodes, replica.flat, residuals)
+        started = time.perf_counter()
+        self._take_root_state(self.group, replica, previous)
+        return Joined(transfer_s=time.perf_counter() - started, next_step=replica.next_step, collective=choice)
+
+    def _build_reducer(
+        self,
+        group: CommGroup,
+        nodes: tuple[str, ...],
+        flat: FlatParameters,
+        residuals: dict[tuple[int, int], torch.Tensor],
+    ) -> CollectiveChoice | None:
+        """The reducer over ``group`` for the job's collective settings; returns what ``auto``
+        chose from its probe (every rank probes at the same point), else None."""
+        collective = self.collective
+        bucket_bytes = int(collective.bucket_mb * 2**20) if collective.bucket_mb else None
+        choice = None
+        if collective.algorithm == "auto" and collective.compression not in OWN_TRANSPORT:
+            exact, choice = auto_communicator(group, nodes, flat.buffer, bucket_bytes)
+            bucket_bytes = choice.bucket_bytes
+        else:
+            # int8 and top-k run their own ring whatever the algorithm (nothing to choose: the
+            # exact one sums only the bookkeeping), and top-k's residuals are keyed by bucket,
+            # so its bucket size must not move with a probe's noise between generations.
+            algorithm = "native" if collective.algorithm == "auto" else collective.algorithm
+            exact = make_communicator(algorithm, group, nodes)
+        compressed = compress(collective.compression, exact, group, collective.topk_ratio)
+        if residuals and isinstance(compressed, TopKAllReduce):
+            compressed.residuals = residuals  # this worker's unsent gradient outlives the generation
+        self.reducer_comm = compressed
+        self.restored_residuals = {}  # only now: a join that failed before keeps them for the next
+        self.reducer = GradientReducer(
+            flat,
+            compressed,
+            bucket_bytes or DEFAULT_BUCKET_BYTES,
+            collective.overlap,
+            extra_comm=exact if compressed is not exact else None,
+        )
+        return choice
+
+    def _take_root_state(self, group: CommGroup, replica: Replica, previous: Communicator | None) -> None:
+        """Take rank 0's step, parameters, optimizer state, loss scale and model buffers into
+        ``replica`` (rank 0 keeps its own). ``previous`` is the last generation's communicator."""
+        step = torch.tensor([replica.next_step], dtype=torch.int64, device=replica.device)
+        group.broadcast(step, root=0)
+        root_step, staged_for = int(step.item()), self.reducing_step
+        if isinstance(previous, TopKAllReduce) and root_step == staged_for + 1 and replica.next_step == staged_for:
+            # This rank was aborted in a step that completed elsewhere (a rank died in the
+            # all-gather after everyone's piece was out): its piece was counted, so its unsent
+            # remainder is the residual now.
+            previous.commit()
+        if root_step != replica.next_step:
+            # Until the whole state has arrived this replica holds none: if the transfer breaks
+            # off, the driver must not take it for a survivor with a good state.
+            replica.next_step = -1
+        group.broadcast(replica.flat.values, root=0)
+        replica.optimizer.sync(lambda tensor: group.broadcast(tensor, root=0), is_root=self.rank == 0)
+        group.broadcast(replica.scaler.state, root=0)
+        for buffer in replica.model.buffers():  # running statistics: a checkpoint restores them on one worker
+            group.broadcast(buffer, root=0)
+        replica.scaler.state_restored()
+        replica.next_step = root_step
+
+    def leave(self) -> None:
+        """Close the reducer and the comm group (one an abort left stuck is abandoned)."""
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
+        if self.group is not None:
+            if self.abort_flag.is_set() and self.group.broken is None:
+                self.group.broken = "aborted by the driver"  # its thread may be stuck: abandon it
+            self.group.close()
+            self.group = None

@@ -1,0 +1,28 @@
+"""What a model replica holds, as the code that moves its whole training state sees it: joining a
+group (taking rank 0's state, ``workers/group_link.py``) and checkpoints (snapshot and restore,
+``workers/replica_checkpoint.py``). The worker actor (``TrainWorker``) is one.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from workers.flat_optimizer import FlatOptimizer
+from workers.generic_optimizer import GenericOptimizer
+from workers.loss_scaler import LossScaler
+from workers.training import FlatParameters
+
+
+class Replica(Protocol):
+    """A replica's training state: the model (its parameters views into ``flat``), the
+    optimizer, the fp16 loss scaler, the device they live on, and ``next_step``, the next step
+    the replica will apply (-1 while it holds no whole state: a transfer under way)."""
+
+    model: torch.nn.Module
+    flat: FlatParameters
+    optimizer: FlatOptimizer | GenericOptimizer
+    scaler: LossScaler
+    device: torch.device
+    next_step: int

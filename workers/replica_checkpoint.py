@@ -1,0 +1,147 @@
+"""The replica's checkpoints: which of its tensors a checkpoint holds, its part copied between two
+steps and written in the background, and a checkpoint's state restored into it.
+
+The part files themselves (slicing, format, reading back and verifying) are
+``workers/checkpointing.py``; the driver coordinates the parts and writes the manifest
+(``orchestrator/checkpointing.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from jobspec.wire import FileEntry, SnapshotRequest
+from workers.chaos import ChaosSchedule, kill_self
+from workers.checkpoint_storage import CheckpointStorage
+from workers.checkpointing import PartSnapshot, load_state, take_snapshot, write_snapshot
+from workers.named_tensors import check_fit, copy_by_name
+from workers.replica import Replica
+
+
+def checkpointed_tensors(
+    replica: Replica, whole: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The training state a checkpoint holds, by name: the flat tensors (parameters and
+    optimizer state, all one length, written in slices) and the whole ones (only part 0
+    writes them: ``whole=False`` leaves them out, sparing a generic optimizer's
+    serialization)."""
+    optim_flat, optim_whole = replica.optimizer.checkpoint_tensors(whole)
+    flat = {"params": replica.flat.values, **{f"optim/{k}": v for k, v in optim_flat.items()}}
+    if not whole:
+        return flat, {}
+    wholes = {
+        **{f"optim/{k}": v for k, v in optim_whole.items()},
+        **{f"buffer/{k}": v for k, v in replica.model.named_buffers()},
+    }
+    if replica.scaler.enabled:
+        wholes["loss_scale"] = replica.scaler.state
+    return flat, wholes
+
+
+def restore_state(replica: Replica, storage: CheckpointStorage, name: str, manifest: dict[str, Any]) -> None:
+    """Take checkpoint ``name``'s training state (already verified against ``manifest``) into
+    ``replica``: parameters, buffers, optimizer state, loss scale, RNG and step. Raises
+    CheckpointCorrupt if a file changed since it was verified, ValueError if the checkpoint
+    is for another model."""
+    flat, whole = load_state(storage, name, manifest)
+    mine_flat, mine_whole = checkpointed_tensors(replica)
+    targets = {k: v for k, v in {**mine_flat, **mine_whole}.items() if not k.startswith("optim/")}
+    loaded = {k: v for k, v in {**flat, **whole}.items() if not k.startswith(("optim/", "rng/"))}
+    check_fit(targets, loaded, lambda held, needed: f"checkpoint {name} holds {held}, this model needs {needed}")
+    replica.optimizer.restore(
+        {k[len("optim/"):]: v for k, v in flat.items() if k.startswith("optim/")},
+        {k[len("optim/"):]: v for k, v in whole.items() if k.startswith("optim/")},
+    )
+    copy_by_name(targets, loaded)
+    replica.scaler.state_restored()
+    torch.set_rng_state(whole["rng/torch"])
+    replica.next_step = int(manifest["step"])
+
+
+def lowest_priority() -> None:
+    """Run this thread at the lowest CPU priority: a checkpoint write (serialising, hashing)
+    should take the CPU training leaves idle, not slow the steps down (Linux sets niceness per
+    thread; elsewhere this is a no-op)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
+def chain_future(done: Future[Any], into: Future[Any]) -> None:
+    """Settle ``into`` with ``done``'s result or error."""
+    error = done.exception()
+    if error is not None:
+        into.set_exception(error)
+    else:
+        into.set_result(done.result())
+
+
+class CheckpointWriter:
+    """Writes the replica's parts of checkpoints on a thread of its own while training goes on.
+
+    ``snapshot`` (between two steps) copies a part and queues its write; ``written`` waits for
+    it (the two run in different concurrency groups, so either may come first). ``chaos`` may
+    kill the worker mid-write, calling ``on_death`` first.
+    """
+
+    def __init__(self, chaos: ChaosSchedule, on_death: Callable[[], None]) -> None:
+        self.chaos = chaos
+        self.on_death = on_death
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ringleader-checkpoint", initializer=lowest_priority)
+        self._writes: dict[str, Future[list[FileEntry]]] = {}
+        self._writes_lock = threading.Lock()
+
+    def snapshot(
+        self, request: SnapshotRequest, replica: Replica, residuals: dict[tuple[int, int], torch.Tensor], rank: int
+    ) -> float:
+        """Copy part ``request.index`` of ``request.count`` of ``replica``'s state after
+        ``request.step`` steps (with rank ``rank``'s top-k ``residuals``) to memory and start
+        writing it. Raises RuntimeError if the replica is not there (an aborted step). Returns
+        the seconds the copy took."""
+        step, name = request.step, request.name
+        written = self._future(f"{name}/{request.tag}")
+        try:
+            if replica.next_step != step:
+                raise RuntimeError(
+                    f"checkpoint {name} wants the state after step {step}, this replica is at {replica.next_step}"
+                )
+            started = time.perf_counter()
+            flat, whole = checkpointed_tensors(replica, whole=request.index == 0)
+            whole["rng/torch"] = torch.get_rng_state()
+            part = take_snapshot(step, request.index, request.count, flat, whole, residuals)
+            part.copy_s = time.perf_counter() - started
+        except BaseException as err:
+            written.set_exception(err)
+            raise
+        writing = self._writer.submit(self._write, CheckpointStorage(request.root), name, request.tag, part, rank)
+        writing.add_done_callback(lambda done: chain_future(done, written))
+        return part.copy_s
+
+    def written(self, name: str, tag: str, timeout_s: float) -> list[FileEntry]:
+        """Wait (up to ``timeout_s``) for attempt ``tag`` of checkpoint ``name`` to be written;
+        returns the files written or raises the write's error or TimeoutError."""
+        attempt = f"{name}/{tag}"
+        try:
+            return self._future(attempt).result(timeout=timeout_s)
+        finally:
+            with self._writes_lock:
+                self._writes.pop(attempt, None)
+
+    def _future(self, attempt: str) -> Future[list[FileEntry]]:
+        """The outcome of one checkpoint attempt's write (``name/tag``), shared by ``snapshot``
+        and ``written``, whichever asks first."""
+        with self._writes_lock:
+            return self._writes.setdefault(attempt, Future())
+
+    def _write(self, storage: CheckpointStorage, name: str, tag: str, part: PartSnapshot, rank: int) -> list[FileEntry]:
+        if self.chaos.kill_due("checkpoint", part.step - 1):
+            kill_self(self.on_death)  # mid-write: some parts may be on disk, no manifest
+        return write_snapshot(storage, name, tag, rank, part)

@@ -1,0 +1,67 @@
+"""The rescue watch: while a rank waits for a step's all-reduce, it watches a few peers and opens
+the block of one that is late, so that the peer's shards go to the rescue pass.
+
+A peer whose planned shards all still sit unstarted long after they were expected (it is
+stalled before it sealed its block, e.g. reading its data) holds the whole group up: the
+watcher opens its block (``ShardClaims.open_block``); the peer, seeing that while it waits for
+its data, stops waiting and brings nothing to the all-reduce, and every rank runs its shards
+in the rescue pass after it (``StepRunner.rescue``, ``workers/step.py``; docs/architecture.md,
+"Rescue"). The reducer calls the watch between its waits (``GradientReducer.finish``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from policies.work_stealing import FREE, StepPlan, block_late
+from workers.step_work import ClaimedStep, StepWork
+
+# Peers each rank watches while it waits for the all-reduce: the next rank with shards and the
+# one half the ring away (on another node, where ranks are dealt node by node, so a node whose
+# ranks all stall together is still watched from outside). Each rank is watched by two when
+# every rank has shards, so a step's watch traffic grows with N, not N^2 (every rank reading every key).
+WATCHED_PEERS = 2
+
+
+def watched_peers(plan: StepPlan, me: int) -> list[int]:
+    """The ranks ``me`` watches, at most ``WATCHED_PEERS``, each with planned shards: the next
+    rank, then the first ones from half the ring on (wrapping round to me + 2)."""
+    ranks = len(plan.shards_by_rank)
+    half = max(2, ranks // 2)
+    order = [1, *range(half, ranks), *range(2, half)]
+    peers: list[int] = []
+    for offset in order:
+        rank = (me + offset) % ranks
+        if rank != me and plan.shards_by_rank[rank] and rank not in peers:
+            peers.append(rank)
+            if len(peers) == WATCHED_PEERS:
+                break
+    return peers
+
+
+def rescue_watch(ctx: ClaimedStep, work: StepWork) -> Callable[[], bool]:
+    """What this rank does while it waits for the step's all-reduce: open the block of any
+    peer it watches (``watched_peers``) whose shards all still sit unstarted after
+    ``late_factor`` x their expected time (``block_late``). The peer, seeing it while it
+    waits for its data, stops waiting and brings nothing to the all-reduce; its shards go
+    to the rescue pass. The returned callable does one look (a store round trip over the
+    watched peers' keys only) and says whether to look again: while some watched peer has
+    not sealed its block or had it opened, and neither the driver's abort nor the deadline
+    came first."""
+    until = time.monotonic() + ctx.deadline_s
+    plan, claims = ctx.plan, ctx.claims
+    peers = watched_peers(plan, claims.me)
+
+    def look() -> bool:
+        if not peers or not plan.steal or plan.expected_shard_s <= 0 or ctx.abort.is_set() or time.monotonic() > until:
+            return False  # (nothing is ever late before the driver knows what to expect)
+        states, blocks = claims.read(peers)
+        ages = work.ages(states, time.monotonic())
+        undecided = [rank for rank in peers if blocks[rank] == FREE.encode()]
+        for rank in undecided:
+            if block_late(plan, rank, states, ages):
+                claims.open_block(rank)
+        return bool(undecided)
+
+    return look
