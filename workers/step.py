@@ -43,30 +43,12 @@ from workers.objective import Objective
 from workers.overlap import GradientReducer
 from workers.prefetch import BatchPrefetch
 from workers.sampler import ShardSampler
+from workers.seeding import piece_seed, seed_forward, shard_seed
 from workers.step_work import ClaimedStep, PassResult, RescuePass, StepWork
 from workers.training import FlatParameters, autocast, fetch_batch, move_to
 
 # How often an idle worker looks at the claims again (store round trips are ~50-150 us).
 POLL_S = 0.002
-def shard_seed(seed: int, step: int, shard: int) -> int:
-    # Randomness inside the forward pass (dropout) depends on the shard, not on the worker.
-    return ((seed * 1_000_003 + step) * 1_000_003 + shard) & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def piece_seed(seed: int, piece: int) -> int:
-    # Piece 0 keeps the shard's seed; later pieces mix their number in, so piece k of shard s
-    # never shares shard s+k's seed (shard_seed is linear in the shard).
-    return seed if piece == 0 else ((seed * 1_000_003 + piece) * 1_000_003) & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def seed_forward(seed: int, device: torch.device) -> None:
-    """Seed the generator a forward pass on ``device`` draws from (dropout and the like).
-    Not ``torch.manual_seed``: it seeds every device type, and where CUDA is not initialised
-    it formats a stack trace on every call to queue CUDA's seeding (~0.4 ms a pass here)."""
-    torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(seed)
 
 
 class StepRunner:
