@@ -73,49 +73,65 @@ def as_job(job: JobLike, overrides: Sequence[str] = ()) -> JobConfig:
 
 
 class LaunchOptions(TypedDict, total=False):
-    """How ``run`` and ``resume`` launch a job, by keyword, all optional.
+    """How ``run`` and ``resume`` launch a job, by keyword, all optional (a keyword that is
+    none of these is a TypeError, as for any function).
 
-    ``address``: a Ray cluster to join; none uses the Ray this process already initialised,
-    else ``RAY_ADDRESS``, else a fresh local one. ``overrides``: CLI-style changes to the job
-    (``["steps=600"]``). ``local_nodes``: simulated Ray nodes on this machine (0: none).
-    ``progress``: a progress bar on stderr. ``warn``: called with each warning for the user.
+    ``overrides``: CLI-style changes to the job (``["steps=600"]``). ``local_nodes``:
+    simulated Ray nodes on this machine (0: none). ``progress``: a progress bar on stderr.
+    ``warn``: called with each warning for the user.
     """
 
-    address: str | None
     overrides: Sequence[str]
     local_nodes: int
     progress: bool
     warn: Callable[[str], None]
 
 
-def run(job: JobLike = None, run_dir: str | Path | None = None, **options: Unpack[LaunchOptions]) -> RunResult:
+def _check_options(function: str, options: Mapping[str, Any]) -> None:
+    """TypeError naming the first key of ``options`` that is no ``LaunchOptions`` field (a
+    misspelt ``local_node`` must not quietly run something else)."""
+    known = LaunchOptions.__required_keys__ | LaunchOptions.__optional_keys__
+    for name in options:
+        if name not in known:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r} (it takes {sorted(known)})")
+
+
+def run(
+    job: JobLike = None, run_dir: str | Path | None = None, address: str | None = None, **options: Unpack[LaunchOptions]
+) -> RunResult:
     """Train ``job`` (default: the built-in example) to the end and return its result.
 
     ``run_dir``: where its files go (default ``job.run_dir``, else ``runs/<name>-<time>``); a
-    directory an earlier run left is resumed (see ``resume``); ``options``: see
-    ``LaunchOptions``. Raises ConfigError (before any worker starts) for a bad job, and
-    FileExistsError if ``run_dir`` holds something that is not a run.
+    directory an earlier run left is resumed (see ``resume``). ``address``: a Ray cluster to
+    join; none uses the Ray this process already initialised, else ``RAY_ADDRESS``, else a
+    fresh local one. ``options``: see ``LaunchOptions``. Raises ConfigError (before any worker
+    starts) for a bad job, FileExistsError if ``run_dir`` holds something that is not a run,
+    and TypeError for an unknown keyword.
     """
     from orchestrator.launch import default_run_dir, run_job
 
+    _check_options("run", options)
     config = as_job(job, options.get("overrides", ()))
     path = Path(run_dir) if run_dir is not None else default_run_dir(config)
     result = run_job(
-        config, address=options.get("address"), local_nodes=options.get("local_nodes", 0), run_dir=path,
+        config, address=address, local_nodes=options.get("local_nodes", 0), run_dir=path,
         progress=options.get("progress", False), source=str(job) if isinstance(job, (str, Path)) else "Python job",
         warn=options.get("warn", lambda message: None),
     )
     return RunResult(result.run_dir, result.summary)
 
 
-def resume(run_dir: str | Path, job: JobLike = None, **options: Unpack[LaunchOptions]) -> RunResult:
+def resume(
+    run_dir: str | Path, job: JobLike = None, address: str | None = None, **options: Unpack[LaunchOptions]
+) -> RunResult:
     """Go on with the run in ``run_dir`` from its newest good checkpoint, on any worker count.
 
     ``job`` defaults to the run's ``job.json`` (pass it again when it holds callables that do
-    not import by name); ``options`` as for ``run``, whose ``overrides`` change the job, e.g.
+    not import by name); ``address`` and ``options`` as for ``run``, whose ``overrides`` change the job, e.g.
     ``["steps=600"]`` to train longer. Raises ConfigError if ``run_dir`` is not a run, or the
-    job is not the one checkpointed.
+    job is not the one checkpointed, and TypeError for an unknown keyword.
     """
+    _check_options("resume", options)
     path = Path(run_dir)
     if not RunDirectory.is_run(path):
         raise ConfigError(f"{path} is not a run directory (no {JOB_FILE})")
@@ -125,4 +141,4 @@ def resume(run_dir: str | Path, job: JobLike = None, **options: Unpack[LaunchOpt
         except ConfigError as err:
             raise ConfigError(f"{err}\n(if the run was given Python callables, pass job= again)") from None
         options = {**options, "overrides": ()}
-    return run(job, path, **options)
+    return run(job, path, address, **options)

@@ -262,3 +262,35 @@ def test_the_job_file_reference_is_generated_from_the_models_and_current():
     assert on_disk == text, "docs/job-file.md is stale: python -m orchestrator.config_reference > docs/job-file.md"
     for dotted in ("optimizer.clip_grad_norm", "worker.max_samples_per_pass", "chaos.kill[].during", "eval.metrics"):
         assert f"| `{dotted}` |" in text
+
+
+@pytest.mark.parametrize("call", ["run", "resume"])
+def test_the_api_takes_address_third_and_refuses_unknown_keywords(tmp_path, call):
+    # Refused before anything starts: a misspelt option must not quietly run something else.
+    import inspect
+
+    import ringleader
+
+    function = getattr(ringleader, call)
+    assert list(inspect.signature(function).parameters)[2] == "address"
+    first = {} if call == "run" else str(tmp_path)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'local_node'"):
+        function(first, tmp_path / "never", local_node=2)
+    assert not (tmp_path / "never").exists()
+
+
+def test_the_old_entry_points_still_work_and_say_where_things_went():
+    import orchestrator.cli
+    import orchestrator.config
+
+    with pytest.warns(FutureWarning, match="import JobConfig from jobspec.job"):
+        assert orchestrator.config.JobConfig is JobConfig
+    with pytest.warns(FutureWarning, match="import KillChaos from jobspec.chaos"):
+        assert orchestrator.config.KillChaos is KillChaos
+    with pytest.raises(AttributeError):
+        orchestrator.config.NoSuchThing  # noqa: B018
+    # The interpreter's own options go along to python -m ringleader.
+    orig = ["python", "-X", "dev", "-u", "-m", "orchestrator.cli", "run", "-m", "x"]
+    assert orchestrator.cli.interpreter_options(orig) == ["-X", "dev", "-u"]
+    assert orchestrator.cli.interpreter_options(["python", "script.py"]) == []
+
