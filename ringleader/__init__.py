@@ -6,8 +6,37 @@
 See ``ringleader.api`` for the contract, README ("Python API") for a complete example.
 """
 
-from jobspec.fields import ConfigError
-from jobspec.job import JobConfig
-from ringleader.api import LaunchOptions, RunResult, resume, run
+from __future__ import annotations
 
-__all__ = ["ConfigError", "JobConfig", "LaunchOptions", "RunResult", "resume", "run"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jobspec.fields import ConfigError
+    from jobspec.job import JobConfig
+    from ringleader.api import LaunchOptions, RunResult, resume, run
+
+#: Each public name and the module it comes from. Imported on first use, so the command line
+#: (``ringleader.cli``, in this package) starts without the schema and pydantic behind it.
+_HOMES = {
+    "ConfigError": "jobspec.fields",
+    "JobConfig": "jobspec.job",
+    "LaunchOptions": "ringleader.api",
+    "RunResult": "ringleader.api",
+    "resume": "ringleader.api",
+    "run": "ringleader.api",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'ringleader' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))
