@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -10,14 +11,20 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 
-def _process_umask() -> int:
-    # Reading the umask means setting it: done once, at import, before any thread writes files.
+@functools.cache
+def process_umask() -> int:
+    """The process's umask, read once. From ``/proc/self/status`` where there is one: the only
+    other way to read it is to set it, which would race with threads creating files (the
+    workers' checkpoint writers, Ray's own threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
     umask = os.umask(0o022)
     os.umask(umask)
     return umask
-
-
-_UMASK = _process_umask()
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -49,7 +56,7 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None], *, shared: bool
     """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     if shared:
-        os.fchmod(fd, 0o666 & ~_UMASK)
+        os.fchmod(fd, 0o666 & ~process_umask())
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)
