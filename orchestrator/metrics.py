@@ -152,9 +152,9 @@ class MetricsListener:
 
     def on_summary(self, summary: Mapping[str, Any]) -> None:
         """The final counters and goodput (the summary's)."""
-        goodput = summary["goodput"]
 
         def final(metrics: JobMetrics) -> None:
+            goodput = summary["goodput"]
             metrics.observe_counters(summary["events"])
             metrics.observe_goodput(Goodput(goodput["wall_s"], goodput["lost_s"]))
 

@@ -18,6 +18,7 @@ from orchestrator.chaos_control import ChaosControl
 from orchestrator.controller import JobController
 from orchestrator.group import WorkerGroupError
 from orchestrator.job_file import load_job
+from orchestrator.metrics import MetricsListener
 from orchestrator.pipeline import InFlight, StepOutcome
 from orchestrator.recovery import first_uncommitted, state_holders, steps_to_redo
 from orchestrator.rendezvous import RendezvousStore
@@ -46,7 +47,9 @@ def _job(*overrides: str) -> JobConfig:
 class Ran:
     """A finished fake run: its summary, events, states and group."""
 
-    def __init__(self, tmp_path: Path, faults: Faults | None, overrides: tuple[str, ...], **group_options: object) -> None:
+    def __init__(
+        self, tmp_path: Path, faults: Faults | None, overrides: tuple[str, ...], metrics: object = None, **group_options: object
+    ) -> None:
         self.job = _job(*overrides)
         run = RunDirectory(tmp_path / "run")
         self.group = FakeWorkerGroup(self.job, faults, **group_options)  # type: ignore[arg-type]
@@ -54,6 +57,8 @@ class Ran:
         controller = JobController(
             self.job, run, self.group, store, chaos=ChaosControl(self.job.chaos, None, 0, run.event), launched=time.perf_counter()
         )
+        if metrics is not None:  # as run_job subscribes it, with a recorder for Ray's metrics
+            run.subscribe(MetricsListener(metrics, controller.accounting, run.event))  # type: ignore[arg-type]
         started = time.perf_counter()
         self.summary = controller.execute().summary
         self.seconds = time.perf_counter() - started
@@ -78,6 +83,57 @@ class Ran:
 
 def _run(tmp_path: Path, faults: Faults | None = None, *overrides: str, **group_options: object) -> Ran:
     return Ran(tmp_path, faults, overrides, **group_options)
+
+
+class RecordedMetrics:
+    """``JobMetrics``' calls, recorded (it needs Ray's metrics agent); ``broken`` raises in that call."""
+
+    def __init__(self, broken: str = "") -> None:
+        self.broken = broken
+        self.calls: list[tuple] = []
+
+    def _called(self, name: str, *args: object) -> None:
+        if name == self.broken:
+            raise RuntimeError("the metrics agent went away")
+        self.calls.append((name, *args))
+
+    def observe_step(self, reports, step_s, steps_done, workers, counters, goodput) -> None:
+        self._called("step", steps_done, workers, len(reports), goodput.share)
+
+    def observe_counters(self, counters) -> None:
+        self._called("counters", dict(counters))
+
+    def observe_goodput(self, goodput) -> None:
+        self._called("goodput", goodput.share)
+
+    def observe_recovery(self, phases) -> None:
+        self._called("recovery", dict(phases))
+
+    def observe_checkpoint(self, copy_s, write_s) -> None:
+        self._called("checkpoint", copy_s, write_s)
+
+
+def test_the_metrics_follow_the_run_through_a_death_and_checkpoints(tmp_path):
+    metrics = RecordedMetrics()
+    ran = Ran(tmp_path, Faults(die_in_step={(1, 5): False}), ("checkpoint.every_steps=4",), metrics=metrics)
+    ran.assert_exact()
+    calls = {name: [c[1:] for c in metrics.calls if c[0] == name] for name in ("step", "recovery", "checkpoint", "counters")}
+    assert [c[0] for c in calls["step"]] == list(range(1, STEPS + 1))  # steps done, one call per committed step
+    assert all(workers == 3 == reports for _, workers, reports, _ in calls["step"][8:])  # the replacement has joined
+    (recovered,) = ran.of("recovered")
+    assert calls["recovery"] == [({p: recovered[f"{p}_s"] for p in ("detect", "reform", "transfer", "redo")},)]
+    assert calls["checkpoint"] == [(e["copy_s"], e["write_s"]) for e in ran.of("checkpoint")] != []
+    assert calls["counters"][-1] == (ran.summary["events"],)  # the summary's, last
+
+
+def test_a_metrics_failure_is_reported_once_and_never_fails_the_job(tmp_path):
+    metrics = RecordedMetrics(broken="recovery")
+    ran = Ran(tmp_path, Faults(die_in_step={(1, 5): False}), (), metrics=metrics)
+    ran.assert_exact()
+    (failed,) = ran.of("metrics_failed")
+    assert "the metrics agent went away" in failed["error"]
+    assert max(c[1] for c in metrics.calls if c[0] == "step") < STEPS  # nothing recorded after it
+
 
 
 def test_a_clean_run_goes_starting_running_finished(tmp_path):
