@@ -42,13 +42,21 @@ def test_runtime_env_is_one_ray_accepts():
 IMAGE_PROVIDES = {"ray", "numpy", "pyarrow"}
 
 
-def test_runtime_env_installs_every_runtime_dependency():
+def _runtime_envs() -> dict[str, dict]:
+    rayjob = yaml.safe_load((DEPLOY / "k8s" / "rayjob.yaml").read_text())
+    return {
+        "runtime_env.yaml": yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text()),
+        "k8s/rayjob.yaml": yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"]),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_runtime_envs()))
+def test_runtime_env_installs_every_runtime_dependency(name):
     # The driver and the workers import these on the cluster: one missing from the list fails
     # a submitted job at import, which no local run shows.
     project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]
     needed = {re.split(r"[<>=\[ ]", spec, maxsplit=1)[0].lower() for spec in project["dependencies"]}
-    env = yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text())
-    installed = {re.split(r"[<>=\[ ]", spec, maxsplit=1)[0].lower() for spec in env["pip"]}
+    installed = {re.split(r"[<>=\[ ]", spec, maxsplit=1)[0].lower() for spec in _runtime_envs()[name]["pip"]}
     assert needed - IMAGE_PROVIDES <= installed, sorted(needed - IMAGE_PROVIDES - installed)
 
 
