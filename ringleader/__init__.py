@@ -27,7 +27,7 @@ _HOMES = {
     "run": "ringleader.api",
 }
 
-__all__ = sorted(_HOMES)
+__all__ = ["ConfigError", "JobConfig", "LaunchOptions", "RunResult", "resume", "run"]  # _HOMES' keys
 
 
 def __getattr__(name: str) -> Any:
