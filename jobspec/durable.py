@@ -66,8 +66,14 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None], *, shared: bool
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path | str) -> None:
+    """Make ``directory``'s entries durable: a file renamed or a directory made in it is there
+    after a crash only once its parent is fsynced too."""
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)

@@ -17,7 +17,7 @@ import urllib.parse
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, Callable
 
-from jobspec.durable import write_atomic
+from jobspec.durable import fsync_dir, write_atomic
 from jobspec.redaction import redact
 
 if TYPE_CHECKING:
@@ -283,12 +283,4 @@ def _makedirs_durable(directory: str) -> None:
             os.mkdir(path)
         except FileExistsError:  # a concurrent writer made it first
             pass
-        _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_dir(os.path.dirname(path))
