@@ -1,5 +1,6 @@
 """Job files: defaults, overrides, and clear errors (exit 2, field named, no traceback)."""
 
+import importlib
 import re
 import subprocess
 import sys
@@ -293,4 +294,12 @@ def test_the_old_entry_points_still_work_and_say_where_things_went():
     orig = ["python", "-X", "dev", "-u", "-m", "orchestrator.cli", "run", "-m", "x"]
     assert orchestrator.cli.interpreter_options(orig) == ["-X", "dev", "-u"]
     assert orchestrator.cli.interpreter_options(["python", "script.py"]) == []
+
+
+def test_every_public_name_of_ringleader_loads_on_first_use():
+    import ringleader
+
+    assert sorted(ringleader.__all__) == sorted(ringleader._HOMES)  # the two lists name the same things
+    for name in ringleader.__all__:
+        assert getattr(ringleader, name) is getattr(importlib.import_module(ringleader._HOMES[name]), name)
 
