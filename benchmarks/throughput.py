@@ -8,8 +8,11 @@ user waits for (interpreter, imports, ``ray.init`` where it applies, actors, ren
 is ``ringleader run --address`` to a Ray head already running (started before the run and
 stopped after it: what a Tune trial, a resume or a second job meets).
 Frameworks run interleaved (A B C A B C ...) so drift on a shared machine hits all alike.
-Step time is the median interval between consecutive step completions as the training loop
-sees them; samples/s counts every step after the first over the time they took.
+Step time is wall over steps: the time from the first step's completion to the last's, over
+the steps in between (``step_seconds``), the same for every framework. (Not the median interval
+between completions: ringleader commits a run-ahead batch's steps within a millisecond of each
+other, so that median measured the commit loop, not a step.) samples/s counts every step after
+the first over the same span.
 """
 
 from __future__ import annotations
@@ -137,6 +140,16 @@ def _ringleader_result(run_dir: Path) -> dict[str, Any]:
     return {"step_ends": [e["time"] for e in steps], "step_weights": [e["weight"] for e in steps], "eval": summary["eval"]}
 
 
+def step_seconds(ends: list[float]) -> float:
+    """Seconds per step from the completion times ``ends`` (two or more, ascending): the span
+    from the first completion to the last over the steps it holds. Robust to completions that
+    arrive in bursts (a run-ahead batch commits its steps together), unlike any statistic of the
+    intervals between them."""
+    if len(ends) < 2:
+        raise ValueError(f"need at least 2 step completions to time, got {len(ends)}")
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
 def run_once(
     framework: str, job: JobConfig, workdir: Path, head: RayHead | None = None, keep_model: bool = False
 ) -> RunRow:
@@ -171,13 +184,12 @@ def run_once(
     ends: list[float] = data["step_ends"]
     if len(ends) < 2:
         raise BenchmarkError(f"{framework}: need at least 2 steps to time, got {len(ends)}")
-    intervals = [b - a for a, b in zip(ends, ends[1:])]
     weights: list[float] = data["step_weights"]
     return RunRow(
         framework=framework,
         workload=job.name,
         first_step_s=ends[0] - launched,
-        step_s=statistics.median(intervals),
+        step_s=step_seconds(ends),
         # Samples trained: torchft's steps leave out replicas not in the quorum.
         samples_per_s=sum(data.get("step_samples", [job.batch_size] * len(ends))[1:]) / (ends[-1] - ends[0]),
         wall_s=wall_s,
@@ -277,4 +289,4 @@ def main(workloads: list[str], workers: int, steps: int, repeats: int, json_path
     return 0
 
 
-__all__ = ["BenchmarkError", "FRAMEWORKS", "RunRow", "asdict", "main", "medians", "run_once"]
+__all__ = ["BenchmarkError", "FRAMEWORKS", "RunRow", "asdict", "main", "medians", "run_once", "step_seconds"]
