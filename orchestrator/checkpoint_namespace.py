@@ -204,7 +204,7 @@ class NamespaceLease:
         )
 
     def _taken(self, held: Held | None) -> str:
-        now = f"{held.owner.describe()} holds it" if held else "it is gone"
+        now = f"now held by {held.owner.describe()}" if held else "it is gone"
         return f"the lease {self.where} of this run's checkpoints is no longer this driver's ({now})"
 
 

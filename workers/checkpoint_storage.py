@@ -46,8 +46,9 @@ def sub_root(root: str, name: str) -> str:
         raise ValueError(f"name must be one path part, got {name!r}")
     if not _URI.match(root):
         return os.path.join(root, name)
-    parts = urllib.parse.urlsplit(root)
-    return urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + name))
+    # By hand: urlunsplit would drop an empty authority ("mock:///ckpt" -> "mock:/ckpt").
+    base, query, options = root.partition("?")
+    return f"{base if base.endswith('/') else base + '/'}{name}{query}{options}"
 
 
 def checkpoint_name(step: int) -> str:
