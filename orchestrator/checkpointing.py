@@ -84,8 +84,8 @@ class ResumePoint:
 def find_resume_point(job: JobConfig, run_dir: Path, warn: Callable[[str], None]) -> ResumePoint | None:
     """The newest good checkpoint of the run in ``run_dir`` (in its namespace: ``run_namespace``),
     or None if there is none. Bad ones are reported through ``warn`` and skipped. Raises
-    ConfigError if the checkpoint was written by a job with another trajectory (``job`` is the
-    run's job with other trajectory fields)."""
+    ConfigError if that checkpoint was written with another trajectory than ``job``'s
+    (``TRAJECTORY_FIELDS``)."""
     root = run_namespace(job, run_dir)
     storage = CheckpointStorage(root)
     skipped: list[str] = []
