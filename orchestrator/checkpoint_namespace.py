@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -77,7 +77,7 @@ class LeaseOwner:
         return cls(socket.gethostname(), os.getpid(), time.time(), secrets.token_hex(8))
 
     def describe(self) -> str:
-        return f"pid {self.pid} on {self.host}, started {datetime.fromtimestamp(self.started):%Y-%m-%d %H:%M:%S}"
+        return f"pid {self.pid} on {self.host}, started {datetime.fromtimestamp(self.started, timezone.utc):%Y-%m-%d %H:%M:%S} UTC"
 
     def process_gone(self) -> bool:
         """Whether its process is certainly gone: it ran on this host and no such pid is left."""
