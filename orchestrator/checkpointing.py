@@ -5,12 +5,15 @@ sees exactly the state after that step), each copies its slice of the state to m
 writes it in the background while training goes on; when every part is written the driver
 writes the manifest (sha256 of every file) last, atomically, and prunes to the last ``keep``.
 A checkpoint whose writers fail (a death mid-write) never gets a manifest and is cleaned up.
+All of it happens in the run's own namespace under the checkpoint root, which this driver holds
+the lease of (``orchestrator/checkpoint_namespace.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +23,13 @@ from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
 from jobspec.redaction import redact_all
 from jobspec.wire import FileEntry, SnapshotRequest
+from orchestrator.checkpoint_namespace import NamespaceLease, namespace_root, run_namespace
+from orchestrator.errors import JobFailed
 from orchestrator.group import Call, CallFailed, WorkerGroup
 from orchestrator.run_dir import RunDirectory
 from policies.checkpoint_interval import CheckpointInterval
 from workers.checkpoint_manifest import MANIFEST, CheckpointCorrupt, latest_valid, prune, verify_checkpoint, write_manifest
-from workers.checkpoint_storage import CheckpointStorage, absolute_root, checkpoint_name
+from workers.checkpoint_storage import CheckpointStorage, checkpoint_name
 
 # Fields of a job that decide its trajectory: a checkpoint resumes only a job that agrees on
 # them. Worker counts, timeouts, straggler handling, chaos and ``steps`` (to extend a run) may
@@ -60,11 +65,6 @@ def config_hash(job: JobConfig) -> str:
     return hashlib.sha256(json.dumps(trajectory_config(job), sort_keys=True).encode()).hexdigest()
 
 
-def checkpoint_root(job: JobConfig, run_dir: Path) -> str:
-    """Where the job's checkpoints go, absolute: ``checkpoint.path`` or ``<run dir>/checkpoints``."""
-    return absolute_root(job.checkpoint.path or str(run_dir / "checkpoints"))
-
-
 @dataclass(frozen=True)
 class ResumePoint:
     """A verified checkpoint to go on from: after ``step`` steps; ``skipped`` lists the
@@ -82,10 +82,11 @@ class ResumePoint:
 
 
 def find_resume_point(job: JobConfig, run_dir: Path, warn: Callable[[str], None]) -> ResumePoint | None:
-    """The newest good checkpoint of ``job`` (in ``run_dir`` unless ``checkpoint.path`` says
-    otherwise), or None if there is none. Bad ones are reported through ``warn`` and skipped.
-    Raises ConfigError if the checkpoint was written by a job with another trajectory."""
-    root = checkpoint_root(job, run_dir)
+    """The newest good checkpoint of the run in ``run_dir`` (in its namespace: ``run_namespace``),
+    or None if there is none. Bad ones are reported through ``warn`` and skipped. Raises
+    ConfigError if that checkpoint was written with another trajectory than ``job``'s
+    (``TRAJECTORY_FIELDS``)."""
+    root = run_namespace(job, run_dir)
     storage = CheckpointStorage(root)
     skipped: list[str] = []
 
@@ -134,16 +135,19 @@ SAVE_ATTEMPTS = 3
 
 
 class CheckpointCoordinator:
-    """Takes a job's checkpoints (see the module doc). ``counters`` gets ``checkpoints``."""
+    """Takes a job's checkpoints (see the module doc) in ``run``'s namespace. ``counters`` gets
+    ``checkpoints``; ``lease``: the namespace's, held by this driver (None: unchecked), asked
+    before each manifest."""
 
-    def __init__(self, job: JobConfig, run: RunDirectory, counters: dict[str, int]) -> None:
+    def __init__(self, job: JobConfig, run: RunDirectory, counters: dict[str, int], lease: NamespaceLease | None = None) -> None:
         self.job = job
         self.run = run
         self.counters = counters
+        self.lease = lease
         self.written: list[CheckpointRecord] = []
         config = job.checkpoint
         self.enabled = config.enabled
-        self.root = checkpoint_root(self.job, self.run.path)
+        self.root = namespace_root(job, run.path, run.run_id)
         self.storage = CheckpointStorage(self.root)
         self.policy = CheckpointInterval(
             None if config.every_steps == "auto" else max(1, int(config.every_steps)),
@@ -152,7 +156,10 @@ class CheckpointCoordinator:
         )
         self.last_step = 0  # the step of the newest checkpoint taken (pending or written)
         self.committed_step = 0  # ... of the newest written one (or resumed from)
-        self.attempts = 0  # checkpoints started by this run; tags their files
+        self.attempts = 0  # checkpoints started by this driver; tag their files
+        # ... with this driver's token: a resumed run starts counting again, and must not write
+        # over files an earlier driver's writers may still be busy with.
+        self.driver = secrets.token_hex(3)
         self.pending: PendingCheckpoint | None = None
         self.group: WorkerGroup | None = None  # the group the pending checkpoint was queued on
 
@@ -179,7 +186,7 @@ class CheckpointCoordinator:
         count = ranks or group.size
         name = checkpoint_name(step)
         self.attempts += 1
-        tag = f"a{self.attempts}"
+        tag = f"{self.driver}-a{self.attempts}"
         requests = [SnapshotRequest(step, self.root, name, tag, index, count) for index in range(count)]
         copies, writes = group.snapshot(requests, self.job.timeouts.checkpoint_s)
         self.group = group
@@ -234,9 +241,12 @@ class CheckpointCoordinator:
         except CallFailed as err:
             self.abandon(f"a part failed: {err}")
             return
-        missing = self._missing(pending.name, files)
-        if missing is not None:
-            self.abandon(missing)
+        problem = self._missing(pending.name, files) or self._not_held()
+        if problem is not None:
+            self.abandon(problem)
+            if self.lease is not None and self.lease.lost is not None:
+                # Both drivers writing (and pruning) one namespace would destroy its checkpoints.
+                raise JobFailed(f"{self.lease.lost}; this run writes no more checkpoints there")
             return
         self.pending = None
         # Storage trouble (a full disk, a bucket error) must not end the training.
@@ -258,6 +268,16 @@ class CheckpointCoordinator:
         self.counters["checkpoints"] += 1
         self.policy.observe_checkpoint(copy_s)
         self.run.event("checkpoint", **vars(record), location=self.storage.location(pending.name), pruned=deleted)
+
+    def _not_held(self) -> str | None:
+        """Why this driver may not write a manifest in the namespace (its lease taken by
+        another, or unreadable), or None."""
+        if self.lease is None:
+            return None
+        try:
+            return self.lease.check()
+        except OSError as err:
+            return f"cannot read the lease {self.lease.where}: {type(err).__name__}: {err}"
 
     def _missing(self, name: str, files: list[FileEntry]) -> str | None:
         """Why the files the workers reported are not all where the manifest will say (each
@@ -304,8 +324,8 @@ class CheckpointCoordinator:
         return False
 
     def _saved(self, step: int) -> bool:
-        """Whether this job's checkpoint of ``step`` exists and verifies (a partial manifest, a
-        corrupt file or another job's checkpoint on a shared path does not count)."""
+        """Whether this run's checkpoint of ``step`` exists in its namespace and verifies (a
+        partial manifest, a corrupt file or one of another trajectory does not count)."""
         name = checkpoint_name(step)
         try:
             if not self.storage.exists(f"{name}/{MANIFEST}"):

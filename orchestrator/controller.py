@@ -14,6 +14,7 @@ from typing import Any
 
 from jobspec.job import JobConfig
 from orchestrator.chaos_control import ChaosControl, ChaosError
+from orchestrator.checkpoint_namespace import NamespaceLease
 from orchestrator.checkpointing import CheckpointCoordinator, ResumePoint
 from orchestrator.control_meter import ControlPlaneMeter
 from orchestrator.errors import JobFailed
@@ -49,7 +50,8 @@ from workers.claims import open_step
 class JobController:
     """Runs one job on ``group`` (not started yet), meeting its workers at ``store``: start,
     train, evaluate, save, summarise (see the module doc). ``launched``: ``perf_counter()`` at
-    launch, for start-up milestones; ``resume``: the checkpoint to go on from. A committed
+    launch, for start-up milestones; ``resume``: the checkpoint to go on from; ``lease``: of
+    the checkpoint namespace, held by the caller (``hold_namespace``). A committed
     step is ``accounting``'s to fan out (``orchestrator/step_accounting.py``), a recovery
     ``recovery``'s to carry out (``orchestrator/recovery_procedure.py``)."""
 
@@ -64,6 +66,7 @@ class JobController:
         launched: float,
         progress: bool = False,
         resume: ResumePoint | None = None,
+        lease: NamespaceLease | None = None,
     ) -> None:
         self.job = job
         self.run = run
@@ -73,7 +76,7 @@ class JobController:
         self.progress = progress
         self.resume = resume
         self.counters = dict.fromkeys(EVENT_COUNTERS, 0)
-        self.checkpoints = CheckpointCoordinator(job, run, self.counters)
+        self.checkpoints = CheckpointCoordinator(job, run, self.counters, lease)
         self.accounting = StepAccounting(job, run, group, self.checkpoints, self.counters, launched)
         self.joiners = JoinerPool(group, job.scaling.max_workers, lambda: chaos.dead_nodes)
         self.recovery = RecoveryProcedure(job, run, group, store, chaos, self.checkpoints, self.accounting, self.joiners)

@@ -177,7 +177,8 @@ def run_job(
     ``finished``, ``failed`` or ``stopped``. Raises FileExistsError if ``run_dir`` is not
     empty and not a run, and ConfigError (before any actor starts) if a factory or the
     optimizer does not resolve, chaos needs local nodes, or the checkpoint is another job's;
-    ``source`` names the job in that message.
+    ``source`` names the job in that message. Raises NamespaceBusy (a ConfigError) if another
+    live driver holds the run's checkpoint namespace (``orchestrator/checkpoint_namespace.py``).
     ``listeners`` are told what the run records (``RunDirectory.subscribe``); ``within``: a
     placement group reserved for the job (a Tune trial's) to run the workers in.
     """
@@ -195,7 +196,7 @@ def run_job(
 
         resume = find_resume_point(job, path, warn)
     preload = _in_background(_preload, job, source)
-    with ray_session(address, local_nodes) as session:
+    with ray_session(address, local_nodes) as session, contextlib.ExitStack() as held:
         ray_ready = time.perf_counter() - launched
         try:
             preload.result(timeout=PRELOAD_TIMEOUT_S)
@@ -204,12 +205,15 @@ def run_job(
                 f"importing torch and the job's code ({source}) did not finish within {PRELOAD_TIMEOUT_S:.0f}s"
             ) from None
         from orchestrator.chaos_control import ChaosControl
+        from orchestrator.checkpoint_namespace import hold_namespace
         from orchestrator.controller import JobController
         from orchestrator.metrics import JobMetrics, MetricsListener
         from orchestrator.ray_calls import driver_store
         from orchestrator.worker_group import RayWorkerGroup
 
         run = RunDirectory(path, resume=resuming)
+        # Before anything is written there: a second driver of the run is refused, its job.json unsaved.
+        lease = held.enter_context(hold_namespace(job, run))
         _track(job, run)
         for listener in listeners:
             run.subscribe(listener)
@@ -236,6 +240,7 @@ def run_job(
                 launched=launched,
                 progress=progress,
                 resume=resume,
+                lease=lease,
             )
             run.subscribe(MetricsListener(JobMetrics(job.name), controller.accounting, run.event))
             controller.accounting.mark("ray_ready", ray_ready)

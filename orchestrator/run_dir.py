@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import orjson
 
 from jobspec.durable import write_atomic
+from jobspec.fields import ConfigError
 from jobspec.redaction import redact_all
 
 if TYPE_CHECKING:
@@ -18,6 +22,32 @@ if TYPE_CHECKING:
 
 
 JOB_FILE = "job.json"
+#: Holds the run's id, the name of its own namespace under the checkpoint root.
+RUN_ID_FILE = "run_id"
+_RUN_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{8}")
+
+
+def new_run_id() -> str:
+    """A fresh run id: UTC time to the second (readable, sorts by start) and 32 random bits
+    (unique among runs started in the same second), e.g. ``20261125-030605-9f3a1c2e``."""
+    return f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(4)}"
+
+
+def read_run_id(path: Path) -> str | None:
+    """The id recorded in the run directory ``path``; None for a run directory made before run
+    ids (no ``run_id`` file: its checkpoints are flat under the root, see
+    ``orchestrator/checkpoint_namespace.py``). Raises ConfigError naming the file if it does
+    not hold a run id."""
+    target = path / RUN_ID_FILE
+    try:
+        text = target.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{target}: cannot read the run id: {err}") from None
+    if not _RUN_ID.fullmatch(text):
+        raise ConfigError(f"{target}: expected a run id like 20261125-030605-9f3a1c2e, found {text[:80]!r}")
+    return text
 
 
 class RunListener(Protocol):
@@ -31,16 +61,24 @@ class RunListener(Protocol):
 class RunDirectory:
     """Owns one run's folder. Append-only JSONL logs are flushed per record.
 
-    A new run needs a missing or empty folder; ``resume`` opens one a run left (its
-    ``job.json`` present) and appends to its logs."""
+    A new run needs a missing or empty folder, and records a fresh run id there
+    (``new_run_id``) before anything else; ``resume`` opens one a run left (its ``job.json``
+    present), reads its id back (``read_run_id``) and appends to its logs."""
 
     def __init__(self, path: Path, resume: bool = False) -> None:
         self.path = path
+        self.run_id: str | None
         if not resume:
             self.ensure_free(path)
+            path.mkdir(parents=True, exist_ok=True)
+            self.run_id = new_run_id()
+            text = f"{self.run_id}\n".encode()
+            # First and durable: a job.json without its run id would read as a run made before ids.
+            write_atomic(path / RUN_ID_FILE, lambda handle: handle.write(text))
         elif not self.is_run(path):
             raise FileNotFoundError(f"{path} is not a run directory (no {JOB_FILE})")
-        path.mkdir(parents=True, exist_ok=True)
+        else:
+            self.run_id = read_run_id(path)
         self._lock = threading.Lock()
         self._events = open(path / "events.jsonl", "a", encoding="utf-8")
         self._telemetry = open(path / "telemetry.jsonl", "a", encoding="utf-8")

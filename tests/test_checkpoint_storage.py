@@ -16,7 +16,7 @@ import pytest
 
 from jobspec.wire import FileEntry
 from workers.checkpoint_manifest import MANIFEST, CheckpointCorrupt, latest_valid, prune, verify_checkpoint, write_manifest
-from workers.checkpoint_storage import CheckpointStorage, checkpoint_name, step_of
+from workers.checkpoint_storage import CheckpointStorage, checkpoint_name, step_of, sub_root
 
 
 @pytest.fixture(params=["local", "file-uri", "mock"])
@@ -129,6 +129,9 @@ def test_list_and_delete(storage: CheckpointStorage):
     storage.delete_tree("step-00000001")  # missing is fine
     assert storage.list_dirs() == ["step-00000002"]
     assert not storage.exists("step-00000001/sub/y")
+    storage.delete_file("loose-file")
+    storage.delete_file("loose-file")  # missing is fine
+    assert not storage.exists("loose-file") and storage.exists("step-00000002/x")
 
 
 @pytest.mark.parametrize("bad", ["/abs", "../up", "a/../b", "a//b", ""])
@@ -141,8 +144,23 @@ def test_locations(tmp_path: Path):
     assert CheckpointStorage(str(tmp_path)).location("s/f") == str(tmp_path / "s" / "f")
     assert CheckpointStorage(tmp_path.as_uri()).location("s/f") == str(tmp_path / "s" / "f")
     assert CheckpointStorage("mock:///bucket/job/").location("s/f") == "mock:///bucket/job/s/f"
+    assert CheckpointStorage(str(tmp_path)).where == str(tmp_path)
+    assert CheckpointStorage("mock://KEY:SECRET@bucket/job").where == "mock://***@bucket/job"
     with pytest.raises(ValueError, match="host"):
         CheckpointStorage("file://elsewhere/tmp")
+
+
+def test_sub_root_names_a_directory_under_a_path_or_uri(tmp_path: Path):
+    """A run's namespace under a shared root: in a URI before its query string (pyarrow's options)."""
+    assert sub_root(str(tmp_path), "r1") == str(tmp_path / "r1")
+    assert sub_root(tmp_path.as_uri(), "r1") == (tmp_path / "r1").as_uri()
+    assert sub_root("s3://KEY:SECRET@bucket/ckpt/?region=eu-west-1", "r1") == "s3://KEY:SECRET@bucket/ckpt/r1?region=eu-west-1"
+    assert sub_root("mock://bucket", "r1") == "mock://bucket/r1"
+    outer, inner = CheckpointStorage("mock:///ckpt"), CheckpointStorage(sub_root("mock:///ckpt", "r1"))
+    assert inner.location("step-00000001") == outer.location("r1/step-00000001")
+    for bad in ("", "..", "a/b", "/abs"):
+        with pytest.raises(ValueError):
+            sub_root(str(tmp_path), bad)
 
 
 # --- manifests and verification ----------------------------------------------------------------

@@ -98,7 +98,7 @@ def test_a_death_during_a_checkpoint_write_abandons_that_attempt_and_loses_nothi
     assert result.summary["events"]["failures"] == 1
     abandoned = [e["name"] for e in jsonl(run_dir / "events.jsonl") if e["event"] == "checkpoint_abandoned"]
     assert "step-00000008" in abandoned
-    storage = CheckpointStorage(str(run_dir / "checkpoints"))
+    storage = CheckpointStorage(result.summary["checkpoints"]["root"])
     written = [e["step"] for e in jsonl(run_dir / "events.jsonl") if e["event"] == "checkpoint"]
     assert 4 in written and 25 in written
     # The interval counts from the last written checkpoint, so step 8 may be taken again after
@@ -125,7 +125,7 @@ def test_too_few_workers_left_fails_after_saving_a_checkpoint(tmp_path):
     assert "min_workers" in summary["error"] and "wait_for_workers_s" in summary["error"]
     saved = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "checkpoint"]
     assert [e["why"] for e in saved] == ["before failing"] and saved[0]["step"] == summary["steps"]
-    assert latest_valid(CheckpointStorage(str(result.run_dir / "checkpoints")), print)[0] == saved[0]["name"]
+    assert latest_valid(CheckpointStorage(summary["checkpoints"]["root"]), print)[0] == saved[0]["name"]
 
 
 def test_the_group_grows_to_max_workers_when_there_is_room(tmp_path, reference):
@@ -156,7 +156,7 @@ def test_topk_residuals_survive_recovery_and_travel_in_checkpoints(tmp_path):
     assert result.summary["events"]["failures"] == 1
     # Residuals are kept per bucket: auto must not move bucket boundaries between generations.
     assert not [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "collective_choice"]
-    manifest = verify_checkpoint(CheckpointStorage(str(result.run_dir / "checkpoints")), "step-00000010")
+    manifest = verify_checkpoint(CheckpointStorage(result.summary["checkpoints"]["root"]), "step-00000010")
     ranks = {entry["path"][: len("residuals-rank-00000")] for entry in manifest["files"]}
     assert {"residuals-rank-00000", "residuals-rank-00001"} <= ranks  # the two survivors
     resumed = run(tmp_path, "topk", "scaling.workers=2", "steps=30", *overrides)

@@ -290,7 +290,7 @@ def test_too_few_workers_left_saves_a_checkpoint_then_fails(tmp_path):
     assert ran.states == ["running", "recovering", "checkpointing_before_failure", "failed"]
     (saved,) = ran.of("checkpoint")
     assert saved["why"] == "before failing" and saved["step"] == ran.summary["steps"] == 5
-    assert latest_valid(CheckpointStorage(str(ran.run_dir / "checkpoints")), print)[0] == saved["name"]
+    assert latest_valid(CheckpointStorage(ran.summary["checkpoints"]["root"]), print)[0] == saved["name"]
 
 
 def test_a_step_the_saved_survivor_applied_is_committed_before_failing(tmp_path):
@@ -348,7 +348,7 @@ def test_a_failure_while_a_checkpoint_is_written_abandons_only_that_one(tmp_path
     # recovery, as a new attempt that shares no file with the abandoned one (a2).
     steps = [e["step"] for e in ran.of("checkpoint")]
     assert steps[:2] == [4, 8] and steps[-1] == 20
-    manifest = verify_checkpoint(CheckpointStorage(str(ran.run_dir / "checkpoints")), "step-00000008")
+    manifest = verify_checkpoint(CheckpointStorage(ran.summary["checkpoints"]["root"]), "step-00000008")
     assert manifest["files"] and not any(f["path"].endswith("-a2.pt") for f in manifest["files"])
     assert ran.summary["events"]["failures"] == 1
 
@@ -363,26 +363,33 @@ def test_parts_not_where_the_manifest_would_say_abandon_the_checkpoint(tmp_path)
     (abandoned,) = ran.of("checkpoint_abandoned")
     assert abandoned["name"] == "step-00000008" and "is missing" in abandoned["reason"]
     assert "checkpoint.path must be storage that every worker and the driver share" in abandoned["reason"]
-    storage = CheckpointStorage(str(ran.run_dir / "checkpoints"))
-    assert not storage.exists(f"step-00000008/{MANIFEST}")
+    storage = CheckpointStorage(ran.summary["checkpoints"]["root"])
+    assert storage.exists("step-00000004") and not storage.exists(f"step-00000008/{MANIFEST}")
     steps = [e["step"] for e in ran.of("checkpoint")]
     # The interval counts from the last written checkpoint (4), not from the abandoned one.
     assert steps[0] == 4 and 8 < steps[1] <= 10 and steps[-1] == 20
 
 
 @pytest.mark.parametrize("kind", ["broken", "another job"])
-def test_a_final_save_replaces_a_manifest_that_does_not_verify_or_is_another_jobs(tmp_path, kind):
-    shared = CheckpointStorage(str(tmp_path / "shared"))
+def test_a_final_save_replaces_a_manifest_that_does_not_verify_or_is_another_jobs(tmp_path, monkeypatch, kind):
+    """A broken manifest of the final step in the run's own namespace is replaced; another job's
+    checkpoint of that step on the shared path is neither taken for this run's nor touched."""
+    mine, theirs = "20260101-000000-0000000a", "20260101-000000-0000000b"
+    monkeypatch.setattr("orchestrator.run_dir.new_run_id", lambda: mine)
+    own = CheckpointStorage(str(tmp_path / "shared" / mine))
+    other = CheckpointStorage(str(tmp_path / "shared" / theirs))
     if kind == "broken":  # a manifest listing a part that never arrived (a partial upload)
-        write_manifest(shared, STEPS, [FileEntry("part-00000-of-00001-a9.pt", "0" * 64, 10)], {})
+        write_manifest(own, STEPS, [FileEntry("part-00000-of-00001-a9.pt", "0" * 64, 10)], {})
     else:
-        shared.write_bytes(f"step-{STEPS:08d}/model.pt", b"theirs")
-        write_manifest(shared, STEPS, [FileEntry("model.pt", hashlib.sha256(b"theirs").hexdigest(), 6)], {"config_hash": "x"})
+        other.write_bytes(f"step-{STEPS:08d}/model.pt", b"theirs")
+        write_manifest(other, STEPS, [FileEntry("model.pt", hashlib.sha256(b"theirs").hexdigest(), 6)], {"config_hash": "x"})
     ran = _run(tmp_path, None, "checkpoint.every_steps=50", f"checkpoint.path={tmp_path / 'shared'}")
     ran.assert_exact()
     (final,) = ran.of("checkpoint")
-    assert final["step"] == STEPS and final["why"] == "final"
-    assert verify_checkpoint(shared, f"step-{STEPS:08d}")["meta"]["config_hash"] != "x"
+    assert final["step"] == STEPS and final["why"] == "final" and final["location"] == own.location(f"step-{STEPS:08d}")
+    assert verify_checkpoint(own, f"step-{STEPS:08d}")["meta"]["config_hash"] != "x"
+    if kind == "another job":
+        assert verify_checkpoint(other, f"step-{STEPS:08d}")["meta"]["config_hash"] == "x"
 
 
 def test_storage_errors_in_the_final_save_cost_neither_model_nor_summary(tmp_path, monkeypatch):
@@ -416,7 +423,7 @@ def test_a_checkpoint_manifest_holds_no_credential(tmp_path):
     secret = "dataset={factory: 'ringleader_examples.digits:make_dataset', kwargs: {url: 'https://user:pa55@data.example/d?token=t0k'}}"
     ran = _run(tmp_path, None, "checkpoint.every_steps=50", secret)
     ran.assert_exact()
-    manifest = (ran.run_dir / "checkpoints" / f"step-{STEPS:08d}" / MANIFEST).read_text()
+    manifest = (Path(ran.summary["checkpoints"]["root"]) / f"step-{STEPS:08d}" / MANIFEST).read_text()
     assert "pa55" not in manifest and "t0k" not in manifest and "https://***@data.example" in manifest
 
 

@@ -33,7 +33,7 @@ def test_resume_on_another_worker_count_continues_the_same_trajectory(tmp_path, 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference, capsys):
     first = run(tmp_path, "run", "steps=12", "scaling.workers=2", "checkpoint.every_steps=4")
-    (bad,) = (first.run_dir / "checkpoints" / "step-00000012").glob("part-00001-of-00002-*.pt")
+    (bad,) = (Path(first.summary["checkpoints"]["root"]) / "step-00000012").glob("part-00001-of-00002-*.pt")
     data = bytearray(bad.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte, same size: only the sha256 can tell
     bad.write_bytes(bytes(data))

@@ -56,7 +56,9 @@ def test_submit_follow_runs_the_job_on_the_cluster_with_its_checkpoints(head, tm
     assert "ringleader: finished: 12 steps" in done.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["workers"]["start"] == 2
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000005", "step-00000010", "step-00000012"]
+    checkpoints = Path(summary["checkpoints"]["root"])
+    assert checkpoints.parent == run_dir / "checkpoints" and checkpoints.name == (run_dir / "run_id").read_text().strip()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000005", "step-00000010", "step-00000012"]
     status = _ringleader(head, "status", submission_id, "--address", head.address, cwd=project)
     assert status.returncode == 0 and status.stdout.startswith(f"{submission_id}: SUCCEEDED")
     logs = _ringleader(head, "logs", submission_id, "--address", head.address, cwd=project)
@@ -86,7 +88,8 @@ def test_run_with_address_auto_from_another_directory_then_resume(head, tmp_path
         "--set", "checkpoint.every_steps=5", "--set", "scaling.workers=2", cwd=elsewhere, env=env,
     )
     assert first.returncode == 0, first.stderr[-3000:]
-    assert (elsewhere / "run" / "checkpoints" / "step-00000012" / "manifest.json").is_file()
+    run_id = (elsewhere / "run" / "run_id").read_text().strip()
+    assert (elsewhere / "run" / "checkpoints" / run_id / "step-00000012" / "manifest.json").is_file()
     more = _ringleader(head, "resume", "run", "--set", "steps=20", "--no-progress", cwd=elsewhere, env=env)
     assert more.returncode == 0, more.stderr[-3000:]
     events = [json.loads(line) for line in (elsewhere / "run" / "events.jsonl").read_text().splitlines()]

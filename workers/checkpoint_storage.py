@@ -1,7 +1,9 @@
 """Checkpoint files on a local directory or a cloud URI: names, atomic writes, reads,
 listing, deletion. Manifests (what makes a checkpoint exist) are ``workers/checkpoint_manifest.py``.
 
-Layout: ``<root>/step-00000040/`` holds one checkpoint (40 = completed steps).
+Layout: ``<root>/step-00000040/`` holds one checkpoint (40 = completed steps); the driver
+makes ``root`` a run's own namespace under the job's ``checkpoint.path`` (``sub_root``,
+``orchestrator/checkpoint_namespace.py``).
 
 No torch or Ray here; pyarrow is imported only when the root is a URI.
 """
@@ -33,6 +35,20 @@ def absolute_root(root: str) -> str:
     they are. The driver resolves the root once, so every worker writes where the manifest is
     (a worker's working directory need not be the driver's)."""
     return root if _URI.match(root) else os.path.abspath(root)
+
+
+def sub_root(root: str, name: str) -> str:
+    """The root of the directory ``name`` (one path part) under ``root``, a path or URI. In a URI
+    it goes at the end of the path, before any query string (pyarrow takes options there:
+    ``s3://bucket/ckpt?region=...``)."""
+    split_relpath(name)
+    if "/" in name:
+        raise ValueError(f"name must be one path part, got {name!r}")
+    if not _URI.match(root):
+        return os.path.join(root, name)
+    # By hand: urlunsplit would drop an empty authority ("mock:///ckpt" -> "mock:/ckpt").
+    base, query, options = root.partition("?")
+    return f"{base if base.endswith('/') else base + '/'}{name}{query}{options}"
 
 
 def checkpoint_name(step: int) -> str:
@@ -89,6 +105,11 @@ class CheckpointStorage:
     def is_local(self) -> bool:
         """Whether the root is a local directory (plain path or ``file://``)."""
         return self._local is not None
+
+    @property
+    def where(self) -> str:
+        """The root's full local path or URI, for messages (credentials masked)."""
+        return self._local if self._local is not None else redact(self.root)
 
     def location(self, relpath: str) -> str:
         """The full local path or URI of ``relpath``, for messages (credentials masked)."""
@@ -190,6 +211,17 @@ class CheckpointStorage:
         selector = pyarrow.fs.FileSelector(self._base, recursive=False, allow_not_found=True)
         infos = self._fs.get_file_info(selector)
         return sorted(i.base_name for i in infos if i.type == pyarrow.fs.FileType.Directory)
+
+    def delete_file(self, relpath: str) -> None:
+        """Delete the file ``relpath``; a missing one is fine."""
+        try:
+            if self._local is not None:
+                os.remove(self._path(relpath))
+            else:
+                assert self._fs is not None
+                self._fs.delete_file(self._path(relpath))
+        except FileNotFoundError:
+            pass
 
     def delete_tree(self, relpath: str) -> None:
         """Delete the directory ``relpath`` and everything under it; a missing one is fine."""

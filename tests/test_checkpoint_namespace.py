@@ -1,0 +1,215 @@
+"""Jobs sharing a ``checkpoint.path``: each run checkpoints, prunes and resumes in its own
+namespace (``<root>/<run id>/``), one live driver at a time holds a namespace's lease, and a run
+directory made before run ids still resumes from its flat checkpoints.
+
+Most scenarios run on the in-process fake group (``tests/helpers/fake_group.py``); the last two
+run real jobs on the session's Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from jobspec.fields import ConfigError
+from jobspec.job import JobConfig
+from orchestrator.chaos_control import ChaosControl
+from orchestrator.checkpoint_namespace import LEASE_FILE, NamespaceBusy, NamespaceLease, hold_namespace, namespace_root
+from orchestrator.checkpointing import config_hash, find_resume_point
+from orchestrator.controller import JobController
+from orchestrator.job_file import load_job
+from orchestrator.launch import run_job
+from orchestrator.rendezvous import RendezvousStore
+from orchestrator.run_dir import RUN_ID_FILE, RunDirectory
+from tests.helpers.fake_group import FakeWorkerGroup
+from tests.helpers.jobs import jsonl, run
+from workers.checkpoint_manifest import MANIFEST, verify_checkpoint
+from workers.checkpoint_storage import CheckpointStorage
+
+LEARNING_RATES = ("optimizer.kwargs={lr: 0.05}", "optimizer.kwargs={lr: 0.1}")
+
+
+def _job(*overrides: str) -> JobConfig:
+    return load_job(None, ["steps=20", "eval=null", "scaling.workers=2", "stragglers.rebalance=false", *overrides], resolve=False)
+
+
+def _fake_run(run: RunDirectory, job: JobConfig, lease: NamespaceLease | None = None) -> dict:
+    """``job`` to its end on the fake group, in ``run``; its summary."""
+    store = RendezvousStore("127.0.0.1", 10.0)
+    chaos = ChaosControl(job.chaos, None, 0, run.event)
+    controller = JobController(job, run, FakeWorkerGroup(job), store, chaos=chaos, launched=time.perf_counter(), lease=lease)
+    return controller.execute().summary
+
+
+def _namespaces(shared: Path) -> dict[str, dict[str, dict]]:
+    """Every namespace under ``shared``: its checkpoints, each verified (its manifest)."""
+    found = {}
+    for namespace in CheckpointStorage(str(shared)).list_dirs():
+        storage = CheckpointStorage(str(shared / namespace))
+        found[namespace] = {name: verify_checkpoint(storage, name) for name in storage.list_dirs()}
+    return found
+
+
+def test_jobs_sharing_a_checkpoint_path_keep_to_their_own_namespaces(tmp_path):
+    """Two jobs with different learning rates, one after the other and then two more at once, on
+    one checkpoint.path with keep=1: every run keeps its own newest checkpoint (another's write
+    neither overwrites it, counts towards its keep nor is pruned as abandoned), resumes from it,
+    and every manifest verifies."""
+    shared = tmp_path / "shared"
+    common = ("checkpoint.every_steps=5", "checkpoint.keep=1", f"checkpoint.path={shared}")
+    jobs = {name: _job(*common, LEARNING_RATES[i % 2]) for i, name in enumerate(("a", "b", "c", "d"))}
+    runs = {name: RunDirectory(tmp_path / name) for name in jobs}
+    for name in ("a", "b"):
+        assert _fake_run(runs[name], jobs[name])["status"] == "finished"
+    with ThreadPoolExecutor(2) as pool:
+        at_once = [pool.submit(_fake_run, runs[name], jobs[name]) for name in ("c", "d")]
+        assert [f.result(timeout=120)["status"] for f in at_once] == ["finished", "finished"]
+    namespaces = _namespaces(shared)
+    assert sorted(namespaces) == sorted(r.run_id for r in runs.values())
+    for name, job in jobs.items():
+        warnings: list[str] = []
+        point = find_resume_point(job, runs[name].path, warnings.append)
+        assert point is not None and warnings == []
+        assert point.root == str(shared / runs[name].run_id) and point.name == "step-00000020"
+        assert list(namespaces[runs[name].run_id]) == ["step-00000020"]  # keep=1: its own only
+        assert namespaces[runs[name].run_id]["step-00000020"]["meta"]["config_hash"] == config_hash(job)
+
+
+def test_a_run_directory_from_before_run_ids_resumes_from_its_flat_checkpoints(tmp_path):
+    """No ``run_id`` file: the run reads and writes the flat layout it started, beside (and
+    blind to) the namespaces of newer runs on the same path."""
+    shared = tmp_path / "shared"
+    job = _job("checkpoint.every_steps=5", "checkpoint.keep=1", f"checkpoint.path={shared}")
+    newer = RunDirectory(tmp_path / "newer")
+    assert _fake_run(newer, job)["status"] == "finished"
+    old = RunDirectory(tmp_path / "old")
+    old.save_job(job.model_dump(mode="json", exclude_unset=True))
+    (old.path / RUN_ID_FILE).unlink()
+    old.close()
+    legacy = RunDirectory(old.path, resume=True)
+    assert legacy.run_id is None and namespace_root(job, legacy.path, None) == str(shared)
+    assert _fake_run(legacy, job)["status"] == "finished"
+    point = find_resume_point(job, old.path, print)
+    assert point is not None and point.root == str(shared) and point.name == "step-00000020"
+    assert verify_checkpoint(CheckpointStorage(str(shared / newer.run_id)), "step-00000020")  # not pruned by it
+    assert sorted(CheckpointStorage(str(shared)).list_dirs()) == sorted([newer.run_id, "step-00000020"])
+
+
+def test_a_run_id_file_that_holds_no_run_id_is_one_line_naming_it(tmp_path):
+    made = RunDirectory(tmp_path / "run")
+    made.save_job({})
+    made.close()
+    (tmp_path / "run" / RUN_ID_FILE).write_text("../../elsewhere\n")
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'run' / RUN_ID_FILE}: expected a run id like"):
+        RunDirectory(tmp_path / "run", resume=True)
+
+
+def _lease_file(root: Path) -> dict:
+    return json.loads((root / LEASE_FILE).read_text())
+
+
+def test_a_live_lease_refuses_a_second_driver_and_a_stale_or_orphaned_one_is_taken_over(tmp_path):
+    root = tmp_path / "ns"
+    first = NamespaceLease(str(root), settle_s=0.0)
+    first.acquire()
+    second = NamespaceLease(str(root), settle_s=0.0)
+    with pytest.raises(NamespaceBusy) as refused:
+        second.acquire()
+    message = str(refused.value)
+    assert "\n" not in message and str(root / LEASE_FILE) in message and f"pid {os.getpid()} on" in message
+    assert _lease_file(root)["owner"]["token"] == first.owner.token  # the refused one wrote nothing
+    # Not refreshed within its stale_s: taken over, and the old holder finds out before writing.
+    stale = _lease_file(root)
+    (root / LEASE_FILE).write_text(json.dumps({**stale, "refreshed": time.time() - stale["stale_s"] - 1}))
+    second.acquire()
+    assert first.check() is not None and "no longer this driver's" in first.check()
+    first.release()  # not its lease any more: left alone
+    assert _lease_file(root)["owner"]["token"] == second.owner.token
+    second.release()
+    assert not (root / LEASE_FILE).exists()
+    # Fresh, but its driver's process is gone from this host: taken over at once.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    orphaned = {**stale, "owner": {**stale["owner"], "pid": int(gone.stdout), "token": "0" * 16}, "refreshed": time.time()}
+    (root / LEASE_FILE).write_text(json.dumps(orphaned))
+    third = NamespaceLease(str(root), settle_s=0.0)
+    third.acquire()
+    assert third.check() is None
+    third.release()
+
+
+def test_the_holder_refreshes_its_lease_and_never_writes_over_one_taken_from_it(tmp_path):
+    root = tmp_path / "ns"
+    lease = NamespaceLease(str(root), refresh_s=0.05, settle_s=0.0)
+    lease.acquire()
+    first = _lease_file(root)["refreshed"]
+    deadline = time.monotonic() + 10
+    while _lease_file(root)["refreshed"] == first and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _lease_file(root)["refreshed"] > first
+    taken = {**_lease_file(root), "owner": {"host": "elsewhere", "pid": 1, "started": 0.0, "token": "f" * 16}}
+    (root / LEASE_FILE).write_text(json.dumps(taken))
+    while lease.lost is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert lease.lost is not None and "now held by pid 1 on elsewhere, started" in lease.lost
+    time.sleep(0.2)
+    assert _lease_file(root) == taken
+    lease.release()
+    assert _lease_file(root) == taken
+
+
+def test_a_driver_whose_lease_was_taken_writes_no_more_manifests(tmp_path):
+    job = _job("checkpoint.every_steps=5", f"checkpoint.path={tmp_path / 'shared'}")
+    run_dir = RunDirectory(tmp_path / "run")
+    with hold_namespace(job, run_dir) as lease:
+        assert lease is not None
+        root = Path(namespace_root(job, run_dir.path, run_dir.run_id))
+        taken = {**_lease_file(root), "owner": {"host": "elsewhere", "pid": 1, "started": 0.0, "token": "f" * 16}}
+        (root / LEASE_FILE).write_text(json.dumps(taken))
+        summary = _fake_run(run_dir, job, lease)
+    assert summary["status"] == "failed" and "no longer this driver's (now held by pid 1 on elsewhere" in summary["error"]
+    assert not list(root.glob(f"*/{MANIFEST}"))
+    abandoned = [e for e in jsonl(run_dir.path / "events.jsonl") if e["event"] == "checkpoint_abandoned"]
+    assert abandoned and abandoned[0]["name"] == "step-00000005"
+    assert _lease_file(root) == taken  # released: but not its own, so left alone
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_second_driver_of_a_run_is_refused_before_it_writes_anything(tmp_path):
+    job = load_job(None, ["steps=20", "eval=null", "scaling.workers=1", "checkpoint.every_steps=5"])
+    made = RunDirectory(tmp_path / "run")
+    made.save_job(job.model_dump(mode="json", exclude_unset=True))
+    made.close()
+    saved = (tmp_path / "run" / "job.json").read_bytes()
+    holder = NamespaceLease(namespace_root(job, made.path, made.run_id), settle_s=0.0)
+    holder.acquire()
+    try:
+        with pytest.raises(NamespaceBusy, match=f"in use by another driver \\(pid {os.getpid()} on .*{LEASE_FILE}"):
+            run_job(load_job(None, ["steps=30", "eval=null", "scaling.workers=1", "checkpoint.every_steps=5"]), run_dir=made.path)
+    finally:
+        holder.release()
+    assert (tmp_path / "run" / "job.json").read_bytes() == saved
+    assert (tmp_path / "run" / "events.jsonl").read_text() == ""
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_real_jobs_on_one_checkpoint_path_resume_from_their_own_checkpoints(tmp_path):
+    """The issue's case on Ray: two jobs (different learning rates) on one checkpoint.path, run
+    one after the other, then both resumed at once; each goes on from its own newest checkpoint."""
+    common = ("scaling.workers=2", "checkpoint.every_steps=5", f"checkpoint.path={tmp_path / 'shared'}")
+    for name, rate in zip("ab", LEARNING_RATES):
+        run(tmp_path, name, "steps=10", rate, *common)
+    with ThreadPoolExecutor(2) as pool:
+        resumed = [pool.submit(run, tmp_path, name, "steps=15", rate, *common) for name, rate in zip("ab", LEARNING_RATES)]
+        results = [f.result(timeout=300) for f in resumed]
+    for result in results:
+        run_id = (result.run_dir / RUN_ID_FILE).read_text().strip()
+        assert [e["checkpoint"] for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "resume"] == ["step-00000010"]
+        assert result.summary["checkpoints"]["root"] == str(tmp_path / "shared" / run_id)
+    namespaces = _namespaces(tmp_path / "shared")
+    assert len(namespaces) == 2 and all(list(n) == ["step-00000005", "step-00000010", "step-00000015"] for n in namespaces.values())
