@@ -109,8 +109,10 @@ class CheckpointConfig(StrictModel):
     sqrt(2 x cost x MTBF) from the measured checkpoint cost and the observed failure rate (with
     ``mtbf_prior_s`` as a prior of one failure; clamped to ``max_every_steps``). ``path``: where
     they go, a local or shared directory or a URI pyarrow understands (``s3://``, ``gs://``...);
-    default ``<run dir>/checkpoints``. Every worker writes its slice of the state there, so on a
-    multi-node cluster it must be shared storage. ``keep``: how many complete checkpoints stay.
+    default ``<run dir>/checkpoints``. Each run writes in its own directory there, named by its
+    run id (``<path>/<run id>/step-N``), so jobs can share a path; a second live driver of the
+    same run is refused. Every worker writes its slice of the state there, so on a multi-node
+    cluster it must be shared storage. ``keep``: how many of the run's complete checkpoints stay.
     A job that finishes also leaves a final checkpoint when checkpoints are on, so it can be
     resumed for more steps.
     """
