@@ -20,6 +20,7 @@ from orchestrator.errors import JobFailed
 from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.membership import JoinerPool
 from orchestrator.pipeline import StepOutcome, StepPipeline, await_step
+from orchestrator.recovery import PROBE_S
 from orchestrator.recovery_procedure import RecoveryProcedure
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.run_dir import RunDirectory
@@ -200,7 +201,13 @@ class JobController:
         batch = pipeline.in_flight.popleft()
         for step in batch.steps:
             self.chaos.during_step(self.group, step)
-        outcome = await_step(self.group, batch, self.job, self._stragglers().evicting)
+        try:
+            outcome = await_step(self.group, batch, self.job, self._stragglers().evicting)
+        except JobFailed:
+            # A step timed out: the steps before it every replica applied are done all the same.
+            self._pipeline = None
+            self.recovery.commit_applied((batch, *pipeline.drain()), {}, self.group.progress(PROBE_S))
+            raise
         self.meter.waited(outcome.waited_s)
         if outcome.evict or outcome.failed:
             in_flight = (batch, *pipeline.drain())
