@@ -38,7 +38,6 @@ from orchestrator.states import (
     is_terminal,
 )
 from orchestrator.step_accounting import StepAccounting
-from orchestrator.store_process import StoreProcessError
 from orchestrator.straggler_control import StragglerControl
 from orchestrator.summary import EVENT_COUNTERS, JobResult
 from policies.elasticity import pick_root
@@ -114,13 +113,16 @@ class JobController:
         return JobResult(self.run.path, summary)
 
     def _step(self) -> tuple[State, State]:
-        """Run the current state's handler once; returns (previous, next)."""
+        """Run the current state's handler once; returns (previous, next). A dead store
+        (StoreFailed, a JobFailed) fails the job whatever the state was doing: checked first,
+        so it is named even where nothing touches the store (mitigation off, no rendezvous)."""
         previous = self.state
         try:
+            self.store.check_alive()
             following = self._handle(previous)
         except KeyboardInterrupt:
             following = Stopped("interrupted")
-        except (JobFailed, CallFailed, WorkerGroupError, ChaosError, StoreProcessError) as err:
+        except (JobFailed, CallFailed, WorkerGroupError, ChaosError) as err:
             message = err.reason if isinstance(err, CallFailed) else f"{type(err).__name__}: {err}"
             self.run.event("error", message=message)
             following = Failed(message)
@@ -237,7 +239,8 @@ class JobController:
         if plan.mitigating:
             claims = self.store.claims
             trips, sent = claims.round_trips, claims.bytes
-            open_step(claims, step, plan)
+            with self.store.named_errors(f"opening step {step}'s shard claims"):
+                open_step(claims, step, plan)
             self.meter.driver_store(claims.round_trips - trips, claims.bytes - sent)
         return plan
 
