@@ -27,19 +27,23 @@ def _assert_committed_through_the_failure(run_dir, summary: dict, failing: int) 
 
 
 @pytest.mark.parametrize(
-    "faults, overrides, error",
+    "faults, overrides, error, recovering",
     [
-        (Faults(error_in_step={(1, FAILING): "bad data"}), (), f"JobFailed: step {FAILING}: ValueError: bad data"),
+        (Faults(error_in_step={(1, FAILING): "bad data"}), (), f"JobFailed: step {FAILING}: ValueError: bad data", 1),
         # Every worker stalls in the step: no progress within step_s.
-        (Faults(stall={(1, FAILING): 60.0}), ("timeouts.step_s=1",), f"JobFailed: step {FAILING} did not finish within 1s"),
+        (Faults(stall={(1, FAILING): 60.0}), ("timeouts.step_s=1",), f"JobFailed: step {FAILING} did not finish within 1s", 0),
     ],
     ids=["user-error", "step-timeout"],
 )
-def test_a_failure_inside_a_batch_commits_the_steps_before_it_and_names_its_step(tmp_path, faults, overrides, error):
+def test_a_failure_inside_a_batch_commits_the_steps_before_it_and_names_its_step(tmp_path, faults, overrides, error, recovering):
     ran = Ran(tmp_path, faults, overrides)
     assert (8, 8) in ran.group.batches  # the failing step was in the middle of a batch
     _assert_committed_through_the_failure(ran.run_dir, ran.summary, FAILING)
     assert ran.summary["error"] == error
+    # Where a failure was seen (entering Recovering) is the whole batch, not its first step.
+    reasons = [e["reason"] for e in ran.of("state") if e["new"] == "recovering"]
+    assert len(reasons) == recovering
+    assert all(r.startswith("the batch of steps 8-15 failed: ") for r in reasons)
 
 
 @pytest.mark.usefixtures("ray_cluster")
