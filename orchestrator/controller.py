@@ -21,6 +21,7 @@ from orchestrator.errors import JobFailed
 from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.membership import JoinerPool
 from orchestrator.pipeline import StepOutcome, StepPipeline, await_step
+from orchestrator.recovery import PROBE_S
 from orchestrator.recovery_procedure import RecoveryProcedure
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.run_dir import RunDirectory
@@ -38,7 +39,6 @@ from orchestrator.states import (
     is_terminal,
 )
 from orchestrator.step_accounting import StepAccounting
-from orchestrator.store_process import StoreProcessError
 from orchestrator.straggler_control import StragglerControl
 from orchestrator.summary import EVENT_COUNTERS, JobResult
 from policies.elasticity import pick_root
@@ -116,13 +116,16 @@ class JobController:
         return JobResult(self.run.path, summary)
 
     def _step(self) -> tuple[State, State]:
-        """Run the current state's handler once; returns (previous, next)."""
+        """Run the current state's handler once; returns (previous, next). A dead store
+        (StoreFailed, a JobFailed) fails the job whatever the state was doing: checked first,
+        so it is named even where nothing touches the store (mitigation off, no rendezvous)."""
         previous = self.state
         try:
+            self.store.check_alive()
             following = self._handle(previous)
         except KeyboardInterrupt:
             following = Stopped("interrupted")
-        except (JobFailed, CallFailed, WorkerGroupError, ChaosError, StoreProcessError) as err:
+        except (JobFailed, CallFailed, WorkerGroupError, ChaosError) as err:
             message = err.reason if isinstance(err, CallFailed) else f"{type(err).__name__}: {err}"
             self.run.event("error", message=message)
             following = Failed(message)
@@ -203,7 +206,13 @@ class JobController:
         batch = pipeline.in_flight.popleft()
         for step in batch.steps:
             self.chaos.during_step(self.group, step)
-        outcome = await_step(self.group, batch, self.job, self._stragglers().evicting)
+        try:
+            outcome = await_step(self.group, batch, self.job, self._stragglers().evicting)
+        except JobFailed:
+            # A step timed out: the steps before it every replica applied are done all the same.
+            self._pipeline = None
+            self.recovery.commit_applied((batch, *pipeline.drain()), {}, self.group.progress(PROBE_S))
+            raise
         self.meter.waited(outcome.waited_s)
         if outcome.evict or outcome.failed:
             in_flight = (batch, *pipeline.drain())
@@ -233,7 +242,8 @@ class JobController:
         if plan.mitigating:
             claims = self.store.claims
             trips, sent = claims.round_trips, claims.bytes
-            open_step(claims, step, plan)
+            with self.store.named_errors(f"opening step {step}'s shard claims"):
+                open_step(claims, step, plan)
             self.meter.driver_store(claims.round_trips - trips, claims.bytes - sent)
         return plan
 

@@ -229,7 +229,9 @@ class Reformer:
 
     def after_failed_join(self, err: BaseException) -> tuple[dict[int, Progress], list[int]]:
         """A rendezvous failed (a member died while the group formed): abort it everywhere,
-        remove whoever does not answer; returns the others' progress and the removed ids."""
+        remove whoever does not answer; returns the others' progress and the removed ids.
+        Raises StoreProcessError if the store has died: no attempt could succeed then."""
+        self.store.check_alive()
         self.group.abort_all(self.store.generation, [], self.collective_s)
         alive, silent = self.group.probe(PROBE_S)
         self.on_failed_join(silent, str(err))

@@ -14,7 +14,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import Mapping
 
 from jobspec.job import JobConfig
-from jobspec.wire import StepTelemetry
+from jobspec.wire import Progress, StepTelemetry
 from orchestrator.chaos_control import ChaosControl
 from orchestrator.checkpointing import CheckpointCoordinator
 from orchestrator.errors import JobFailed
@@ -74,7 +74,7 @@ class RecoveryProcedure:
         # ActorUnavailableError: it may or may not have run); it is removed below.
         alive = {w: p for w, p in settled.alive.items() if w not in dead}
         if not dead and not evicted:
-            self._nobody_lost(outcome, state.in_flight[0].step if state.in_flight else steps_done)
+            self._nobody_lost(outcome, state.in_flight, alive)
         # Where the furthest survivor is; committed only once the re-formed group holds it.
         furthest = first_uncommitted(alive, steps_done)
         died_at = [t for w in dead if (t := self.chaos.death_time(self.store, w)) is not None]
@@ -131,16 +131,33 @@ class RecoveryProcedure:
             )
         return silent, evicted
 
-    def _nobody_lost(self, outcome: StepOutcome, failed_step: int) -> None:
-        """Nobody died and nobody is evicted: a worker's own error fails the job; collectives
-        that failed with every member alive (a network fault) are re-formed and retried, but
-        not forever (raises JobFailed)."""
+    def _nobody_lost(self, outcome: StepOutcome, in_flight: tuple[InFlight, ...], alive: Mapping[int, Progress]) -> None:
+        """Nobody died and nobody is evicted (``alive``: every member's settled progress): a
+        worker's own error fails the job; collectives that failed with every member alive (a
+        network fault) are re-formed and retried, but not forever. Failing, it first commits
+        the steps every replica applied, then raises JobFailed naming the step that failed."""
+        if outcome.user_error is None:
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row <= MAX_REFORMS:
+                return
+        self.store.check_alive()  # a dead store makes every worker's call fail too
+        failed = self.commit_applied(in_flight, outcome.reports, alive)
         if outcome.user_error is not None:
-            self.store.check_alive()  # a dead store makes every worker's call fail too
-            raise JobFailed(f"step {failed_step}: {outcome.user_error}")
-        self._failed_in_a_row += 1
-        if self._failed_in_a_row > MAX_REFORMS:
-            raise JobFailed(f"step {failed_step} failed {MAX_REFORMS} times in a row: {outcome.errors}")
+            raise JobFailed(f"step {failed}: {outcome.user_error}")
+        raise JobFailed(f"step {failed} failed {MAX_REFORMS} times in a row: {outcome.errors}")
+
+    def commit_applied(
+        self, in_flight: tuple[InFlight, ...], known: Mapping[int, list[StepTelemetry]], progress: Mapping[int, Progress | None]
+    ) -> int:
+        """Before the job fails: commit the steps in flight that every member applied (by
+        ``progress``; one that did not answer counts for nothing), so the summary and
+        ``telemetry.jsonl`` hold every step the replicas hold, and return the first step not
+        applied everywhere: the one that failed. ``known`` as for ``commit_held``."""
+        steps_done = self.accounting.ledger.steps_done
+        applied = [p.next_step for p in progress.values() if p is not None]
+        through = max(steps_done, min(applied, default=steps_done))
+        self.commit_held(in_flight, known, through)
+        return through
 
     def commit_held(
         self, in_flight: tuple[InFlight, ...], known: Mapping[int, list[StepTelemetry]], through: int

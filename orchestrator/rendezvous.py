@@ -1,13 +1,21 @@
 """The rendezvous store the workers meet at, one key prefix per generation: a TCPStore served
-by the driver, in its process or in a child process of its own (``orchestrator/store_process.py``)."""
+by the driver, in its process or in a child process of its own (``orchestrator/store_process.py``).
+
+Its failures end the job (``StoreFailed``, naming the store's address and the error): the
+driver's own operations on it go through ``named_errors``, and ``check_alive`` sees its process
+die. It is not restarted: the claims of the steps in flight would be lost with it, and it is
+the driver's own child, so its death means the driver's host is in trouble."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from datetime import timedelta
+from typing import Iterator
 
 import torch.distributed as dist
 
+from orchestrator.errors import JobFailed, StoreFailed
 from orchestrator.store_process import StoreProcess, StoreProcessError, listening_store
 from workers.claims import CountingStore
 
@@ -57,12 +65,37 @@ class RendezvousStore:
         the system does not say)."""
         return self.process.cpu_s() if self.process is not None else None
 
+    @property
+    def name(self) -> str:
+        """The store as messages name it: its address (the port once it listens)."""
+        port = self._port if self.process is None else self.process.known_port
+        return f"the job's store (rendezvous and shard claims) at {self.host}:{port if port is not None else '?'}"
+
     def check_alive(self) -> None:
-        """Raise StoreProcessError if the server process has died (the workers' store errors
-        then come from there, not from their own code)."""
+        """Raise StoreProcessError if the server process has ended (the workers' store errors
+        then come from there, not from their own code). A ``waitpid`` that does not block: the
+        controller calls it every turn, so a dead store is named even while nothing uses it."""
         status = self.process.exit_status() if self.process is not None else None
         if status is not None:
-            raise StoreProcessError(f"the rendezvous store's process (pid {self.process.pid}) died with status {status}")
+            how = f"was killed by signal {-status}"
+            if status >= 0:  # it ended itself: its last line says why (a killed one's may be any warning)
+                said = self.process.last_words().splitlines()
+                how = f"exited with status {status}" + (f": {said[-1]}" if said else "")
+            raise StoreProcessError(f"{self.name} died: its process (pid {self.process.pid}) {how}")
+
+    @contextlib.contextmanager
+    def named_errors(self, doing: str) -> Iterator[None]:
+        """Turn a store error raised inside (torch's are RuntimeErrors: DistNetworkError,
+        DistStoreError) into StoreFailed naming the store, what the driver was ``doing`` and the
+        error's first line; StoreProcessError if the store's process has died meanwhile."""
+        try:
+            yield
+        except JobFailed:
+            raise
+        except RuntimeError as err:
+            self.check_alive()
+            first_line = (str(err).strip().splitlines() or [""])[0]
+            raise StoreFailed(f"{self.name} failed {doing}: {type(err).__name__}: {first_line}") from err
 
     def close(self) -> None:
         """Stop the server process, if it has one."""
@@ -70,14 +103,18 @@ class RendezvousStore:
             self.process.close()
 
     def read(self, key: str) -> str | None:
-        """The value at ``key`` (outside any generation), or None if it is not set; no wait."""
-        if not self._store.check([key]):
-            return None
-        return self._store.get(key).decode()
+        """The value at ``key`` (outside any generation), or None if it is not set; no wait.
+        Raises StoreFailed."""
+        with self.named_errors(f"reading {key}"):
+            if not self._store.check([key]):
+                return None
+            return self._store.get(key).decode()
 
     def next_prefix(self) -> str:
-        """Start the next generation; returns its key prefix."""
+        """Start the next generation; returns its key prefix. Raises StoreFailed (the first
+        use connects to the store's process)."""
         self.generation += 1
         prefix = f"gen{self.generation}/"
-        self.claims = CountingStore(dist.PrefixStore(prefix, self._store))
+        with self.named_errors("connecting"):
+            self.claims = CountingStore(dist.PrefixStore(prefix, self._store))
         return prefix

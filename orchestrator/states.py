@@ -91,7 +91,10 @@ class Recovering:
             return self.cause
         if self.outcome.evict:
             return f"evicting worker(s) {[e.worker for e in self.outcome.evict]}"
-        where = f"step {self.in_flight[0].step}" if self.in_flight else "re-forming the group"
+        if not self.in_flight:
+            return f"re-forming the group failed: {self.outcome.errors}"
+        batch = self.in_flight[0]  # which of its steps failed, the recovery finds out
+        where = f"step {batch.step}" if batch.count == 1 else f"the batch of steps {batch.step}-{batch.steps[-1]}"
         return f"{where} failed: {self.outcome.errors}"
 
 

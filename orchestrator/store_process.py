@@ -24,13 +24,15 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from orchestrator.errors import StoreFailed
+
 # How long the child may take to import torch and listen before the driver gives up.
 START_TIMEOUT_S = 60.0
 # How often the child checks that the driver that started it is still there.
 PARENT_POLL_S = 0.5
 
 
-class StoreProcessError(RuntimeError):
+class StoreProcessError(StoreFailed):
     """The store's child process did not start or died."""
 
 
@@ -57,6 +59,11 @@ class StoreProcess:
         return self._proc.pid
 
     @property
+    def known_port(self) -> int | None:
+        """The port, once the process has said it listens (no wait)."""
+        return self._port
+
+    @property
     def port(self) -> int:
         if self._port is None:
             self._port = self._read_port()
@@ -68,13 +75,19 @@ class StoreProcess:
         line = self._proc.stdout.readline() if ready else ""
         if not line.strip().isdigit():
             self.close()
-            self._stderr.seek(0)
-            error = self._stderr.read()
             raise StoreProcessError(
                 f"the rendezvous store's process did not start listening on {self.host} within "
-                f"{START_TIMEOUT_S:.0f}s: {line.strip() or error.strip()[-500:] or 'no output'}"
+                f"{START_TIMEOUT_S:.0f}s: {line.strip() or self.last_words() or 'no output'}"
             )
         return int(line)
+
+    def last_words(self) -> str:
+        """The end of what the process wrote to stderr (its error, if it failed), up to 500
+        characters; empty if nothing (or once closed)."""
+        if self._stderr.closed:
+            return ""
+        self._stderr.seek(0)
+        return self._stderr.read().strip()[-500:]
 
     def exit_status(self) -> int | None:
         """The process's exit status if it has ended (it should live as long as the job)."""

@@ -1,14 +1,22 @@
-"""The driver's rendezvous store: bound to the workers' interface only, keys under a per-job secret."""
+"""The driver's rendezvous store: bound to the workers' interface only, keys under a per-job secret;
+its failures named by its address."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import socket
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
+from orchestrator.errors import StoreFailed
 from orchestrator.rendezvous import RendezvousStore
+from orchestrator.store_process import StoreProcessError
+from policies.work_stealing import StepPlan
+from workers.claims import open_step
 
 
 def test_the_store_listens_on_the_given_address_only():
@@ -48,3 +56,39 @@ def test_the_store_in_its_own_process_serves_claims_and_stops_with_close():
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", store.port), timeout=2).close()
     assert RendezvousStore("127.0.0.1", 5.0).server_cpu_s() is None  # in-process: in the driver's CPU
+
+
+def test_a_dead_store_process_is_named_by_its_address_and_its_errors_too():
+    store = RendezvousStore("127.0.0.1", 5.0, own_process=True)
+    try:
+        store.next_prefix()
+        store.check_alive()  # alive: no error
+        address = f"the job's store (rendezvous and shard claims) at 127.0.0.1:{store.port}"
+        os.kill(store.process.pid, signal.SIGKILL)
+        store.process._proc.wait(timeout=5)
+        with pytest.raises(StoreProcessError, match=re.escape(f"{address} died: its process (pid {store.process.pid}) was killed by signal 9")):
+            store.check_alive()
+        with pytest.raises(StoreFailed, match=re.escape(address)):  # not torch's RuntimeError
+            store.read("key")
+        with pytest.raises(StoreFailed, match=re.escape(f"{address} died")):
+            with store.named_errors("opening claims"):
+                open_step(store.claims, 0, StepPlan(((0,), (1,))))
+    finally:
+        store.close()
+
+
+def test_a_store_error_with_the_process_alive_names_the_store_and_the_error():
+    store = RendezvousStore("127.0.0.1", 5.0)
+    with pytest.raises(StoreFailed, match=r"^the job's store .* at 127\.0\.0\.1:\d+ failed opening claims: RuntimeError: reset$"):
+        with store.named_errors("opening claims"):
+            raise RuntimeError("reset\nat frame #0 of the C++ trace")
+
+
+def test_a_store_process_that_ended_itself_is_named_with_its_last_words():
+    store = RendezvousStore("no-such-host.invalid", 5.0, own_process=True)
+    try:
+        store.process._proc.wait(timeout=60)  # it cannot listen there: it fails and exits
+        with pytest.raises(StoreProcessError, match=r"^the job's store .* at no-such-host\.invalid:\? died: its process \(pid \d+\) exited with status 1: .*gaierror"):
+            store.check_alive()
+    finally:
+        store.close()
