@@ -3,12 +3,14 @@ the edge, with messages that name the file and the field."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
+from jobspec.durable import write_atomic
 from jobspec.fields import ConfigError, callable_name
 from jobspec.job import JobConfig
 from jobspec.recipe import BUILTIN_LOSSES, OptimizerConfig
@@ -72,7 +74,9 @@ def load_job(path: str | Path | None, overrides: list[str] | None = None, *, res
     if hidden:
         raise ConfigError(
             f"invalid job ({source}): field(s) {', '.join(repr(f) for f in hidden)} hold a credential that was masked "
-            "when the run was saved; give each again, e.g. --set " + f"{hidden[0]}=s3://KEY:SECRET@bucket/..."
+            f"when the run was saved; give each again without it (--set {hidden[0]}=s3://bucket/..., the credential "
+            "in the storage's own environment), or with it (ringleader submit ships --set values in a file, not on "
+            "a command line)"
         )
     job = job_from_mapping(raw, source)
     if resolve:
@@ -95,6 +99,26 @@ def read_mapping(path: str | Path, source: str, kind: str = "job") -> dict[str, 
         return {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{kind} file {source}: expected a mapping at the top level")
+    return loaded
+
+
+def write_overrides(path: Path, overrides: list[str]) -> None:
+    """Write ``--set`` overrides to ``path`` (durably, private to its owner) as a JSON list,
+    which ``read_overrides`` (``ringleader run --set-file``) reads back."""
+    write_atomic(path, lambda handle: handle.write(json.dumps(list(overrides)).encode()))
+
+
+def read_overrides(path: str | Path) -> list[str]:
+    """The overrides ``write_overrides`` wrote to ``path``. Raises ConfigError naming the file
+    if it cannot be read or is not a JSON list of strings."""
+    try:
+        loaded = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"cannot read --set-file {path}: {err.strerror}") from None
+    except ValueError as err:  # not JSON, or not UTF-8
+        raise ConfigError(f"--set-file {path} is not a JSON list of FIELD=VALUE strings ({err})") from None
+    if not isinstance(loaded, list) or not all(isinstance(item, str) for item in loaded):
+        raise ConfigError(f"--set-file {path} is not a JSON list of FIELD=VALUE strings")
     return loaded
 
 

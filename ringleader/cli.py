@@ -141,6 +141,10 @@ def _add_launch_options(command: argparse.ArgumentParser, set_example: str) -> N
         help="start N simulated Ray nodes on this machine (try node loss, hierarchical all-reduce)",
     )
     _add_overrides(command, set_example)
+    command.add_argument(
+        "--set-file", metavar="FILE",
+        help="overrides from a JSON list of FIELD=VALUE, before any --set (how ringleader submit ships its --set)",
+    )
     command.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -164,12 +168,16 @@ def _err(message: str) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from jobspec.fields import ConfigError
-    from orchestrator.job_file import job_source, load_job
+    from orchestrator.job_file import job_source, load_job, read_overrides
     from orchestrator.run_dir import JOB_FILE, RunDirectory
 
     # Like `python -m`: job files may name factories in modules next to where the user runs.
     sys.path.insert(0, os.getcwd())
-    overrides = list(args.overrides)
+    try:
+        overrides = (read_overrides(args.set_file) if args.set_file else []) + list(args.overrides)
+    except ConfigError as err:
+        _err(f"{err}")
+        return EXIT_BAD_INPUT
     if args.workers is not None:
         overrides.append(f"scaling.workers={args.workers}")
     if args.command == "resume":
