@@ -15,7 +15,7 @@ from jobspec.fields import ConfigError, callable_name
 from jobspec.job import JobConfig
 from jobspec.recipe import BUILTIN_LOSSES, OptimizerConfig
 from jobspec.redaction import masked
-from jobspec.targets import as_callable
+from jobspec.targets import as_callable, build, optional_callable
 from policies.schedule import BUILTIN_SCHEDULES
 
 
@@ -88,9 +88,12 @@ def read_mapping(path: str | Path, source: str, kind: str = "job") -> dict[str, 
     """A YAML file's top-level mapping (empty file: empty). Raises ConfigError naming the
     ``<kind> file`` if it cannot be read, is not YAML, or is not a mapping."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"cannot read {kind} file {source}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        byte = err.object[err.start]
+        raise ConfigError(f"{kind} file {source} is not UTF-8 text (byte {byte:#04x} at offset {err.start})") from None
     try:
         loaded = yaml.safe_load(text)
     except yaml.YAMLError as err:
@@ -176,6 +179,38 @@ def resolve_job(job: JobConfig, source: str) -> None:
         problems.append(problem)
     if problems:
         raise ConfigError("\n".join([f"invalid job ({source}):", *problems]))
+
+
+def check_loss(job: JobConfig, source: str) -> None:
+    """Call a user's loss once on the driver, on a batch of the job's first two samples, and
+    raise ConfigError naming ``loss`` if it returns a scalar (a mean: see
+    ``workers/objective.py``); the built-ins are known to keep the contract. Anything that
+    fails here on the way (a factory, a collate, the loss raising: the driver may lack the
+    workers' data or devices) is left to the workers, which report it as before."""
+    if job.loss.name in BUILTIN_LOSSES:
+        return
+    import numpy as np
+    import torch
+
+    from workers.objective import Objective, ScalarLossError
+    from workers.training import fetch_batch
+
+    objective = Objective(job.loss.name, job.loss.kwargs)
+    try:
+        model = build(job.model.factory, job.model.kwargs)
+        dataset = build(job.dataset.factory, job.dataset.kwargs)
+        samples = min(2, len(dataset))
+        batch = fetch_batch(dataset, np.arange(samples), optional_callable(job.dataset.collate))
+        with torch.no_grad():
+            result = objective.fn(model, batch, **objective.kwargs)
+    except Exception:  # noqa: BLE001 - the workers build and call these again, and report it there
+        return
+    try:
+        objective.check(result, samples)
+    except ScalarLossError as err:
+        raise ConfigError(f"invalid job ({source}):\n  {err}") from None
+    except ValueError:
+        return  # other breaches (a wrong shape, a bad weight) the workers report, naming the step
 
 
 def optimizer_problem(config: OptimizerConfig) -> str | None:

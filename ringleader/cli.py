@@ -197,9 +197,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from jobspec.redaction import redact
     from orchestrator.launch import LaunchTimeout, default_run_dir, run_job
 
-    if args.local_nodes < 0 or (args.local_nodes and (args.address or os.environ.get("RAY_ADDRESS"))):
-        _err("--local-nodes N starts its own N-node cluster: N must be >= 1, and it cannot join one (--address or RAY_ADDRESS)")
-        return EXIT_BAD_INPUT
     try:
         result = run_job(
             job,
