@@ -18,6 +18,13 @@ class ConfigError(Exception):
     """A job file or override is invalid. ``str(err)`` is the message for the user."""
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (its type's name if it has none): how another
+    library's error is quoted in a one-line message for the user."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 class StrictModel(BaseModel):
     """Unknown keys are errors; a validated model never changes."""
 

@@ -72,6 +72,19 @@ class LossConfig(StrictModel):
         return value
 
 
+#: torch.optim's numeric hyperparameters by their conventional names (every stock optimizer
+#: that takes one takes a number): a string or a boolean there is a slip in the job file.
+NUMERIC_OPTIMIZER_KWARGS = ("lr", "weight_decay", "momentum", "dampening", "eps")
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 class OptimizerConfig(StrictModel):
     """The optimizer: ``sgd``, ``adam`` and ``adamw`` step the flat parameter buffer with
     torch's fused kernels (``workers/flat_optimizer.py``); any other name of a
@@ -93,6 +106,18 @@ class OptimizerConfig(StrictModel):
     def _name(cls, value: Any) -> Any:
         if isinstance(value, str) and ":" not in value and not value.isidentifier():
             raise ValueError(f"expected sgd, adam, adamw, a torch.optim class name or 'package.module:Class', got {value!r}")
+        return value
+
+    @field_validator("kwargs")
+    @classmethod
+    def _numbers(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # Checked here, without torch: the optimizer's own constructor runs only once Ray is
+        # starting, and fused ones would answer a string with a bare TypeError.
+        for key in NUMERIC_OPTIMIZER_KWARGS:
+            given = value.get(key)
+            if isinstance(given, (str, bool)):
+                hint = " (YAML reads 1e-3 as text: write 1.0e-3)" if isinstance(given, str) and _is_float(given) else ""
+                raise ValueError(f"{key}: expected a number, got {given!r}{hint}")
         return value
 
     @property

@@ -3,17 +3,19 @@ the edge, with messages that name the file and the field."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
+from jobspec.durable import write_atomic
 from jobspec.fields import ConfigError, callable_name
 from jobspec.job import JobConfig
 from jobspec.recipe import BUILTIN_LOSSES, OptimizerConfig
 from jobspec.redaction import masked
-from jobspec.targets import as_callable
+from jobspec.targets import as_callable, build, optional_callable
 from policies.schedule import BUILTIN_SCHEDULES
 
 
@@ -72,7 +74,9 @@ def load_job(path: str | Path | None, overrides: list[str] | None = None, *, res
     if hidden:
         raise ConfigError(
             f"invalid job ({source}): field(s) {', '.join(repr(f) for f in hidden)} hold a credential that was masked "
-            "when the run was saved; give each again, e.g. --set " + f"{hidden[0]}=s3://KEY:SECRET@bucket/..."
+            f"when the run was saved; give each again without it (--set {hidden[0]}=s3://bucket/..., the credential "
+            "in the storage's own environment), or with it (ringleader submit ships --set values in a file, not on "
+            "a command line)"
         )
     job = job_from_mapping(raw, source)
     if resolve:
@@ -84,9 +88,12 @@ def read_mapping(path: str | Path, source: str, kind: str = "job") -> dict[str, 
     """A YAML file's top-level mapping (empty file: empty). Raises ConfigError naming the
     ``<kind> file`` if it cannot be read, is not YAML, or is not a mapping."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"cannot read {kind} file {source}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        byte = err.object[err.start]
+        raise ConfigError(f"{kind} file {source} is not UTF-8 text (byte {byte:#04x} at offset {err.start})") from None
     try:
         loaded = yaml.safe_load(text)
     except yaml.YAMLError as err:
@@ -95,6 +102,26 @@ def read_mapping(path: str | Path, source: str, kind: str = "job") -> dict[str, 
         return {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{kind} file {source}: expected a mapping at the top level")
+    return loaded
+
+
+def write_overrides(path: Path, overrides: list[str]) -> None:
+    """Write ``--set`` overrides to ``path`` (durably, private to its owner) as a JSON list,
+    which ``read_overrides`` (``ringleader run --set-file``) reads back."""
+    write_atomic(path, lambda handle: handle.write(json.dumps(list(overrides)).encode()))
+
+
+def read_overrides(path: str | Path) -> list[str]:
+    """The overrides ``write_overrides`` wrote to ``path``. Raises ConfigError naming the file
+    if it cannot be read or is not a JSON list of strings."""
+    try:
+        loaded = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"cannot read --set-file {path}: {err.strerror}") from None
+    except ValueError as err:  # not JSON, or not UTF-8
+        raise ConfigError(f"--set-file {path} is not a JSON list of FIELD=VALUE strings ({err})") from None
+    if not isinstance(loaded, list) or not all(isinstance(item, str) for item in loaded):
+        raise ConfigError(f"--set-file {path} is not a JSON list of FIELD=VALUE strings")
     return loaded
 
 
@@ -152,6 +179,38 @@ def resolve_job(job: JobConfig, source: str) -> None:
         problems.append(problem)
     if problems:
         raise ConfigError("\n".join([f"invalid job ({source}):", *problems]))
+
+
+def check_loss(job: JobConfig, source: str) -> None:
+    """Call a user's loss once on the driver, on a batch of the job's first two samples, and
+    raise ConfigError naming ``loss`` if it returns a scalar (a mean: see
+    ``workers/objective.py``); the built-ins are known to keep the contract. Anything that
+    fails here on the way (a factory, a collate, the loss raising: the driver may lack the
+    workers' data or devices) is left to the workers, which report it as before."""
+    if job.loss.name in BUILTIN_LOSSES:
+        return
+    import numpy as np
+    import torch
+
+    from workers.objective import Objective, ScalarLossError
+    from workers.training import fetch_batch
+
+    objective = Objective(job.loss.name, job.loss.kwargs)
+    try:
+        model = build(job.model.factory, job.model.kwargs)
+        dataset = build(job.dataset.factory, job.dataset.kwargs)
+        samples = min(2, len(dataset))
+        batch = fetch_batch(dataset, np.arange(samples), optional_callable(job.dataset.collate))
+        with torch.no_grad():
+            result = objective.fn(model, batch, **objective.kwargs)
+    except Exception:  # noqa: BLE001 - the workers build and call these again, and report it there
+        return
+    try:
+        objective.check(result, samples)
+    except ScalarLossError as err:
+        raise ConfigError(f"invalid job ({source}):\n  {err}") from None
+    except ValueError:
+        return  # other breaches (a wrong shape, a bad weight) the workers report, naming the step
 
 
 def optimizer_problem(config: OptimizerConfig) -> str | None:

@@ -8,7 +8,9 @@ launch-to-first-step time, so this module imports nothing heavy and runs them si
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -18,9 +20,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from jobspec.fields import ConfigError
+from jobspec.fields import ConfigError, first_line
 from jobspec.job import JobConfig
-from orchestrator.job_file import resolve_job
+from jobspec.recipe import BUILTIN_LOSSES
+from orchestrator.job_file import check_loss, resolve_job
 from orchestrator.run_dir import RunDirectory, RunListener
 
 if TYPE_CHECKING:
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
 
 # Imports cannot hang, but a wedged file system could; never wait forever.
 PRELOAD_TIMEOUT_S = 300.0
+# A cluster address is tried before Ray is: Ray itself retries a dead one for minutes.
+CONNECT_CHECK_S = 5.0
 
 
 class LaunchTimeout(RuntimeError):
@@ -54,12 +59,13 @@ def ray_session(address: str | None, local_nodes: int = 0) -> Iterator[RaySessio
     which is shut down on exit; a given address joins that cluster. ``local_nodes`` > 0 starts
     that many simulated Ray nodes on this machine instead (``ray.cluster_utils.Cluster``, each
     with an equal share of its CPUs), for trying node loss and the hierarchical all-reduce.
-    Yields a RaySession. Raises ValueError if ``local_nodes`` is combined with an address.
+    Yields a RaySession. Raises ConfigError, before Ray is started or joined, if
+    ``local_nodes`` is not an integer >= 0 or is combined with an address, or if no cluster
+    answers at the address (``address``, else ``RAY_ADDRESS``).
     """
     import ray
 
-    if local_nodes and (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
-        raise ValueError("local_nodes starts its own cluster; it cannot join one (address, RAY_ADDRESS, or this process's Ray)")
+    check_local_nodes(local_nodes, address or os.environ.get("RAY_ADDRESS") or ray.is_initialized())
     if ray.is_initialized():
         yield RaySession(None, started_here=False)
         return
@@ -71,16 +77,77 @@ def ray_session(address: str | None, local_nodes: int = 0) -> Iterator[RaySessio
             finally:
                 ray.shutdown()
         return
-    if address:
-        ray.init(address=address, logging_level="WARNING")
-    elif os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level="WARNING")
+    if address or os.environ.get("RAY_ADDRESS"):
+        where = "address" if address else "RAY_ADDRESS"
+        target = address or os.environ["RAY_ADDRESS"]
+        _check_reachable(target, where)
+        try:
+            ray.init(address=address, logging_level="WARNING")
+        except ConnectionError as err:  # "auto" with no cluster on this machine, and the like
+            raise ConfigError(f"{where} {target}: no Ray cluster to join ({first_line(err)})") from None
     else:
-        ray.init(address="local", include_dashboard=False, logging_level="WARNING")
+        with _quiet_token_notice():
+            ray.init(address="local", include_dashboard=False, logging_level="WARNING")
     try:
         yield RaySession(None, started_here=not address and not os.environ.get("RAY_ADDRESS"))
     finally:
         ray.shutdown()
+
+
+def check_local_nodes(local_nodes: Any, joining: Any = False) -> None:
+    """ConfigError unless ``local_nodes`` is an integer >= 0, and 0 when ``joining`` a
+    cluster (an address, ``RAY_ADDRESS`` or this process's Ray): local nodes are a cluster of
+    their own."""
+    if isinstance(local_nodes, bool) or not isinstance(local_nodes, int) or local_nodes < 0:
+        raise ConfigError(f"local_nodes (--local-nodes): expected an integer >= 0, got {local_nodes!r}")
+    if local_nodes and joining:
+        raise ConfigError(
+            "local_nodes (--local-nodes) starts its own cluster; it cannot join one (an address, RAY_ADDRESS, "
+            "or the Ray this process already runs)"
+        )
+
+
+def _check_reachable(address: str, where: str) -> None:
+    """ConfigError naming ``where`` unless something accepts a connection where Ray would
+    dial for ``address`` (its ``host:port``, localhost as Ray resolves it); forms Ray resolves
+    otherwise (``auto``, ``ray://``) are left to it."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    if address == "auto" or "://" in address:
+        return
+    try:
+        dialled = canonicalize_bootstrap_address(address)
+    except ValueError as err:
+        raise ConfigError(f"{where} {address}: not a Ray address ({first_line(err)}); expected HOST:PORT or auto") from None
+    host, _, port = (dialled or "").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_CHECK_S).close()
+    except OSError as err:
+        reason = err.strerror or str(err) or type(err).__name__
+        raise ConfigError(f"{where} {address}: no Ray cluster answers there ({reason})") from None
+
+
+class _TokenNoticeFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+@contextlib.contextmanager
+def _quiet_token_notice() -> Iterator[None]:
+    """Drop Ray's notice that the cluster it starts has token authentication on: a cluster
+    ringleader starts for its own job should not warn the user about itself. Only that
+    notice, only while the local cluster starts; joining a user's cluster keeps Ray's words."""
+    noisy = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    quiet = _TokenNoticeFilter()
+    noisy.addFilter(quiet)
+    try:
+        yield
+    finally:
+        noisy.removeFilter(quiet)
+
+
 
 
 def local_node_cpus(nodes: int) -> int:
@@ -145,14 +212,30 @@ def _in_background(function: Callable[..., None], *args: Any) -> Future[None]:
     return future
 
 
-def _preload(job: JobConfig, source: str) -> None:
-    """Import torch, the user's factories and the driver's modules; raises ConfigError for bad
-    factories."""
+def _preload(job: JobConfig, source: str, checked: Future[None]) -> None:
+    """Import torch, check the job's user code (``resolve_job``, ``check_loss``), settling
+    ``checked`` with the outcome, then import the driver's modules. Raises ConfigError for a
+    bad factory or loss."""
     import torch  # noqa: F401 - the bulk of the work, first, before anything waits on it
 
-    resolve_job(job, source)
+    try:
+        resolve_job(job, source)
+        check_loss(job, source)
+    except BaseException as err:
+        checked.set_exception(err)
+        raise
+    checked.set_result(None)
     import orchestrator.controller  # noqa: F401
     import orchestrator.worker_group  # noqa: F401 - imports Ray's actor machinery and torch
+
+
+def _wait(future: Future[None], source: str) -> None:
+    try:
+        future.result(timeout=PRELOAD_TIMEOUT_S)
+    except FutureTimeout:
+        raise LaunchTimeout(
+            f"importing torch and the job's code ({source}) did not finish within {PRELOAD_TIMEOUT_S:.0f}s"
+        ) from None
 
 
 def run_job(
@@ -170,19 +253,22 @@ def run_job(
     """Run ``job`` to the end on Ray (see ``ray_session`` for which Ray, and ``local_nodes``).
 
     ``job`` may come from ``load_job(..., resolve=False)``: the import-heavy checks run here,
-    alongside Ray's start, and still before any worker starts. A ``run_dir`` an earlier run
+    alongside Ray's start, and still before any worker starts (before Ray starts for a job
+    with a user's loss, which ``check_loss`` calls once here). A ``run_dir`` an earlier run
     left (with its ``job.json``) is resumed from its newest good checkpoint (from step 0 if it
     has none); checkpoints that fail verification are reported through ``warn`` and skipped.
     Returns the run directory and summary whatever the outcome; ``summary["status"]`` is
     ``finished``, ``failed`` or ``stopped``. Raises FileExistsError if ``run_dir`` is not
     empty and not a run, and ConfigError (before any actor starts) if a factory or the
-    optimizer does not resolve, chaos needs local nodes, or the checkpoint is another job's;
-    ``source`` names the job in that message. Raises NamespaceBusy (a ConfigError) if another
-    live driver holds the run's checkpoint namespace (``orchestrator/checkpoint_namespace.py``).
+    optimizer does not resolve, chaos needs local nodes, or the checkpoint is another job's,
+    and before Ray starts if ``local_nodes`` or the address is bad or a user's loss returns a
+    scalar; ``source`` names the job in that message. Raises NamespaceBusy (a ConfigError) if
+    another live driver holds the run's checkpoint namespace (``orchestrator/checkpoint_namespace.py``).
     ``listeners`` are told what the run records (``RunDirectory.subscribe``); ``within``: a
     placement group reserved for the job (a Tune trial's) to run the workers in.
     """
     launched = time.perf_counter()
+    check_local_nodes(local_nodes, address or os.environ.get("RAY_ADDRESS"))
     # Absolute here, once: workers may run in another working directory than the driver.
     path = (run_dir or default_run_dir(job)).absolute()
     if job.chaos.needs_local_nodes and not local_nodes:
@@ -195,15 +281,15 @@ def run_job(
         from orchestrator.checkpointing import find_resume_point
 
         resume = find_resume_point(job, path, warn)
-    preload = _in_background(_preload, job, source)
+    checked: Future[None] = Future()
+    preload = _in_background(_preload, job, source, checked)
+    if job.loss.name not in BUILTIN_LOSSES:
+        # A user's loss is tried on the driver before Ray starts (check_loss): that costs
+        # the overlap of Ray's start with torch's import, for these jobs only.
+        _wait(checked, source)
     with ray_session(address, local_nodes) as session, contextlib.ExitStack() as held:
         ray_ready = time.perf_counter() - launched
-        try:
-            preload.result(timeout=PRELOAD_TIMEOUT_S)
-        except FutureTimeout:
-            raise LaunchTimeout(
-                f"importing torch and the job's code ({source}) did not finish within {PRELOAD_TIMEOUT_S:.0f}s"
-            ) from None
+        _wait(preload, source)
         from orchestrator.chaos_control import ChaosControl
         from orchestrator.checkpoint_namespace import hold_namespace
         from orchestrator.controller import JobController

@@ -6,6 +6,16 @@ with a runtime env: the working directory (where the job file and the user's fac
 and ringleader's own packages as ``py_modules``, so the cluster runs this version of the code.
 Every argument of the entrypoint is shell-quoted: Ray runs it through a shell.
 
+The ``--set`` overrides travel in a file written into the working directory for the upload
+(``shipped_overrides``), never in the entrypoint or the metadata: ``ray job list``, the
+dashboard, the job's info and ``ps`` on the head all show those, and an override may hold a
+credential (``checkpoint.path=s3://KEY:SECRET@...``). The token file, when it sits inside the
+working directory, is excluded from the upload.
+
+Every request to the job server has a timeout (``REQUEST_TIMEOUT_S``, ``--timeout``): a head
+that accepts connections and never answers ends in one line naming its address, not a hang;
+a followed log stream is pinged as often, so a head that stops answering ends it too.
+
 Ray 2.60 protects the job server with a token when the cluster was started with token
 authentication. The token is taken from ``--token-file``, else where Ray itself looks:
 ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``. A missing or refused token,
@@ -16,14 +26,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import secrets
 import shlex
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from jobspec.fields import first_line
+from orchestrator.job_file import write_overrides
 
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient
@@ -37,6 +52,12 @@ EXCLUDES = [".git", ".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_ca
 AGENT_WAIT_S = 60.0
 #: After a log stream ends, how long to wait for the job's final status.
 SETTLE_S = 30.0
+#: How long any request waits for the job server's answer (each read, not the whole
+#: transfer: a large upload that keeps moving is not cut off), and how often a followed log
+#: stream pings it.
+REQUEST_TIMEOUT_S = 30.0
+#: The overrides file ``submit`` writes into the working directory: ``<prefix><random>.json``.
+OVERRIDES_PREFIX = ".ringleader-submit-"
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 130}
 
 
@@ -46,10 +67,12 @@ class SubmissionError(Exception):
 
 @dataclass(frozen=True)
 class Token:
-    """A cluster token and where it came from (for messages; never the token itself)."""
+    """A cluster token and where it came from (for messages; never the token itself), and
+    the file it was read from (None: from ``RAY_AUTH_TOKEN``), kept out of any upload."""
 
     value: str = field(repr=False)
     source: str
+    path: Path | None = None
 
 
 def find_token(token_file: Path | None) -> Token | None:
@@ -74,27 +97,36 @@ def _read_token(path: Path, source: str) -> Token:
         raise SubmissionError(f"cannot read the token from {source}: {err.strerror}") from None
     if not value:
         raise SubmissionError(f"the token file of {source} is empty")
-    return Token(value, source)
+    return Token(value, source, path)
 
 
 class Cluster:
-    """A job server at ``address`` (``http://HEAD:8265``), with the token, if any."""
+    """A job server at ``address`` (``http://HEAD:8265``), with the token, if any; each
+    request waits at most ``timeout_s`` for its answer (``SubmissionError`` after that)."""
 
-    def __init__(self, address: str | None, token_file: Path | None = None) -> None:
+    def __init__(self, address: str | None, token_file: Path | None = None, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.explicit = address is not None
         self.address = address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
         self.token = find_token(token_file)
+        self.timeout_s = timeout_s
         self._client: JobSubmissionClient | None = None
 
     @contextmanager
     def _speaking(self) -> Iterator[None]:
         """Turn the job server's and the network's errors into one-line SubmissionErrors."""
+        import requests
         from ray.exceptions import AuthenticationError
 
         try:
             yield
+        except (requests.exceptions.Timeout, asyncio.TimeoutError):
+            # Before OSError: requests' timeouts are OSErrors, aiohttp's a TimeoutError.
+            raise SubmissionError(
+                f"the Ray job server at {self.address} did not answer within {self.timeout_s:g}s "
+                "(is the head up, and is that its dashboard port?)"
+            ) from None
         except AuthenticationError as err:
-            if "401" in str(err) or "required" in _first_line(err).lower():
+            if "401" in str(err) or "required" in first_line(err).lower():
                 raise SubmissionError(
                     f"the Ray cluster at {self.address} requires a token and none was found: pass "
                     "--token-file, set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, or put it in ~/.ray/auth_token"
@@ -102,22 +134,24 @@ class Cluster:
             source = self.token.source if self.token else "Ray's defaults"
             raise SubmissionError(f"the Ray cluster at {self.address} refused the token from {source}") from None
         except (ConnectionError, OSError) as err:  # requests' errors are OSErrors too
-            raise SubmissionError(f"cannot reach the Ray job server at {self.address}: {_first_line(err)}") from None
+            raise SubmissionError(f"cannot reach the Ray job server at {self.address}: {first_line(err)}") from None
         except (RuntimeError, ValueError) as err:  # the server's answer to a bad request; a package too large
-            raise SubmissionError(_first_line(err)) from None
+            raise SubmissionError(first_line(err)) from None
         except Exception as err:
             import aiohttp  # the log stream's client (a 404 on the upgrade, a dropped connection)
 
             if isinstance(err, aiohttp.ClientError):
-                raise SubmissionError(f"the job server at {self.address} refused the log stream: {_first_line(err)}") from None
+                raise SubmissionError(f"the job server at {self.address} refused the log stream: {first_line(err)}") from None
             raise
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token.value}"} if self.token else {}
 
     @property
     def client(self) -> JobSubmissionClient:
         if self._client is None:
-            from ray.job_submission import JobSubmissionClient
-
-            headers = {"Authorization": f"Bearer {self.token.value}"} if self.token else {}
+            headers = self.headers
             # Ray lets RAY_API_SERVER_ADDRESS or RAY_ADDRESS override the address it is given:
             # one given on the command line must win (and get this cluster's token).
             saved = os.environ.get("RAY_API_SERVER_ADDRESS")
@@ -125,7 +159,7 @@ class Cluster:
                 os.environ["RAY_API_SERVER_ADDRESS"] = self.address
             try:
                 with self._speaking():
-                    self._client = JobSubmissionClient(self.address, headers=headers)
+                    self._client = _bounded_client(self.timeout_s)(self.address, headers=headers)
             finally:
                 if self.explicit:
                     if saved is None:
@@ -168,7 +202,7 @@ class Cluster:
         ``SETTLE_S`` for it to end, then raises SubmissionError saying how to follow again."""
 
         async def stream() -> None:
-            async for lines in self.client.tail_job_logs(submission_id):
+            async for lines in self._tail(submission_id):
                 write(lines)
 
         with self._speaking():
@@ -185,25 +219,104 @@ class Cluster:
                 )
             time.sleep(1.0)
 
+    async def _tail(self, submission_id: str) -> AsyncIterator[str]:
+        """The job's log lines as the job server streams them (what Ray's ``tail_job_logs``
+        does, with bounds it has not): the upgrade must answer within ``timeout_s``, and the
+        stream is pinged every ``timeout_s``, so a server that stops answering ends it
+        (a quiet job does not: its server still answers the pings)."""
+        import aiohttp
 
-def job_entrypoint(job_file: str, overrides: list[str], run_dir: str | None) -> str:
-    """The command the cluster runs, each argument quoted for the shell Ray runs it in."""
+        url = f"{self.client.get_address()}/api/jobs/{submission_id}/logs/tail"
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s)
+        async with aiohttp.ClientSession(headers=self.headers, timeout=timeout) as session:
+            async with session.ws_connect(url, heartbeat=self.timeout_s) as ws:
+                async for message in ws:
+                    if message.type == aiohttp.WSMsgType.TEXT:
+                        yield message.data
+                    elif message.type == aiohttp.WSMsgType.ERROR:
+                        raise ws.exception() or aiohttp.ClientError("log stream error")
+                if isinstance(ws.exception(), asyncio.TimeoutError):  # the pings went unanswered
+                    raise asyncio.TimeoutError
+                if ws.close_code == aiohttp.WSCloseCode.ABNORMAL_CLOSURE:
+                    raise aiohttp.ClientError(f"the log stream closed abnormally ({ws.close_code})")
+
+
+def _bounded_client(timeout_s: float) -> type[JobSubmissionClient]:
+    """Ray's ``JobSubmissionClient`` whose every request (its constructor's version check
+    included) times out after ``timeout_s`` without an answer; Ray's own sends none."""
+    from ray.job_submission import JobSubmissionClient
+
+    class BoundedClient(JobSubmissionClient):
+        def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
+            kwargs.setdefault("timeout", timeout_s)
+            return super()._do_request(method, endpoint, **kwargs)
+
+    return BoundedClient
+
+
+def job_entrypoint(job_file: str, overrides_file: str | None, run_dir: str | None) -> str:
+    """The command the cluster runs, each argument quoted for the shell Ray runs it in. The
+    overrides come in ``overrides_file`` (see ``shipped_overrides``), never as values."""
     argv = ["python", "-m", "ringleader", "run", job_file, "--no-progress"]
-    for override in overrides:
-        argv += ["--set", override]
+    if overrides_file is not None:
+        argv += ["--set-file", overrides_file]
     if run_dir is not None:
         argv += ["--run-dir", run_dir]
     return shlex.join(argv)
 
 
-def runtime_env(working_dir: Path) -> dict[str, Any]:
-    """The working directory, and ringleader's packages that are not inside it."""
+@contextmanager
+def shipped_overrides(working_dir: Path, overrides: list[str]) -> Iterator[str | None]:
+    """Write ``overrides`` into a new file (private to its owner) in ``working_dir`` for the
+    upload; yields its name there (None without overrides) and removes it on exit (the
+    package is uploaded by then). Raises SubmissionError if the directory's ``.gitignore`` or
+    ``.rayignore`` would leave it out of the upload."""
+    if not overrides:
+        yield None
+        return
+    name = f"{OVERRIDES_PREFIX}{secrets.token_hex(6)}.json"
+    path = working_dir / name
+    try:
+        write_overrides(path, overrides)
+    except OSError as err:
+        raise SubmissionError(f"cannot write the overrides into the working directory {working_dir}: {err.strerror}") from None
+    try:
+        if _ignored(working_dir, path):
+            raise SubmissionError(
+                f"the --set values travel in {OVERRIDES_PREFIX}*.json in the working directory, which its .gitignore "
+                f"or .rayignore leaves out of the upload: add the line !{OVERRIDES_PREFIX}*.json to that file"
+            )
+        yield name
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _ignored(working_dir: Path, path: Path) -> bool:
+    """Whether Ray's packaging leaves ``path`` (at the top of ``working_dir``) out: the
+    ignore files it reads there (``.gitignore`` unless ``RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1``,
+    and ``.rayignore``)."""
+    from ray._private.ray_constants import RAY_RUNTIME_ENV_IGNORE_GITIGNORE
+    from ray._private.runtime_env.packaging import get_excludes_from_ignore_files
+
+    include_gitignore = os.environ.get(RAY_RUNTIME_ENV_IGNORE_GITIGNORE, "0") != "1"
+    return any(match(path) for match in get_excludes_from_ignore_files(working_dir, include_gitignore=include_gitignore))
+
+
+def runtime_env(working_dir: Path, private: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The working directory, and ringleader's packages that are not inside it. ``private``
+    files (the token's) that lie inside the working directory are excluded from it."""
     shipped = []
     for name in PACKAGES:
         package = Path(sys.modules[name].__file__ or "").parent if name in sys.modules else _package_dir(name)
         if not package.resolve().is_relative_to(working_dir.resolve()):
             shipped.append(str(package))
-    env: dict[str, Any] = {"working_dir": str(working_dir), "excludes": list(EXCLUDES)}
+    excludes = list(EXCLUDES)
+    for secret in private:
+        if secret.resolve().is_relative_to(working_dir.resolve()):
+            # Anchored at the working directory, glob characters escaped: this file only.
+            inside = secret.resolve().relative_to(working_dir.resolve()).as_posix()
+            excludes.append("/" + re.sub(r"([][*?\\ ])", r"\\\1", inside))
+    env: dict[str, Any] = {"working_dir": str(working_dir), "excludes": excludes}
     if shipped:
         env["py_modules"] = shipped
     return env
@@ -227,8 +340,3 @@ def job_path_within(job_file: Path, working_dir: Path) -> str:
             f"job file {job_file} is not inside the working directory {working_dir}, which is what travels "
             "to the cluster: run from a directory that holds it, or pass --working-dir"
         ) from None
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -59,8 +59,9 @@ class RunResult:
 
 
 def as_job(job: JobLike, overrides: Sequence[str] = ()) -> JobConfig:
-    """``job`` validated into a JobConfig, with CLI-style ``overrides`` (``"steps=50"``) applied
-    to a mapping or file. Raises ConfigError naming the field on any problem."""
+    """``job`` validated into a JobConfig, with CLI-style ``overrides`` (``["steps=50"]``)
+    applied to a mapping or file. Raises ConfigError naming the field on any problem."""
+    overrides = _override_list(overrides)
     if isinstance(job, JobConfig):
         if overrides:
             return job_from_mapping(apply_overrides(job.model_dump(exclude_unset=True), list(overrides)), "Python job")
@@ -72,13 +73,24 @@ def as_job(job: JobLike, overrides: Sequence[str] = ()) -> JobConfig:
     raise ConfigError(f"job: expected a JobConfig, a mapping or a job file path, got {type(job).__name__}")
 
 
+def _override_list(overrides: Any) -> list[str]:
+    """``overrides`` as a list, or ConfigError if it is not a sequence of strings (a lone
+    ``"steps=50"`` would otherwise be read letter by letter)."""
+    if isinstance(overrides, (str, bytes)) or not isinstance(overrides, Sequence) or not all(
+        isinstance(item, str) for item in overrides
+    ):
+        raise ConfigError(f"overrides: expected a list of 'FIELD=VALUE' strings, e.g. overrides=['steps=50'], got {overrides!r}")
+    return list(overrides)
+
+
 class LaunchOptions(TypedDict, total=False):
     """How ``run`` and ``resume`` launch a job, by keyword, all optional (a keyword that is
     none of these is a TypeError, as for any function).
 
     ``overrides``: CLI-style changes to the job (``["steps=600"]``). ``local_nodes``:
     simulated Ray nodes on this machine (0: none). ``progress``: a progress bar on stderr.
-    ``warn``: called with each warning for the user.
+    ``warn``: called with each warning for the user. A bad value of any is a ConfigError,
+    raised before Ray starts.
     """
 
     overrides: Sequence[str]
@@ -136,8 +148,9 @@ def resume(
     if not RunDirectory.is_run(path):
         raise ConfigError(f"{path} is not a run directory (no {JOB_FILE})")
     if job is None:
+        overrides = _override_list(options.get("overrides", ()))
         try:
-            job = load_job(path / JOB_FILE, list(options.get("overrides", ())), resolve=False)
+            job = load_job(path / JOB_FILE, overrides, resolve=False)
         except ConfigError as err:
             raise ConfigError(f"{err}\n(if the run was given Python callables, pass job= again)") from None
         options = {**options, "overrides": ()}

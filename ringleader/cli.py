@@ -141,6 +141,10 @@ def _add_launch_options(command: argparse.ArgumentParser, set_example: str) -> N
         help="start N simulated Ray nodes on this machine (try node loss, hierarchical all-reduce)",
     )
     _add_overrides(command, set_example)
+    command.add_argument(
+        "--set-file", metavar="FILE",
+        help="overrides from a JSON list of FIELD=VALUE, before any --set (how ringleader submit ships its --set)",
+    )
     command.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -164,12 +168,16 @@ def _err(message: str) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from jobspec.fields import ConfigError
-    from orchestrator.job_file import job_source, load_job
+    from orchestrator.job_file import job_source, load_job, read_overrides
     from orchestrator.run_dir import JOB_FILE, RunDirectory
 
     # Like `python -m`: job files may name factories in modules next to where the user runs.
     sys.path.insert(0, os.getcwd())
-    overrides = list(args.overrides)
+    try:
+        overrides = (read_overrides(args.set_file) if args.set_file else []) + list(args.overrides)
+    except ConfigError as err:
+        _err(f"{err}")
+        return EXIT_BAD_INPUT
     if args.workers is not None:
         overrides.append(f"scaling.workers={args.workers}")
     if args.command == "resume":
@@ -189,9 +197,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from jobspec.redaction import redact
     from orchestrator.launch import LaunchTimeout, default_run_dir, run_job
 
-    if args.local_nodes < 0 or (args.local_nodes and (args.address or os.environ.get("RAY_ADDRESS"))):
-        _err("--local-nodes N starts its own N-node cluster: N must be >= 1, and it cannot join one (--address or RAY_ADDRESS)")
-        return EXIT_BAD_INPUT
     try:
         result = run_job(
             job,

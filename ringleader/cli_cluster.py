@@ -41,14 +41,20 @@ def add_cluster_commands(commands: argparse._SubParsersAction, set_help: Callabl
         command = commands.choices[name]
         command.add_argument("--address", help="the job server, http://HEAD:8265 (default: RAY_ADDRESS, else local)")
         command.add_argument("--token-file", type=Path, help="the cluster's token (default: where Ray keeps it)")
+        command.add_argument(
+            "--timeout", type=float, metavar="SECONDS",
+            help="how long to wait for each answer of the job server (default: 30)",
+        )
 
 
 def run_cluster_command(args: argparse.Namespace, err: Callable[[str], None]) -> int:
     from jobspec.fields import ConfigError
-    from orchestrator.submission import EXIT_CODES, Cluster, SubmissionError
+    from orchestrator.submission import EXIT_CODES, REQUEST_TIMEOUT_S, Cluster, SubmissionError
 
     try:
-        cluster = Cluster(args.address, args.token_file)
+        if args.timeout is not None and not args.timeout > 0:
+            raise SubmissionError(f"--timeout: expected a number of seconds > 0, got {args.timeout:g}")
+        cluster = Cluster(args.address, args.token_file, args.timeout or REQUEST_TIMEOUT_S)
         if args.command == "submit":
             return _submit(cluster, args, err)
         if args.command == "status":
@@ -74,17 +80,21 @@ def run_cluster_command(args: argparse.Namespace, err: Callable[[str], None]) ->
 
 def _submit(cluster: Cluster, args: argparse.Namespace, err: Callable[[str], None]) -> int:
     from orchestrator.job_file import load_job
-    from orchestrator.submission import EXIT_CODES, job_entrypoint, job_path_within, runtime_env
+    from orchestrator.submission import EXIT_CODES, job_entrypoint, job_path_within, runtime_env, shipped_overrides
 
     working_dir: Path = args.working_dir
     job_file = job_path_within(Path(args.job), working_dir)
-    # Validated here: a bad field fails before anything is uploaded.
+    # Validated here: a bad field fails before anything is uploaded. The cluster runs the job
+    # in the working directory, whose modules the job may name: so they import here too.
+    sys.path.insert(0, str(working_dir.resolve()))
     job = load_job(working_dir / job_file, list(args.overrides), resolve=False)
-    submission_id = cluster.submit(
-        job_entrypoint(job_file, list(args.overrides), args.run_dir),
-        runtime_env(working_dir),
-        {"ringleader_job": job.name},
-    )
+    private = (cluster.token.path,) if cluster.token and cluster.token.path else ()
+    with shipped_overrides(working_dir, list(args.overrides)) as overrides_file:
+        submission_id = cluster.submit(
+            job_entrypoint(job_file, overrides_file, args.run_dir),
+            runtime_env(working_dir, private),
+            {"ringleader_job": job.name},
+        )
     print(submission_id, flush=True)
     if not args.follow:
         return 0

@@ -20,11 +20,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_no_user_value_reaches_the_shell_unquoted():
-    hostile = ["steps=5; touch /tmp/pwned", "name=$(whoami)", "run_dir='a b'"]
-    entry = job_entrypoint("my job.yaml", hostile, "/runs/x y")
+    entry = job_entrypoint("my job.yaml; id", ".ringleader-submit-x.json", "/runs/x y$(whoami)")
     assert shlex.split(entry) == [
-        "python", "-m", "ringleader", "run", "my job.yaml", "--no-progress",
-        "--set", hostile[0], "--set", hostile[1], "--set", hostile[2], "--run-dir", "/runs/x y",
+        "python", "-m", "ringleader", "run", "my job.yaml; id", "--no-progress",
+        "--set-file", ".ringleader-submit-x.json", "--run-dir", "/runs/x y$(whoami)",
     ]
 
 

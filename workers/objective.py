@@ -32,6 +32,11 @@ from jobspec import targets as factories
 IGNORE_INDEX = -100  # torch's and Hugging Face's default
 
 
+class ScalarLossError(ValueError):
+    """A loss returned one number for the whole batch (a mean, most likely): the step's
+    mean over all shards cannot be rebuilt from shard means, so the contract refuses it."""
+
+
 @dataclass(frozen=True)
 class BatchLoss:
     """A batch's loss: ``total`` (a scalar tensor to backpropagate), the ``weight`` it is
@@ -154,6 +159,12 @@ class Objective:
         if isinstance(result, torch.Tensor):
             if result.dim() == 1 and result.shape[0] == num_samples:
                 return BatchLoss(result.sum(), float(num_samples))
+            if result.dim() == 0:
+                raise ScalarLossError(
+                    f"field 'loss' ({self.name}) returned a scalar, the batch's mean or sum: return per-sample losses "
+                    f"of shape [{num_samples}] (e.g. reduction='none'), or the pair (loss_sum, weight), e.g. "
+                    "(F.cross_entropy(logits, targets, reduction='sum'), len(targets))"
+                )
             raise ValueError(
                 f"field 'loss' ({self.name}) returned a tensor of shape {tuple(result.shape)}: expected "
                 f"per-sample losses of shape [{num_samples}] or a (loss_sum, weight) pair"

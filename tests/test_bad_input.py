@@ -1,0 +1,137 @@
+"""Bad input answered in one line before Ray starts: exit 2 from the CLI, ConfigError from the
+API, naming the field or file; and a local run that does not warn its user about the Ray it
+started for itself."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ringleader
+from ringleader.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def mean_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The mistake the loss contract refuses: the batch's mean, not per-sample losses."""
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets)
+
+
+@pytest.fixture
+def ray_never_starts(monkeypatch):
+    """Whatever this process's Ray is doing, the code under test sees none, and starting or
+    joining one fails the test."""
+    import ray
+
+    def started(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", started)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _job_file(tmp_path: Path, text: str | bytes) -> Path:
+    path = tmp_path / "job.yaml"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+SMALL = "steps: 2\neval: null\nshards: 2\nbatch_size: 8\nscaling: {workers: 1}\n"
+
+
+@pytest.mark.parametrize(
+    "text, extra, expected",
+    [
+        (SMALL + "optimizer: {kwargs: {lr: fast}}\n", [], "field 'optimizer.kwargs': lr: expected a number, got 'fast'"),
+        (SMALL + "optimizer: {name: sgd, kwargs: {lr: 1e-3}}\n", [], "got '1e-3' (YAML reads 1e-3 as text: write 1.0e-3)"),
+        (b"name: caf\xe9\n", [], "is not UTF-8 text (byte 0xe9 at offset 9)"),
+        (SMALL, ["--address", "127.0.0.1:{port}"], "address 127.0.0.1:{port}: no Ray cluster answers there (Connection refused)"),
+        (SMALL + "loss: tests.test_bad_input:mean_loss\n", [], "field 'loss' (tests.test_bad_input:mean_loss) returned a scalar"),
+        (SMALL, ["--local-nodes", "-1"], "local_nodes (--local-nodes): expected an integer >= 0, got -1"),
+    ],
+    ids=["lr-text", "lr-1e-3", "not-utf8", "no-cluster", "scalar-loss", "local-nodes"],
+)
+def test_the_cli_refuses_bad_input_with_exit_2_before_ray_starts(tmp_path, capsys, ray_never_starts, text, extra, expected):
+    port = _free_port()
+    path = _job_file(tmp_path, text)
+    args = [arg.format(port=port) for arg in extra]
+    assert main(["run", str(path), "--run-dir", str(tmp_path / "run"), "--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert expected.format(port=port) in err
+    assert "Traceback" not in err and err.startswith("ringleader: ")
+    if "address" not in expected and "local_nodes" not in expected:
+        assert str(path) in err
+    assert not (tmp_path / "run").exists()
+
+
+def _small_job() -> dict:
+    return {"steps": 2, "eval": None, "shards": 2, "batch_size": 8, "scaling": {"workers": 1}}
+
+
+@pytest.mark.parametrize(
+    "job, options, expected",
+    [
+        ({}, {"overrides": "steps=50"}, "overrides: expected a list of 'FIELD=VALUE' strings, e.g. overrides=['steps=50'], got"),
+        ({}, {"local_nodes": -1}, "local_nodes (--local-nodes): expected an integer >= 0, got -1"),
+        ({"loss": mean_loss}, {}, "returned a scalar, the batch's mean or sum: return per-sample losses of shape [2]"),
+        ({"optimizer": {"name": "RAdam", "kwargs": {"lr": "fast"}}}, {}, "field 'optimizer.kwargs': lr: expected a number"),
+    ],
+    ids=["overrides-string", "local-nodes", "scalar-loss", "lr-text"],
+)
+def test_the_api_raises_config_error_before_ray_starts(tmp_path, ray_never_starts, job, options, expected):
+    with pytest.raises(ringleader.ConfigError) as err:
+        ringleader.run({**_small_job(), **job}, tmp_path / "run", **options)
+    assert expected in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_refuses_overrides_given_as_a_string(tmp_path):
+    (tmp_path / "job.json").write_text("{}")
+    with pytest.raises(ringleader.ConfigError, match=r"^overrides: expected a list"):
+        ringleader.resume(tmp_path, overrides="steps=50")
+
+
+def test_a_loss_returning_per_sample_losses_or_a_sum_and_weight_passes_the_check():
+    from jobspec.job import JobConfig
+    from orchestrator.job_file import check_loss
+
+    h = "tests.helpers.losses"
+    check_loss(JobConfig.model_validate({"loss": f"{h}:exploding_loss"}), "job")  # [n] (infinite, but the shape is right)
+    check_loss(JobConfig.model_validate({"loss": f"{h}:nan_weight_loss"}), "job")  # a pair: its weight is the workers' to refuse
+    check_loss(JobConfig.model_validate({"loss": "json:dumps"}), "job")  # raises on the call: left to the workers
+
+
+QUIET_START = """
+import os
+from orchestrator.launch import ray_session
+with ray_session(None):
+    print("auth mode:", os.environ.get("RAY_AUTH_MODE"))
+"""
+
+
+def test_a_local_run_does_not_warn_about_the_token_auth_of_its_own_ray(private_ray_home):
+    done = subprocess.run(
+        [sys.executable, "-c", QUIET_START], env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "auth mode: token" in done.stdout  # Ray's default, token authentication, is kept
+    assert "Token authentication is enabled" not in done.stdout + done.stderr

@@ -1,0 +1,203 @@
+"""``ringleader submit | status | logs | stop`` at their edges, without a cluster: what a
+submission shows and uploads (no override value in the entrypoint or metadata, no token file in
+the package), the user's own modules on validation, and a job server that never answers."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from orchestrator.submission import Cluster, SubmissionError
+from ringleader.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+SECRET = "s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/ckpt"
+
+
+@pytest.fixture
+def submitted(monkeypatch, tmp_path) -> list[dict[str, Any]]:
+    """``Cluster.submit`` recording what it was given and the package Ray would upload then
+    (built by Ray's own packaging from the runtime env), instead of sending it."""
+    from ray._private.runtime_env.packaging import create_package
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # submit puts the working directory on it
+    calls: list[dict[str, Any]] = []
+
+    def submit(self: Cluster, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> str:
+        package = tmp_path / f"package-{len(calls)}.zip"
+        create_package(runtime_env["working_dir"], package, include_gitignore=True, excludes=runtime_env["excludes"])
+        with zipfile.ZipFile(package) as archive:
+            files = {name: archive.read(name).decode(errors="replace") for name in archive.namelist() if not name.endswith("/")}
+        calls.append({"entrypoint": entrypoint, "runtime_env": runtime_env, "metadata": metadata, "files": files})
+        return "raysubmit_test"
+
+    monkeypatch.setattr(Cluster, "submit", submit)
+    return calls
+
+
+def _project(directory: Path, module: str | None = None) -> Path:
+    directory.mkdir(parents=True)
+    job = {"name": "edge", "steps": 2, "eval": None}
+    if module:
+        (directory / f"{module}.py").write_text(
+            "from ringleader_examples.digits import make_model as _make\n\ndef make_model(hidden=8):\n    return _make(hidden)\n"
+        )
+        job["model"] = {"factory": f"{module}:make_model"}
+    (directory / "job.yaml").write_text(json.dumps(job))
+    return directory
+
+
+def test_no_override_value_is_in_the_entrypoint_or_metadata_and_no_token_in_the_package(tmp_path, submitted, capsys):
+    project = _project(tmp_path / "project")
+    (project / "secrets").mkdir()
+    token = project / "secrets" / "auth token"
+    token.write_text("the-cluster-token\n")
+    code = main([
+        "submit", str(project / "job.yaml"), "--working-dir", str(project), "--address", "http://127.0.0.1:1",
+        "--token-file", str(token), "--set", f"checkpoint.path={SECRET}", "--set", "steps=3",
+    ])
+    assert code == 0, capsys.readouterr().err
+    (call,) = submitted
+    shown = json.dumps([call["entrypoint"], call["metadata"], call["runtime_env"]])
+    assert "AKIAEXAMPLE" not in shown and "wJalrXUtnFEMI" not in shown and "steps=3" not in shown
+    # The overrides travel in the package, in the file the entrypoint names...
+    named = call["entrypoint"].split("--set-file ")[1].split()[0]
+    assert json.loads(call["files"][named]) == [f"checkpoint.path={SECRET}", "steps=3"]
+    # ...which is gone from the working directory once submitted; the token never travels.
+    assert not list(project.glob(".ringleader-submit-*"))
+    assert "secrets/auth token" not in call["files"] and "job.yaml" in call["files"]
+    assert all("the-cluster-token" not in text for text in call["files"].values())
+
+
+def test_the_shipped_overrides_are_what_run_applies(tmp_path, capsys):
+    from orchestrator.job_file import write_overrides
+
+    write_overrides(tmp_path / "overrides.json", ["steps=0"])
+    assert main(["run", "--set-file", str(tmp_path / "overrides.json"), "--run-dir", str(tmp_path / "run")]) == 2
+    assert "field 'steps'" in capsys.readouterr().err
+    (tmp_path / "broken.json").write_text('{"steps": 1}')
+    assert main(["run", "--set-file", str(tmp_path / "broken.json")]) == 2
+    assert f"--set-file {tmp_path / 'broken.json'} is not a JSON list of FIELD=VALUE strings" in capsys.readouterr().err
+
+
+def test_an_overrides_file_the_working_directory_ignores_is_refused_before_submitting(tmp_path, submitted, capsys):
+    project = _project(tmp_path / "project")
+    (project / ".gitignore").write_text(".*\n")
+    assert main(["submit", str(project / "job.yaml"), "--working-dir", str(project), "--set", "steps=3"]) == 2
+    assert "!.ringleader-submit-*.json" in capsys.readouterr().err
+    assert not submitted and not list(project.glob(".ringleader-submit-*"))
+
+
+def test_submit_validates_with_the_working_directory_importable(tmp_path, submitted, capsys, monkeypatch):
+    """The job names a module that exists only in the working directory; submitting from
+    elsewhere (as the cluster will run it there) must find it."""
+    project = _project(tmp_path / "project", module="edge_only_models")
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", "project/job.yaml", "--working-dir", "project", "--address", "http://127.0.0.1:1"]) == 0, (
+        capsys.readouterr().err
+    )
+    assert submitted[0]["metadata"] == {"ringleader_job": "edge"}
+    assert "edge_only_models.py" in submitted[0]["files"]
+    assert project.is_dir()
+
+
+@contextlib.contextmanager
+def _silent_server() -> Iterator[int]:
+    """A TCP server on a free port that accepts every connection and never answers."""
+    held: list[socket.socket] = []
+    stop = threading.Event()
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+
+    def accept() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(server.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        for connection in held:
+            connection.close()
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["status", "raysubmit_x"], ["logs", "raysubmit_x"], ["logs", "raysubmit_x", "--follow"], ["stop", "raysubmit_x"],
+     ["submit", "job.yaml"]],
+    ids=lambda command: " ".join(command[::2]),
+)
+def test_a_job_server_that_never_answers_ends_in_one_line(tmp_path, command):
+    _project(tmp_path / "project")
+    with _silent_server() as port:
+        address = f"http://127.0.0.1:{port}"
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "ringleader", *command, "--address", address, "--timeout", "1"],
+            cwd=tmp_path / "project", env={**_clean_env(), "PYTHONPATH": str(REPO)},
+            capture_output=True, text=True, timeout=60,
+        )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"ringleader: the Ray job server at {address} did not answer within 1s (is the head up, and is that its dashboard port?)"
+    )
+    assert time.monotonic() - started < 30
+
+
+def _clean_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+
+
+class _VersionOnly(http.server.BaseHTTPRequestHandler):
+    """Answers Ray's version check, then never answers anything else (the log stream's upgrade)."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/api/version":
+            import ray
+
+            body = json.dumps({"version": "4", "ray_version": ray.__version__, "ray_commit": "x"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.server.release.wait(30)  # type: ignore[attr-defined]
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_following_a_log_stream_that_never_opens_ends_in_one_line(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _VersionOnly)
+    server.release = threading.Event()  # type: ignore[attr-defined]
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(SubmissionError, match=f"^the Ray job server at {address} did not answer within 1s"):
+            Cluster(address, None, timeout_s=1).follow("raysubmit_x", lambda text: None)
+    finally:
+        server.release.set()  # type: ignore[attr-defined]
+        server.shutdown()
+        server.server_close()
