@@ -161,3 +161,11 @@ def test_batchnorm_buffers_count_each_shard_once_through_steals_backups_and_a_re
     # suspected by then on a busy machine, were stolen within the step).
     assert any(r["gave_up"] for r in jsonl(result.run_dir / "telemetry.jsonl") if r["step"] == 10)
     _assert_same_state(result.run_dir, norm_alone, "1 vs 3 workers, steals, backups and a rescue")
+
+
+def test_batchnorm_buffers_resume_from_a_checkpoint_on_another_worker_count(tmp_path, norm_alone):
+    model = NORM_JOB[1:]
+    run(tmp_path, "run", *model, "steps=6", "scaling.workers=2", "checkpoint.every_steps=3")
+    resumed = run(tmp_path, "run", *model, f"steps={STEPS}", "scaling.workers=3", "checkpoint.every_steps=3")
+    assert [e["checkpoint"] for e in jsonl(resumed.run_dir / "events.jsonl") if e["event"] == "resume"] == ["step-00000006"]
+    _assert_same_state(resumed.run_dir, norm_alone, "2 workers, resumed on 3")
