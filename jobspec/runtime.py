@@ -84,7 +84,11 @@ class WorkerConfig(StrictModel):
     gradients are written once, not once per shard). The summed gradient is the same up to
     float order. Models with randomness in the forward pass (dropout) get the exact same
     trajectory on any worker count only with ``fuse_shards: false``, where each shard runs
-    alone with its own seed. ``max_samples_per_pass``: a pass over more samples is split into
+    alone with its own seed. A model with batch-dependent layers (BatchNorm, or any whose
+    buffers a training forward changes) runs one shard per pass whatever ``fuse_shards`` says:
+    the shard is its normalization batch, and its running statistics are the mean over the
+    step's shards, the same on every replica (docs/architecture.md, "Model buffers").
+    ``max_samples_per_pass``: a pass over more samples is split into
     forward/backward passes of at most this many (gradient accumulation inside the worker, so a
     large global batch runs on small devices); each keeps its own seed, the last backward still
     overlaps with the all-reduce. ``max_steps_per_call``: while the driver's plan holds (the

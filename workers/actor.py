@@ -51,8 +51,9 @@ from workers.replica_checkpoint import CheckpointWriter, restore_state
 from workers.rescue_watch import rescue_watch
 from workers.sampler import ShardSampler
 from workers.step import StepRunner
+from workers.step_buffers import StepBuffers
 from workers.step_work import ClaimedStep, RescuePass
-from workers.training import FlatParameters, evaluate_job, finish_gradient
+from workers.training import FlatParameters, autocast, evaluate_job, fetch_batch, finish_gradient, move_to
 
 #: When this module (and with it torch and the worker's code) had loaded: the launch's breakdown.
 IMPORTED_AT = time.time()
@@ -91,8 +92,11 @@ class TrainWorker:
         self.num_steps = job.steps if job.steps is not None else self.sampler.num_steps
         self.model: torch.nn.Module = factories.build(job.model.factory, job.model.kwargs).to(self.device)
         self.model.train()
-        # Slots in front of the gradient: one census entry per shard, then the step's bookkeeping.
-        self.flat = FlatParameters(self.model.parameters(), extra=census_slots(job.shards))
+        self.objective = Objective(job.loss.name, job.loss.kwargs)
+        # Batch-dependent layers (BatchNorm): a pass per shard, buffers kept in step (docs/architecture.md, "Model buffers").
+        self.buffers = StepBuffers.of(self.model, self._probe_forward)
+        # Slots in front of the gradient: one census entry per shard, the step's bookkeeping, the buffers' changes.
+        self.flat = FlatParameters(self.model.parameters(), extra=census_slots(job.shards) + self.buffers.slots)
         if self.flat.values.dtype in (torch.float16, torch.bfloat16):
             # The census and loss weights ride in the parameters' dtype, and half types count
             # exactly only to 256 (bf16) or 2048 (fp16).
@@ -119,13 +123,20 @@ class TrainWorker:
         self.chaos = ChaosSchedule.for_worker(job.chaos, worker_id, self.abort_flag)
         self.checkpoints = CheckpointWriter(self.chaos, self._record_death)
         self._built_at = time.time()
-        self.objective = Objective(job.loss.name, job.loss.kwargs)
         self.runner = StepRunner(
             self.model, self.flat, self.sampler, self.dataset, self.objective, job.seed, job.worker.fuse_shards,
             self.chaos, self.device, collate=optional_callable(job.dataset.collate), precision=job.precision,
             max_samples_per_pass=job.worker.max_samples_per_pass,
-            on_phase=lambda phase: self._enter(self._phase[0], phase),
+            on_phase=lambda phase: self._enter(self._phase[0], phase), buffers=self.buffers,
         )
+
+    def _probe_forward(self) -> None:
+        """A training forward of step 0's first shard: how ``StepBuffers.of`` tells whether a
+        module it does not know changes its buffers as it runs."""
+        indices = self.sampler.shard_indices(0, 0)[: self.job.worker.max_samples_per_pass]
+        batch = fetch_batch(self.dataset, indices, optional_callable(self.job.dataset.collate))
+        with autocast(self.device, self.job.precision):
+            self.objective(self.model, move_to(batch, self.device), len(indices))
 
     @ray.method(concurrency_group="control")
     def describe(self) -> WorkerInfo:
@@ -217,11 +228,22 @@ class TrainWorker:
         it claims, steals and backs up shards through the driver's store (``workers/step.py``).
         The all-reduced buffer holds the sum of every shard's loss-sum gradient and the step's
         total loss weight; divided by it (``finish_gradient``, which also clips) it is the
-        step's mean gradient whoever ran what. Raises ShardCensusError if the ranks together
-        did not commit every shard exactly once (``check_census``, ``workers/census.py``),
-        FloatingPointError if the gradient is not finite (fp32, bf16; fp16 skips the step),
-        ValueError (naming ``loss``) for a bad loss.
+        step's mean gradient whoever ran what; the model's changing buffers become the mean of
+        what each shard's pass left in them (``workers/step_buffers.py``). Raises
+        ShardCensusError if the ranks together did not commit every shard exactly once
+        (``check_census``, ``workers/census.py``), FloatingPointError if the gradient is not
+        finite (fp32, bf16; fp16 skips the step), ValueError (naming ``loss``) for a bad loss.
+        A step that raises leaves the buffers as they were before it (its passes left one
+        shard's in them, and a group re-formed next takes rank 0's).
         """
+        try:
+            return self._train_step(step, plan)
+        except BaseException:
+            self.buffers.abandon()
+            raise
+
+    def _train_step(self, step: int, plan: StepPlan) -> StepTelemetry:
+        """One step (``train_step``'s body)."""
         link = self.link
         reducer, claims_store = link.reducer, link.claims_store
         if reducer is None or claims_store is None:
@@ -234,6 +256,7 @@ class TrainWorker:
         link.reducing_step = step
         self._enter(step, Phase.STALL)  # until its data is there (and any injected stall is over)
         self.flat.zero()
+        self.buffers.begin()
         self.runner.loss_scale = self.scaler.scale
         watch = None
         if plan.mitigating:
@@ -272,6 +295,7 @@ class TrainWorker:
             )
         if not skipped:
             self.optimizer.step(lr=lr)
+        self.buffers.apply(self.flat.extra[census_slots(plan.num_shards) :])  # as DDP, a skipped step's too
         self.next_step = step + 1
         self._enter(step, Phase.DONE)
         done = time.perf_counter()

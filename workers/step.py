@@ -15,6 +15,10 @@ Two ways, chosen by the step's plan:
   peers' blocks while it waits in the all-reduce (``workers/rescue_watch.py``): a peer
   stalled before sealing is rescued (``run_claimed``, ``rescue``; docs/architecture.md, "Rescue").
 
+A model whose training forward couples a batch's samples or updates buffers (BatchNorm) runs
+one pass per shard whatever ``fuse_shards`` says, each from the step's pre-step buffers, and
+brings its committed shards' buffer changes to the all-reduce (``workers/step_buffers.py``).
+
 Every pass is one forward/backward over a group of shards (split into passes of at most
 ``max_samples_per_pass`` samples): the backward of the loss sum (``workers/objective.py``)
 divided by the step's global batch size and times the fp16 loss scale, both known before the
@@ -36,7 +40,7 @@ import torch
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from jobspec.wire import Phase
 from policies.work_stealing import FREE, Backup, ClaimKind, Finished, RunShards, StepPlan, Wait, pick_work
-from workers.census import missing_shards, write_census
+from workers.census import census_slots, missing_shards, write_census
 from workers.chaos import ChaosSchedule
 from workers.claims import ShardClaims
 from workers.objective import Objective
@@ -44,6 +48,7 @@ from workers.overlap import GradientReducer
 from workers.prefetch import BatchPrefetch
 from workers.sampler import ShardSampler
 from workers.seeding import piece_seed, seed_forward, shard_seed
+from workers.step_buffers import StepBuffers
 from workers.step_work import ClaimedStep, PassResult, RescuePass, StepWork
 from workers.training import FlatParameters, autocast, fetch_batch, move_to
 
@@ -70,6 +75,7 @@ class StepRunner:
         precision: str = "fp32",
         max_samples_per_pass: int | None = None,
         on_phase: Callable[[Phase], None] = lambda phase: None,
+        buffers: StepBuffers | None = None,
     ) -> None:
         self.model = model
         self.flat = flat
@@ -86,11 +92,15 @@ class StepRunner:
         #: The fp16 loss scale of the step being run (1 otherwise), set by the worker.
         self.loss_scale = 1.0
         self.on_phase = on_phase  # told IDLE while waiting for others' shards, then COMPUTE
+        #: The model's batch-dependent buffers (none: the fast path, passes as ``fuse_shards`` says).
+        self.buffers = buffers if buffers is not None else StepBuffers(model, [], [])
         self.prefetch = BatchPrefetch(lambda indices: fetch_batch(self.dataset, indices, self.collate))
 
     def _groups(self, shards: list[int]) -> list[list[int]]:
-        """Shards run together in one pass (``fuse_shards``), or one at a time."""
-        return [list(shards)] if self.fuse_shards and shards else [[s] for s in shards]
+        """Shards run together in one pass (``fuse_shards``), or one at a time (always for a
+        model with batch-dependent layers: the shard is their normalization batch)."""
+        fuse = self.fuse_shards and not self.buffers.per_shard
+        return [list(shards)] if fuse and shards else [[s] for s in shards]
 
     def _indices(self, step: int, shards: list[int]) -> np.ndarray:
         return np.concatenate([self.sampler.shard_indices(step, s) for s in shards])
@@ -107,7 +117,9 @@ class StepRunner:
         """Forward/backward of ``shards`` together (in pieces of at most
         ``max_samples_per_pass`` samples, each seeded by the shard and its place), gradient
         times ``sign`` added to the buffer. ``before_backward(result)`` runs before the last
-        backward (to arm the overlap). A pass over empty shards does nothing."""
+        backward (to arm the overlap). A pass over empty shards does nothing. With
+        batch-dependent layers (one shard a pass) it starts from the step's buffers and keeps
+        the change its forward made to them (``StepBuffers``)."""
         started = time.perf_counter()
         indices = self._indices(step, shards)
         result = PassResult()
@@ -116,6 +128,7 @@ class StepRunner:
         piece = self.max_samples_per_pass or len(indices)
         pieces = [indices[lo : lo + piece] for lo in range(0, len(indices), piece)]
         factor = sign * self.loss_scale / self.sampler.step_batch_size(step)
+        self.buffers.reset()  # every shard's pass starts from the step's buffers
         for number, chunk in enumerate(pieces):
             read = self.prefetch.take(chunk) if number == 0 else None
             batch = move_to(read if read is not None else fetch_batch(self.dataset, chunk, self.collate), self.device)
@@ -123,15 +136,20 @@ class StepRunner:
             with autocast(self.device, self.precision):
                 loss = self.objective(self.model, batch, len(chunk))
             result = result + PassResult(float(loss.total.detach()), loss.weight, len(chunk))
-            if before_backward is not None and number == len(pieces) - 1:
-                before_backward(result)
+            if number == len(pieces) - 1:
+                if self.buffers.per_shard:  # one shard: what its forward left in the buffers
+                    self.buffers.record(shards[0])
+                if before_backward is not None:
+                    before_backward(result)
             (loss.total * factor).backward()
         work.compute_s += time.perf_counter() - started
         return result
 
     def _write_bookkeeping(self, work: StepWork, num_shards: int) -> None:
-        """The census, loss sum, sample count and weight ride in the buffer's extra slots."""
+        """The census, loss sum, sample count and weight ride in the buffer's extra slots, then
+        the committed shards' buffer changes (``StepBuffers.write``)."""
         write_census(self.flat.extra, num_shards, work.committed, work.total)
+        self.buffers.write(self.flat.extra[census_slots(num_shards) :], work.committed)
 
     def run_fixed(self, step: int, shards: list[int], num_shards: int, reducer: GradientReducer) -> StepWork:
         """Exactly ``shards``, after sitting out any stall; the final pass overlaps with the all-reduce."""

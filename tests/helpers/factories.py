@@ -34,3 +34,22 @@ def make_model_elsewhere(hidden: int = 128) -> torch.nn.Module:
 
     os.chdir(tempfile.mkdtemp(prefix="rl-elsewhere-"))
     return make_model(hidden=hidden)
+
+
+class _NormCNN(torch.nn.Module):
+    """The digits as 1x8x8 images through conv -> BatchNorm2d -> ReLU -> linear: a model whose
+    forward in train mode depends on the other samples of its batch, with running statistics."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, channels, 3, padding=1, bias=False)  # BatchNorm takes the mean out
+        self.norm = torch.nn.BatchNorm2d(channels)
+        self.head = torch.nn.Linear(channels * 64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.norm(self.conv(x.view(-1, 1, 8, 8))))
+        return self.head(hidden.flatten(1))
+
+
+def make_norm_cnn(channels: int = 4) -> torch.nn.Module:
+    return _NormCNN(channels)

@@ -1,0 +1,171 @@
+"""Model buffers under data parallelism (docs/architecture.md, "Model buffers"): the shard is
+the normalization batch, and the running statistics are updated once per step from all of
+the step's shards, identical on every replica whoever ran which shard."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.helpers.factories import make_norm_cnn
+from tests.helpers.jobs import assert_same_params, jsonl, params, run
+from workers.step_buffers import StepBuffers, find_batch_dependent
+
+BN = "norm"
+
+
+def _no_probe() -> None:
+    raise AssertionError("the model's buffers are all known: no probe forward")
+
+
+def _shard_batches(shards: int = 4, size: int = 8) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.rand(size, 64, generator=generator) * (1 + s) for s in range(shards)]
+
+
+def _step(model: torch.nn.Module, batches: list[torch.Tensor], ranks: list[list[int]]) -> None:
+    """One step's buffers as ``ranks`` (each a list of shards) would run them: each rank's
+    passes from the pre-step buffers, its slots written, the slots summed (the all-reduce)."""
+    buffers = StepBuffers.of(model, _no_probe)
+    reduced = torch.zeros(buffers.slots)
+    buffers.begin()
+    for shards in ranks:
+        for shard in shards:
+            buffers.reset()
+            model(batches[shard])
+            buffers.record(shard)
+        slots = torch.zeros(buffers.slots)
+        buffers.write(slots, shards)
+        reduced += slots
+    buffers.apply(reduced)
+
+
+def test_the_steps_buffers_are_the_mean_over_its_shards_whoever_ran_them():
+    batches = _shard_batches()
+    torch.manual_seed(0)
+    alone, spread = make_norm_cnn(), make_norm_cnn()
+    spread.load_state_dict(alone.state_dict())
+    _step(alone, batches, [[0, 1, 2, 3]])
+    _step(spread, batches, [[2], [0, 3], [], [1]])
+    for key, value in alone.state_dict().items():
+        torch.testing.assert_close(spread.state_dict()[key], value, msg=key)
+    # Exactly (1 - m) old + m mean_s(batch stat_s), and one step counted.
+    m = alone.norm.momentum
+    stats = [alone.conv(b.view(-1, 1, 8, 8)).detach() for b in batches]
+    mean = torch.stack([s.mean((0, 2, 3)) for s in stats]).mean(0)
+    var = torch.stack([s.var((0, 2, 3), unbiased=True) for s in stats]).mean(0)
+    torch.testing.assert_close(alone.norm.running_mean, m * mean)
+    torch.testing.assert_close(alone.norm.running_var, (1 - m) * torch.ones(4) + m * var)
+    assert int(alone.norm.num_batches_tracked) == 1
+
+
+def test_abandon_puts_the_pre_step_buffers_back_and_apply_leaves_nothing_to_abandon():
+    model = make_norm_cnn()
+    buffers = StepBuffers.of(model, _no_probe)
+    before = {k: v.clone() for k, v in model.named_buffers()}
+    buffers.begin()
+    model(_shard_batches(1)[0])
+    buffers.abandon()
+    for key, value in model.named_buffers():
+        assert torch.equal(value, before[key]), key
+    buffers.begin()
+    model(_shard_batches(1)[0])
+    buffers.record(0)
+    slots = torch.zeros(buffers.slots)
+    buffers.write(slots, [0])
+    buffers.apply(slots)
+    applied = {k: v.clone() for k, v in model.named_buffers()}
+    buffers.abandon()
+    assert int(model.norm.num_batches_tracked) == 1
+    for key, value in model.named_buffers():
+        assert torch.equal(value, applied[key]), key
+
+
+class _Counter(torch.nn.Module):
+    """Counts its forwards in a buffer (as an observer or an EMA would keep state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 10)
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("scale", torch.ones(10))  # constant: never changes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seen is not None:
+            self.seen += 1
+        return self.linear(x) * self.scale
+
+
+def test_batch_dependent_layers_are_found_by_type_or_by_a_probe_forward(caplog):
+    layers, names = find_batch_dependent(make_norm_cnn(), _no_probe)
+    assert layers == ["'norm' (BatchNorm2d)"]
+    assert names == ["norm.running_mean", "norm.running_var", "norm.num_batches_tracked"]
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 10), torch.nn.LayerNorm(10))
+    assert find_batch_dependent(plain, _no_probe) == ([], [])  # no buffers: no probe
+    counter = _Counter()
+    counter.eval()
+    layers, names = find_batch_dependent(counter, lambda: counter(torch.rand(2, 64)))
+    assert layers == ["'<model>' (_Counter)"] and names == ["seen", "scale"]
+    assert float(counter.seen) == 0 and not counter.training  # the probe left no trace
+    constant = torch.nn.Sequential(_Counter())
+    constant[0].seen = None  # its remaining buffer never changes
+    assert find_batch_dependent(constant, lambda: constant(torch.rand(2, 64))) == ([], [])
+    with caplog.at_level(logging.WARNING, logger="workers.step_buffers"):
+        assert StepBuffers.of(make_norm_cnn(), _no_probe).per_shard
+    assert "'norm' (BatchNorm2d)" in caplog.text and "pass of its own" in caplog.text
+
+
+def test_a_sync_batchnorm_is_refused_naming_the_layer():
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.SyncBatchNorm(4))
+    with pytest.raises(ValueError, match=r"field 'model.factory': layer '1' \(SyncBatchNorm\)"):
+        find_batch_dependent(model, _no_probe)
+
+
+STEPS = 12
+NORM_JOB = (f"steps={STEPS}", "model.factory=tests.helpers.factories:make_norm_cnn", "model.kwargs={channels: 4}")
+
+
+@pytest.fixture(scope="module")
+def norm_alone(tmp_path_factory, ray_cluster):
+    """The BatchNorm CNN's state after a clean single-worker run (fuse_shards on, the default)."""
+    return params(run(tmp_path_factory.mktemp("norm"), "w1", *NORM_JOB, "scaling.workers=1").run_dir)
+
+
+def _assert_same_state(run_dir, alone, name: str) -> None:
+    """Parameters and buffers as the single worker's, the statistics counted once per step."""
+    spread = params(run_dir)
+    assert {f"{BN}.running_mean", f"{BN}.running_var", f"{BN}.num_batches_tracked"} <= spread.keys()
+    assert_same_params(spread, alone, name)
+    assert int(spread[f"{BN}.num_batches_tracked"]) == STEPS  # once per step, a redone one too
+
+
+def test_batchnorm_parameters_and_buffers_match_on_one_and_three_workers_across_a_sigkill(tmp_path, norm_alone):
+    """The batch-dependent layer forces a pass per shard although fuse_shards is on."""
+    killed = run(tmp_path, "w3", *NORM_JOB, "scaling.workers=3", "chaos.kill=[{at_step: 4, worker: 1, how: sigkill}]")
+    assert killed.summary["events"]["failures"] == 1 and killed.summary["events"]["recoveries"] == 1
+    _assert_same_state(killed.run_dir, norm_alone, "1 vs 3 workers, a SIGKILL between")
+
+
+def test_batchnorm_buffers_count_each_shard_once_through_steals_backups_and_a_rescue(tmp_path, norm_alone):
+    result = run(
+        tmp_path, "w3-chaos", *NORM_JOB, "scaling.workers=3", "stragglers.evict=false",
+        "chaos={slow: [{worker: 2, factor: 8, from_step: 1, to_step: 3}], stall: [{worker: 1, at_step: 10, seconds: 5}]}",
+        # Quick to suspect and quick to call a shard late, so stealing and backups race a lot.
+        "stragglers.late_factor=1.2", "stragglers.min_ratio=1.2", "stragglers.persistent_steps=1", "stragglers.window=2",
+    )
+    events = result.summary["events"]
+    assert events["stolen_shards"] > 0 and events["speculative_shards"] > 0, events
+    # Worker 1 stopped waiting for its data: its shards went to the rescue pass (or, were it
+    # suspected by then on a busy machine, were stolen within the step).
+    assert any(r["gave_up"] for r in jsonl(result.run_dir / "telemetry.jsonl") if r["step"] == 10)
+    _assert_same_state(result.run_dir, norm_alone, "1 vs 3 workers, steals, backups and a rescue")
+
+
+def test_batchnorm_buffers_resume_from_a_checkpoint_on_another_worker_count(tmp_path, norm_alone):
+    model = NORM_JOB[1:]
+    run(tmp_path, "run", *model, "steps=6", "scaling.workers=2", "checkpoint.every_steps=3")
+    resumed = run(tmp_path, "run", *model, f"steps={STEPS}", "scaling.workers=3", "checkpoint.every_steps=3")
+    assert [e["checkpoint"] for e in jsonl(resumed.run_dir / "events.jsonl") if e["event"] == "resume"] == ["step-00000006"]
+    _assert_same_state(resumed.run_dir, norm_alone, "2 workers, resumed on 3")
