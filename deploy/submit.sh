@@ -15,5 +15,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${RAY_ADDRESS:=http://127.0.0.1:8265}"
+# The entrypoint is public to anyone who can list the cluster's jobs (`ray job list`, the
+# dashboard, `ps` on the head), so a value carrying a credential (s3://KEY:SECRET@..., a
+# ?token=...) is refused before anything is sent; jobspec/redaction.py decides what is one.
+python3 - "$@" <<'CHECK' || exit 2
+import sys
+from jobspec.redaction import redact
+for word in sys.argv[1:]:
+    if redact(word) != word:
+        sys.exit(
+            f"deploy/submit.sh: {redact(word)!r} carries a credential, which the job's entrypoint would show "
+            "to anyone who can list jobs; give it to the storage through its own environment on the cluster "
+            "(e.g. the nodes' AWS credentials), not on the command line"
+        )
+CHECK
 exec ray job submit --address "$RAY_ADDRESS" --runtime-env deploy/runtime_env.yaml \
     -- python -m ringleader run --no-progress "$@"

@@ -107,6 +107,24 @@ def test_submit_quotes_every_value_before_it_reaches_the_heads_shell(tmp_path):
     assert evil in echoed.stdout.splitlines() and not marker.exists()
 
 
+def test_submit_refuses_a_credential_before_it_reaches_the_entrypoint(tmp_path):
+    """What `ray job list` and the dashboard show must hold no secret: a value with one is
+    refused (exit 2, one line, the secret masked) and Ray is never called."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    called = tmp_path / "ray-called"
+    (fake_bin / "ray").write_text(f"#!/bin/sh\ntouch {called}\n")
+    (fake_bin / "ray").chmod(0o755)
+    env = {"PATH": f"{fake_bin}:/usr/bin:/bin", "RAY_ADDRESS": "http://127.0.0.1:1", "HOME": str(tmp_path)}
+    for value in ("checkpoint.path=s3://AKIAEXAMPLE:SECRETKEY@bucket/ckpt", "checkpoint.path=gs://b/c?access_token=SECRETKEY"):
+        done = subprocess.run(
+            ["bash", str(DEPLOY / "submit.sh"), "examples/digits.yaml", "--set", value], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 2, done
+        assert "carries a credential" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "SECRETKEY" not in done.stderr and not called.exists()
+
+
 def test_the_grafana_dashboard_plots_exactly_the_series_the_driver_exports():
     import json
     import re
