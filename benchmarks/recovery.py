@@ -126,11 +126,18 @@ def exactness(
     torchft's replacement comes after the survivors finished: it trains alone, apart, and its
     model is not the one compared: replica 0's is.)"""
     figures, model = killed_run(contender, job, workdir / "killed", kill_step, kill_rank, checkpoint_every)
-    clean = workdir / "clean"
+    return against_clean(contender, job, workdir / "clean", figures, model, kill_step, checkpoint_every)
+
+
+def against_clean(
+    contender: str, job: JobConfig, clean: Path, killed: dict[str, Any], model: Path, kill_step: int, checkpoint_every: int
+) -> dict[str, Any]:
+    """``exactness`` of a killed run already made (its figures ``killed``, its final parameters
+    in ``model``): a clean run of ``job`` by the same contender in ``clean``, compared."""
     # The same job, checkpoints included (ours; the peers' clean loops take none), without the kill.
     run_once(contender, _checkpointed(job, checkpoint_every), clean, keep_model=True)
     diff, exact = param_diff(model, model_file(contender, clean))
-    return {"max_param_diff": diff, "exact": exact, "samples_dropped": figures["samples_dropped"],
+    return {"max_param_diff": diff, "exact": exact, "samples_dropped": killed["samples_dropped"],
             "steps": job.steps, "kill_step": kill_step}
 
 

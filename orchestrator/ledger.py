@@ -17,7 +17,11 @@ class CommitLedger:
     exactly once. The driver checks again from the reports it has: every report's census
     total must be the step's shard count, all of them together must cover each shard exactly
     once; when some are missing (a rank died after the all-reduce) the ones it has must at
-    least not overlap. ``shards_committed`` and ``samples`` add up what the census counted."""
+    least not overlap. A step that fails any of these checks fails the job uncommitted
+    (``tests/test_ledger.py``), so a lost or doubled shard never shows as a short or long count
+    in the summary: ``shards_committed`` and ``samples`` add up what the census counted, which
+    makes ``shards_committed`` ``num_shards`` per step committed with a report (one committed
+    with none, its survivors' kept reports not answered in time, adds nothing)."""
 
     def __init__(self, num_shards: int) -> None:
         self.num_shards = num_shards
@@ -53,8 +57,7 @@ class CommitLedger:
             raise JobFailed(f"step {step}: shards {committed} were committed more than once")
         self.steps_done += 1
         if reports:
-            # Counted by the workers' census in the reduced gradient, not computed here: a lost
-            # or doubled shard shows in the summary.
+            # The reduced figures, the same on every rank: any report's will do.
             self.shards_committed += reports[0].shards_counted
             self.samples += reports[0].global_samples
             self.final_loss = reports[0].loss

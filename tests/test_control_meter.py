@@ -75,3 +75,21 @@ def test_the_store_process_cpu_is_measured_apart_as_a_mean():
     meter.committed([[_report(1, 10)] * 2])  # +40 ms over a batch of two
     assert meter.summary()["store_cpu_ms"] == pytest.approx(50 / 4)
     assert "store_cpu_ms" not in ControlPlaneMeter().summary()  # in-process store: in the driver's CPU
+
+
+def test_the_store_process_cpu_grows_with_the_traffic_it_serves():
+    """The reading itself, from /proc: a store process that served a few thousand round trips
+    has used CPU (the control-plane bench's per-step figure may round to 0 ticks)."""
+    from orchestrator.rendezvous import RendezvousStore
+
+    store = RendezvousStore("127.0.0.1", 10.0, own_process=True)
+    try:
+        before = store.server_cpu_s()
+        assert before is not None
+        deadline = time.monotonic() + 20.0
+        while store.server_cpu_s() < before + 0.05 and time.monotonic() < deadline:
+            for i in range(1000):
+                store.read(f"key{i}")  # a round trip each, served by the store's process
+        assert before + 0.05 <= store.server_cpu_s() < before + 20.0
+    finally:
+        store.close()

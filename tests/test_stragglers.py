@@ -105,6 +105,14 @@ def test_random_stalls_are_rescued_and_the_counters_add_up(tmp_path, reference):
                            ("speculative_won", "backups_won"), ("races_lost", "races_lost")):
         assert events[counter] == sum(r[field] for r in telemetry), counter
     assert events["speculative_won"] <= events["speculative_shards"]
+    # The workers' own counts against what they committed: with no rebalancing rank r's planned
+    # shards are 4r..4r+3, so every shard committed by another rank was stolen (a rescue's
+    # shards too) or won by a backup; a stolen shard can still be lost to a backup (a race).
+    foreign = {s: sum(1 for r in reports for shard in r["shards"] if shard // 4 != r["rank"]) for s, reports in steps.items()}
+    assert sum(foreign.values()) > 0
+    for step, reports in steps.items():
+        taken = sum(r["stolen"] + r["backups_won"] for r in reports)
+        assert taken - sum(r["races_lost"] for r in reports) <= foreign[step] <= taken, (step, reports)
 
 
 def test_a_persistently_slow_worker_gets_fewer_shards(tmp_path, reference):

@@ -113,14 +113,21 @@ class FakeBatch:
 class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
     """Implements ``orchestrator.group.WorkerGroup`` in-process, its membership bookkeeping
     ``Membership``'s as the Ray group's is. ``replacements``: whether free slots get new workers
-    (each ready ``join_delay_s`` after it is started); a joiner is (worker, ready at)."""
+    (each ready ``join_delay_s`` after it is started); a joiner is (worker, ready at).
+    ``timed``: a step's calls last the ``step_s`` their reports claim, in real seconds (else
+    they end at once), so what the driver's clocks measure can be checked against the steps'
+    own times."""
 
-    def __init__(self, job: JobConfig, faults: Faults | None = None, *, replacements: bool = True, join_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, job: JobConfig, faults: Faults | None = None, *, replacements: bool = True, join_delay_s: float = 0.0,
+        timed: bool = False,
+    ) -> None:
         super().__init__(job.scaling)
         self.job = job
         self.faults = faults or Faults()
         self.replacements = replacements
         self.join_delay_s = join_delay_s
+        self.timed = timed
         self.calls: list[FakeCall] = []
         self.batches: list[tuple[int, int]] = []  # (first step, steps) of every submission
         self.at_shutdown: list[FakeWorker] = []
@@ -247,6 +254,8 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
                 call.ends_at = BLOCKED  # a peer died before the all-reduce finished (here)
             else:
                 call.value, call.apply = self._report(step, rank, member, plan), step
+                if self.timed:
+                    call.ends_at = start + call.value.step_s
             self.calls.append(call)
             calls.append(call)
         return calls

@@ -102,13 +102,21 @@ def halving_schedule(step: int, num_steps: int) -> float:
     return 0.5 ** (step // 5)
 
 
-def make_overflow_dataset(n: int = 256, hot: int = 7, seed: int = 0) -> torch.utils.data.TensorDataset:
+def make_overflow_dataset(
+    n: int = 256, hot: int | None = 7, seed: int = 0, warm: int | None = None
+) -> torch.utils.data.TensorDataset:
     """The digits-like regression data where sample ``hot`` is huge: the step holding it
-    overflows in fp16 (65504 is fp16's largest), and no other does."""
+    overflows in fp16 (65504 is fp16's largest) whatever the loss scale, and no other does.
+    Sample ``warm`` has a target of 1500: its step's scaled gradient (1500 * scale / 32 at the
+    output, for batches of 32) overflows in fp16 at a loss scale of 2048 or more, not below."""
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(n, 8, generator=generator)
-    inputs[hot] = 1e6
-    return torch.utils.data.TensorDataset(inputs, torch.randn(n, 2, generator=generator))
+    targets = torch.randn(n, 2, generator=generator)
+    if hot is not None:
+        inputs[hot] = 1e6
+    if warm is not None:
+        inputs[warm], targets[warm] = 0.1, 1500.0  # a small input: only the output's gradient is large
+    return torch.utils.data.TensorDataset(inputs, targets)
 
 
 def make_regressor() -> torch.nn.Module:
