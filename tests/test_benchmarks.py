@@ -53,10 +53,14 @@ def test_allreduce_benchmark_rows_have_the_promised_fields():
 def test_overlap_benchmark_reports_both_modes():
     job = workload_job("digits", workers=2, steps=8)
     job = job.model_copy(update={"model": job.model.model_copy(update={"kwargs": {"hidden": 64}})})
+    # Small buckets (~1000 floats): several per step, so overlap launches some during backward.
+    job = job.model_copy(update={"collective": job.collective.model_copy(update={"bucket_mb": 0.004})})
     result = overlap_result(job.model_dump_json(), workers=2, rounds=1, steps=4)
-    assert set(result) == {"overlap", "no_overlap"}
-    for values in result.values():
-        assert values["step_s"] > 0 and values["exposed_comm_s"] >= 0
+    assert set(result) == {"overlap", "no_overlap", "agreement"}
+    for mode in ("overlap", "no_overlap"):
+        assert result[mode]["step_s"] > 0 and result[mode]["exposed_comm_s"] >= 0
+    # The two modes are the same training: overlap moves when buckets are reduced, not the result.
+    assert result["agreement"]["max_param_diff"] <= 1e-6
 
 
 def test_straggler_benchmark_injects_the_same_chaos_into_every_variant_that_has_it():
