@@ -25,13 +25,16 @@ class Phase(str, enum.Enum):
 
     ``STALL`` (waiting for its first batch, or an injected stall), ``COMPUTE`` (forward and backward over
     its shards), ``IDLE`` (its shards are done, waiting for others' before the all-reduce),
-    ``REDUCE`` (in the all-reduce), ``DONE`` (the step is applied, or none has started)."""
+    ``REDUCE`` (in the all-reduce), ``DONE`` (the step is applied, or none has started),
+    ``SNAPSHOT`` (after the step, copying its part of a checkpoint: its peers may run ahead
+    into the next step and wait for it there)."""
 
     STALL = "stall"
     COMPUTE = "compute"
     IDLE = "idle"
     REDUCE = "reduce"
     DONE = "done"
+    SNAPSHOT = "snapshot"
 
     @property
     def waiting(self) -> bool:
@@ -70,19 +73,30 @@ class WorkerInfo:
 class Progress:
     """A worker's ``progress()``: it is in ``phase`` of ``step`` since ``since_s`` seconds, and
     ``next_step`` is the next step its replica would apply (the optimizer steps it holds; -1
-    while a state transfer into it is incomplete, so it holds no usable state)."""
+    while a state transfer into it is incomplete, so it holds no usable state).
+    ``since_snapshot_s``: seconds since its last checkpoint snapshot ended (None: it has taken
+    none); a peer's wait that began during that snapshot is not this worker's silence."""
 
     step: int
     phase: Phase
     since_s: float
     next_step: int
+    since_snapshot_s: float | None = None
+
+    @property
+    def snapshotting(self) -> bool:
+        """Whether it is copying its part of a checkpoint now (for ``since_s`` seconds)."""
+        return self.phase is Phase.SNAPSHOT
 
     def waiting_in(self, step: int) -> bool:
         """Whether this worker has done its own work of ``step`` and waits for the others."""
         return self.step > step or (self.step == step and self.phase.waiting)
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "phase": self.phase.value, "since_s": self.since_s, "next_step": self.next_step}
+        return {
+            "step": self.step, "phase": self.phase.value, "since_s": self.since_s, "next_step": self.next_step,
+            "since_snapshot_s": self.since_snapshot_s,
+        }
 
 
 @dataclass(frozen=True)

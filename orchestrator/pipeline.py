@@ -114,9 +114,10 @@ def await_step(
 ) -> StepOutcome:
     """Wait for ``batch``: blocked until the first of its calls ends (a failure is seen as soon
     as it happens), then up to ``GATHER_S`` for the others, and so on. Returns the reports, the
-    workers to evict for holding a step up for ``stragglers.silent_s`` (when ``evicting`` and
-    ``scaling.min_workers`` would remain), or the failure. Raises JobFailed when no worker has
-    reached a further step within ``timeouts.step_s`` (a batch's steps each get that long)."""
+    workers to evict for holding a step up for ``stragglers.silent_s`` (a snapshot for up to
+    ``timeouts.checkpoint_s``; when ``evicting`` and ``scaling.min_workers`` would remain), or
+    the failure. Raises JobFailed when no worker has reached a further step within
+    ``timeouts.step_s`` (a batch's steps each get that long)."""
     deadline = time.monotonic() + job.timeouts.step_s
     furthest = batch.step
     silent_s = job.stragglers.silent_s
@@ -153,7 +154,8 @@ def await_step(
         if not pending or not evicting or time.monotonic() - looked < silent_s / 2:
             continue
         looked = time.monotonic()
-        silent = silent_workers(group.progress(timeout_s=min(5.0, silent_s)), silent_s)
+        # A worker copying a checkpoint snapshot is busy for up to a checkpoint's time limit.
+        silent = silent_workers(group.progress(timeout_s=min(5.0, silent_s)), silent_s, job.timeouts.checkpoint_s)
         if silent and group.size - len(silent) >= job.scaling.min_workers:
             outcome.evict = silent
             return outcome

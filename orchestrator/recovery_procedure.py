@@ -121,7 +121,7 @@ class RecoveryProcedure:
         (the silent, with why; the evicted). A silent worker (stalled, hung, partitioned) is a
         failure: replaced, its slot kept. One persistently far slower is evicted: its slot is
         retired (a replacement there would likely be as slow)."""
-        silent = {e.worker: f"silent for {e.evidence.get('silent_s')}s (stalled or hung)" for e in outcome.evict if e.reason == "silent"}
+        silent = {e.worker: e.evidence["why"] for e in outcome.evict if e.reason == "silent"}
         evicted = [e.worker for e in outcome.evict if e.worker not in silent]
         for eviction in outcome.evict:
             self.accounting.counters["evictions"] += eviction.worker not in silent

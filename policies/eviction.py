@@ -8,6 +8,7 @@ step. Both are removed at a step boundary and the job goes on with the others.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Collection, Protocol
@@ -17,13 +18,21 @@ import numpy as np
 
 class WorkerProgress(Protocol):
     """Where one worker is (``jobspec.wire.Progress`` is one): in ``step`` since ``since_s``
-    seconds, and whether it has done its own work of a step and waits for the others."""
+    seconds, and whether it has done its own work of a step and waits for the others;
+    whether it is ``snapshotting`` (copying its part of a checkpoint, for ``since_s``) and
+    ``since_snapshot_s``, the seconds since its last snapshot ended (None: none yet)."""
 
     @property
     def step(self) -> int: ...
 
     @property
     def since_s(self) -> float: ...
+
+    @property
+    def snapshotting(self) -> bool: ...
+
+    @property
+    def since_snapshot_s(self) -> float | None: ...
 
     def waiting_in(self, step: int) -> bool: ...
 
@@ -39,7 +48,9 @@ class Evict:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
-def silent_workers(progress: dict[int, WorkerProgress | None], silent_s: float) -> list[Evict]:
+def silent_workers(
+    progress: dict[int, WorkerProgress | None], silent_s: float, snapshot_s: float = math.inf
+) -> list[Evict]:
     """Workers holding up a step that others have waited in for ``silent_s`` or longer.
 
     ``progress[w]`` is worker w's report or None if it did not answer. The step held up is the
@@ -47,16 +58,31 @@ def silent_workers(progress: dict[int, WorkerProgress | None], silent_s: float) 
     worker holds it up when it has not reached that step's all-reduce (still stalled or
     computing it, or an earlier step, or not answering). If nobody has waited that long, the
     whole step is slow (or just began), not one worker: nobody is evicted.
+
+    A worker copying its part of a checkpoint (queued between two steps: its peers run ahead
+    and wait for it) is busy, not silent, for up to ``snapshot_s``; past that it is silent
+    (a snapshot that never ends). The peers' wait began during its snapshot, so it is held
+    up silent only ``silent_s`` after the snapshot ended. Each eviction's evidence says
+    ``why``.
     """
     waited = [r.step for r in progress.values() if r is not None and r.waiting_in(r.step) and r.since_s >= silent_s]
     if not waited:
         return []
     step = max(waited)
-    return [
-        Evict(worker, "silent", {"step": step, "progress": report and report.to_json(), "silent_s": silent_s})
-        for worker, report in sorted(progress.items())
-        if report is None or not report.waiting_in(step)
-    ]
+    out = []
+    for worker, report in sorted(progress.items()):
+        if report is not None and report.waiting_in(step):
+            continue
+        why = f"silent for {silent_s}s (stalled or hung)"
+        if report is not None and report.snapshotting:
+            if report.since_s < snapshot_s:
+                continue
+            why = f"copying a checkpoint snapshot for {report.since_s:.0f}s, longer than a checkpoint may take ({snapshot_s:.0f}s)"
+        elif report is not None and report.since_snapshot_s is not None and report.since_snapshot_s < silent_s:
+            continue
+        evidence = {"step": step, "progress": report and report.to_json(), "silent_s": silent_s, "why": why}
+        out.append(Evict(worker, "silent", evidence))
+    return out
 
 
 @dataclass

@@ -120,6 +120,7 @@ class TrainWorker:
         # after a peer died) returns nothing, and recovery reads the ones it committed here.
         self._kept: deque[StepTelemetry] = deque(maxlen=KEPT_REPORTS)
         self._phase: tuple[int, Phase, float] = (-1, Phase.DONE, time.monotonic())
+        self._snapshot_ended: float | None = None  # monotonic; when the last snapshot's copy ended
         self.chaos = ChaosSchedule.for_worker(job.chaos, worker_id, self.abort_flag)
         self.checkpoints = CheckpointWriter(self.chaos, self._record_death)
         self._built_at = time.time()
@@ -185,7 +186,11 @@ class TrainWorker:
         """Where this worker is. Answered while a step runs (the control group), so the driver
         can always ask: when a step is overdue, and to tell the living from the dead."""
         step, phase, since = self._phase
-        return Progress(step=step, phase=phase, since_s=time.monotonic() - since, next_step=self.next_step)
+        now, ended = time.monotonic(), self._snapshot_ended
+        return Progress(
+            step=step, phase=phase, since_s=now - since, next_step=self.next_step,
+            since_snapshot_s=None if ended is None else now - ended,
+        )
 
     def _enter(self, step: int, phase: Phase) -> None:
         self._phase = (step, phase, time.monotonic())
@@ -343,8 +348,16 @@ class TrainWorker:
         steps to memory and start writing it in the background (see ``checkpoint_written``).
         Queued between two steps, so it sees exactly the state after that step; raises
         RuntimeError if this replica is not there (an aborted step). Returns the seconds
-        training was held up (the copy)."""
-        return self.checkpoints.snapshot(request, self, self.link.residuals, self.link.rank)
+        training was held up (the copy). Meanwhile ``progress`` says ``Phase.SNAPSHOT``: its
+        peers, already in the next step, wait for it, and the driver must not take that for
+        silence."""
+        step, phase, _ = self._phase
+        self._enter(step, Phase.SNAPSHOT)
+        try:
+            return self.checkpoints.snapshot(request, self, self.link.residuals, self.link.rank)
+        finally:
+            self._snapshot_ended = time.monotonic()
+            self._enter(step, phase)
 
     @ray.method(concurrency_group="io")
     def checkpoint_written(self, name: str, tag: str, timeout_s: float) -> list[FileEntry]:

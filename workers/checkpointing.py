@@ -71,6 +71,30 @@ class PartSnapshot:
     copy_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class FlatPieces:
+    """A flat tensor held as its ``pieces`` back to back (any shapes, one dtype): a generic
+    optimizer's per-parameter state laid out like the flat parameters
+    (``workers/optimizer_state.py``), sliced without building it whole."""
+
+    pieces: tuple[torch.Tensor, ...]
+
+    def numel(self) -> int:
+        return sum(piece.numel() for piece in self.pieces)
+
+    def cpu_range(self, lo: int, hi: int) -> torch.Tensor:
+        """A CPU copy of entries ``[lo, hi)``: one gather on the pieces' device, one copy over."""
+        views, start = [], 0
+        for piece in self.pieces:
+            end = start + piece.numel()
+            if start < hi and lo < end:
+                views.append(piece.detach().reshape(-1)[max(lo, start) - start: min(hi, end) - start])
+            start = end
+        if not views:
+            return torch.empty(0, dtype=self.pieces[0].dtype)
+        return torch.cat(views).to("cpu")
+
+
 # Top-k residuals are keyed by their bucket's (offset, length); files hold string keys only.
 def _residual_key(bucket: tuple[int, int]) -> str:
     return f"{bucket[0]}:{bucket[1]}"
@@ -85,13 +109,14 @@ def take_snapshot(
     step: int,
     index: int,
     count: int,
-    flat: dict[str, torch.Tensor],
+    flat: dict[str, torch.Tensor | FlatPieces],
     whole: dict[str, torch.Tensor],
     residuals: dict[tuple[int, int], torch.Tensor],
 ) -> PartSnapshot:
-    """Copy part ``index`` of ``count`` of the flat tensors (all of length ``numel``), and
-    ``whole`` if this is part 0, and this worker's ``residuals`` (by bucket) to the CPU.
-    Training may change the originals right after."""
+    """Copy part ``index`` of ``count`` of the flat tensors (all of length ``numel``; a
+    ``FlatPieces`` copies only the pieces in that part), and ``whole`` if this is part 0, and
+    this worker's ``residuals`` (by bucket) to the CPU. Training may change the originals
+    right after."""
     numels = {t.numel() for t in flat.values()}
     if len(numels) != 1:
         raise ValueError(f"flat tensors differ in length: {sorted(numels)}")
@@ -102,7 +127,10 @@ def take_snapshot(
         index=index,
         count=count,
         numel=numel,
-        slices={k: t[lo:hi].detach().to("cpu", copy=True) for k, t in flat.items()},
+        slices={
+            k: t.cpu_range(lo, hi) if isinstance(t, FlatPieces) else t[lo:hi].detach().to("cpu", copy=True)
+            for k, t in flat.items()
+        },
         whole={k: t.detach().to("cpu", copy=True) for k, t in whole.items()} if index == 0 else {},
         residuals={_residual_key(k): t.detach().to("cpu", copy=True) for k, t in residuals.items()},
     )

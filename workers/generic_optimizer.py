@@ -3,26 +3,34 @@
 The model's parameters are views into the flat buffer and their ``.grad`` views into the
 reduced gradient, so a stock optimizer steps them in place like any model. Its state is
 created lazily and its layout is the optimizer's own (a user's Lion or Muon may keep
-anything), so it travels as one serialized ``state_dict`` (``torch.save`` bytes in a uint8
-tensor): broadcast to joining workers, written whole in checkpoints and read back with
-``weights_only=True``, so a state holding anything but tensors and plain values is refused
-rather than unpickled.
+anything), so it moves as its ``state_dict`` taken apart (``workers/optimizer_state.py``):
+a small skeleton, read back with ``weights_only=True`` (a state holding anything but tensors
+and plain values is refused rather than unpickled), and its tensors, copied, never
+serialized on the thread that trains. Joining workers get them packed in one broadcast;
+checkpoints slice the per-parameter state across parts like the fused state, the rest in
+part 0, written by the background writer.
 """
 
 from __future__ import annotations
 
-import io
-from collections.abc import Callable, Iterable
+import pickle
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from jobspec import targets as factories
 from jobspec.recipe import OptimizerConfig
+from workers.checkpointing import FlatPieces
 from workers.flat_optimizer import FlatOptimizer
+from workers.optimizer_state import ParamSlot, decode, encode, pack, packed_bytes, put_together, take_apart, unpack
 from workers.training import FlatParameters
 
-#: The name of the state entry in ``checkpoint_tensors``'s whole part.
+#: Names of ``checkpoint_tensors``'s entries: the skeleton and the other tensors (whole) and
+#: the per-parameter state laid out flat, by key.
+SKELETON, TENSOR_PREFIX, FLAT_PREFIX = "skeleton", "tensor/", "state/"
+#: The single whole entry of checkpoints written before the state was taken apart: the
+#: ``state_dict`` serialized whole (still read).
 STATE_ENTRY = "state_dict"
 
 
@@ -53,7 +61,10 @@ def decay_groups(params: Iterable[torch.nn.Parameter], decay_biases_and_norms: b
 
 
 class GenericOptimizer:
-    """A stock or user optimizer class stepping ``params`` (whose ``.grad`` are set)."""
+    """A stock or user optimizer class stepping ``params`` (whose ``.grad`` are set).
+
+    ``params`` back to back are the flat layout its per-parameter state is checkpointed in
+    (the worker passes ``FlatParameters.params``, whose values are laid out so)."""
 
     def __init__(
         self,
@@ -67,6 +78,11 @@ class GenericOptimizer:
         self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
         self.device = params[0].device
         self._base_lr = float(self.optimizer.defaults.get("lr", kwargs.get("lr", 0.0)))
+        self._starts: dict[int, int] = {}  # id(parameter) -> its first entry in the flat layout
+        start = 0
+        for param in params:
+            self._starts[id(param)] = start
+            start += param.numel()
 
     @property
     def base_lr(self) -> float:
@@ -79,42 +95,90 @@ class GenericOptimizer:
                 group["lr"] = lr
         self.optimizer.step()
 
-    def _serialized(self) -> torch.Tensor:
-        buffer = io.BytesIO()
-        torch.save(self.optimizer.state_dict(), buffer)
-        return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    def _slots(self) -> list[ParamSlot]:
+        """Where each of the optimizer's parameters (in ``state_dict`` order) lies in the flat
+        layout; [] (nothing goes flat) unless they are the given ``params``, each once."""
+        order = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if len(order) != len(self._starts) or {id(p) for p in order} != self._starts.keys():
+            return []
+        return [ParamSlot(self._starts[id(p)], p.shape) for p in order]
 
-    def _load(self, blob: torch.Tensor) -> None:
-        # On the CPU first: load_state_dict then places each tensor as the optimizer wants it
-        # (a step count stays on the host where torch keeps it there).
-        state = torch.load(io.BytesIO(blob.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
-        self.optimizer.load_state_dict(state)
+    def _load(self, state: Any) -> None:
+        """Load a ``state_dict`` (its tensors on the CPU or the device: ``load_state_dict``
+        places each as the optimizer wants it; a step count stays on the host where torch
+        keeps it there). Raises ValueError if it does not fit this optimizer."""
+        try:
+            self.optimizer.load_state_dict(state)
+        except (RuntimeError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"optimizer state does not fit {type(self.optimizer).__name__}: {err}") from None
 
     def sync(self, broadcast: Callable[[torch.Tensor], None], is_root: bool) -> None:
-        """Take the root's state through ``broadcast`` (in place, from the group's root): its
-        length first, then its bytes; the root keeps its own."""
-        blob = self._serialized().to(self.device) if is_root else None
-        length = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.int64, device=self.device)
+        """Take the root's state through ``broadcast`` (in place, from the group's root): the
+        length of its skeleton (with the specs of its tensors), the skeleton, then its tensors
+        packed in one buffer; the root keeps its own. The root only copies tensors (no
+        serialization of their data), so its peers are not kept waiting in the first broadcast."""
+        if is_root:
+            parts = take_apart(self.optimizer.state_dict())
+            buffer, specs = pack(parts.tensors, self.device)
+            header = encode({"skeleton": parts.skeleton, "specs": specs}).to(self.device)
+            broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=self.device))
+            broadcast(header)
+            if buffer.numel():  # nothing to send before the first step
+                broadcast(buffer)
+            return
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
         broadcast(length)
-        if blob is None:
-            blob = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        broadcast(blob)
-        if not is_root:
-            self._load(blob)
+        header = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        broadcast(header)
+        decoded = decode(header)
+        buffer = torch.empty(packed_bytes(decoded["specs"]), dtype=torch.uint8, device=self.device)
+        if buffer.numel():
+            broadcast(buffer)
+        self._load(put_together(decoded["skeleton"], unpack(buffer, decoded["specs"])))
 
-    def checkpoint_tensors(self, whole: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """No flat tensors; the serialized state as one whole entry (serialized only if ``whole``)."""
-        return {}, {STATE_ENTRY: self._serialized()} if whole else {}
+    def checkpoint_tensors(
+        self, whole: bool = True
+    ) -> tuple[dict[str, torch.Tensor | FlatPieces], dict[str, torch.Tensor]]:
+        """The state as flat entries (per-parameter state shaped like the parameters, laid out
+        like them: ``state/<key>``, checkpointed in slices) and whole ones (only if ``whole``:
+        the skeleton, encoded, and every other tensor as ``tensor/<n>``). Nothing is copied or
+        serialized here: the snapshot copies, the background writer serializes."""
+        parts = take_apart(self.optimizer.state_dict(), self._slots())
+        flat: dict[str, torch.Tensor | FlatPieces] = {FLAT_PREFIX + k: v for k, v in parts.flat.items()}
+        if not whole:
+            return flat, {}
+        tensors = {f"{TENSOR_PREFIX}{n}": t for n, t in enumerate(parts.tensors)}
+        return flat, {SKELETON: encode(parts.skeleton), **tensors}
 
-    def restore(self, flat: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> None:
-        """Load what ``checkpoint_tensors`` returned (from a checkpoint). Raises ValueError if
-        the entry is missing or does not fit this optimizer."""
-        if flat or set(whole) != {STATE_ENTRY}:
-            raise ValueError(f"optimizer state {sorted([*flat, *whole])} is not a {type(self.optimizer).__name__}'s")
+    def restore(self, flat: Mapping[str, torch.Tensor | FlatPieces], whole: Mapping[str, torch.Tensor]) -> None:
+        """Load what ``checkpoint_tensors`` returned (from a checkpoint: the flat entries
+        whole), or a checkpoint's single serialized ``state_dict`` entry as written before the
+        state was taken apart. Raises ValueError if the entries are not this optimizer's or
+        do not fit it."""
+        name = type(self.optimizer).__name__
+        count = len(whole) - 1  # tensor/0 .. tensor/<count - 1> beside the skeleton
+        if not flat and set(whole) == {STATE_ENTRY}:
+            parts = None
+        elif set(whole) == {SKELETON, *(f"{TENSOR_PREFIX}{n}" for n in range(count))} and all(
+            k.startswith(FLAT_PREFIX) for k in flat
+        ):
+            parts = [whole[f"{TENSOR_PREFIX}{n}"] for n in range(count)]
+        else:
+            raise ValueError(f"optimizer state {sorted([*flat, *whole])} is not a {name}'s")
         try:
-            self._load(whole[STATE_ENTRY])
-        except (RuntimeError, ValueError, KeyError) as err:
-            raise ValueError(f"optimizer state does not fit {type(self.optimizer).__name__}: {err}") from None
+            if parts is None:
+                state = decode(whole[STATE_ENTRY])
+            else:
+                laid_out = {k[len(FLAT_PREFIX):]: _whole(v) for k, v in flat.items()}
+                state = put_together(decode(whole[SKELETON]), parts, laid_out, self._slots())
+        except (RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as err:
+            raise ValueError(f"optimizer state does not fit {name}: {err}") from None
+        self._load(state)
+
+
+def _whole(entry: torch.Tensor | FlatPieces) -> torch.Tensor:
+    """A flat entry as one tensor (a ``FlatPieces`` straight from ``checkpoint_tensors`` gathered)."""
+    return entry if isinstance(entry, torch.Tensor) else entry.cpu_range(0, entry.numel())
 
 
 def make_optimizer(config: OptimizerConfig, flat: FlatParameters) -> FlatOptimizer | GenericOptimizer:

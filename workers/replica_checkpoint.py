@@ -20,18 +20,18 @@ import torch
 from jobspec.wire import FileEntry, SnapshotRequest
 from workers.chaos import ChaosSchedule, kill_self
 from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpointing import PartSnapshot, load_state, take_snapshot, write_snapshot
+from workers.checkpointing import FlatPieces, PartSnapshot, load_state, take_snapshot, write_snapshot
 from workers.named_tensors import check_fit, copy_by_name
 from workers.replica import Replica
 
 
 def checkpointed_tensors(
     replica: Replica, whole: bool = True
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The training state a checkpoint holds, by name: the flat tensors (parameters and
-    optimizer state, all one length, written in slices) and the whole ones (only part 0
-    writes them: ``whole=False`` leaves them out, sparing a generic optimizer's
-    serialization)."""
+) -> tuple[dict[str, torch.Tensor | FlatPieces], dict[str, torch.Tensor]]:
+    """The training state a checkpoint holds, by name, uncopied: the flat tensors
+    (parameters and optimizer state, all one length, written in slices; a generic
+    optimizer's per-parameter state as ``FlatPieces``) and the whole ones (only part 0
+    writes them: ``whole=False`` leaves them out, sparing a generic optimizer's skeleton)."""
     optim_flat, optim_whole = replica.optimizer.checkpoint_tensors(whole)
     flat = {"params": replica.flat.values, **{f"optim/{k}": v for k, v in optim_flat.items()}}
     if not whole:

@@ -1,0 +1,40 @@
+"""A user's own optimizer class, as a job names one (``tests.helpers.optimizers:Lion``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023): the update is the sign of an interpolated momentum, with
+    decoupled weight decay. Its state per parameter: the momentum ``exp_avg`` (shaped like
+    the parameter), the number of ``updates`` (a plain int) and the ``last_norm`` of the
+    update (a 0-dim tensor): state of three kinds, as a user's optimizer may keep."""
+
+    def __init__(
+        self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0
+    ) -> None:
+        if lr <= 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["updates"] = 0
+                exp_avg = state["exp_avg"]
+                update = (exp_avg * beta1 + p.grad * (1 - beta1)).sign_()
+                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
+                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+                state["updates"] += 1
+                state["last_norm"] = torch.linalg.vector_norm(update)

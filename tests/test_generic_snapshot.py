@@ -1,0 +1,172 @@
+"""A generic optimizer's state off the thread that trains: a checkpoint snapshot and a join's
+state transfer only copy tensors (the serializer runs in the background writer, or not at
+all), the per-parameter state is sliced across checkpoint parts like the fused state, the
+state comes back exactly, and checkpoints written before still restore. No Ray."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from jobspec.job import JobConfig
+from jobspec.wire import SnapshotRequest
+from tests.helpers.optimizers import Lion
+from tests.helpers.slow_save import float_bytes, slowed
+from workers.chaos import ChaosSchedule
+from workers.checkpoint_manifest import verify_checkpoint, write_manifest
+from workers.checkpoint_storage import CheckpointStorage
+from workers.generic_optimizer import STATE_ENTRY, GenericOptimizer
+from workers.loss_scaler import LossScaler
+from workers.replica_checkpoint import CheckpointWriter, restore_state
+from workers.training import FlatParameters
+
+OPTIMIZERS = [("RAdam", {"lr": 0.01, "weight_decay": 0.1}), (Lion, {"lr": 0.001, "weight_decay": 0.1})]
+SAVE_RATE = 200.0  # bytes of floating-point data per second the slowed serializer writes
+SLOW_S = 1.0  # what it takes for the test model's optimizer state, at least
+
+
+@dataclass
+class FakeReplica:
+    """What ``CheckpointWriter`` and ``restore_state`` need of a worker (``workers.replica.Replica``)."""
+
+    optimizer_name: Any
+    kwargs: dict[str, Any]
+    model: torch.nn.Module = field(init=False)
+    flat: FlatParameters = field(init=False)
+    optimizer: GenericOptimizer = field(init=False)
+    scaler: LossScaler = field(default_factory=lambda: LossScaler(False))
+    device: torch.device = torch.device("cpu")
+    next_step: int = 0
+
+    def __post_init__(self) -> None:
+        torch.manual_seed(0)  # every replica starts alike
+        self.model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+        self.flat = FlatParameters(self.model.parameters(), extra=2)
+        # decay_biases_and_norms false: two groups, so state_dict order is not the flat order
+        self.optimizer = GenericOptimizer(self.optimizer_name, self.kwargs, self.flat.params, False)
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            self.flat.zero()
+            torch.manual_seed(100 + self.next_step)
+            self.model(torch.randn(4, 6)).square().sum().backward()
+            self.optimizer.step()
+            self.next_step += 1
+
+
+def _same_state(got: GenericOptimizer, want: GenericOptimizer) -> None:
+    """Bit for bit: every tensor and value of the two optimizers' state_dicts."""
+    a, b = got.optimizer.state_dict(), want.optimizer.state_dict()
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for index, state in b["state"].items():
+        assert a["state"][index].keys() == state.keys()
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(a["state"][index][key], value) and a["state"][index][key].device == value.device, key
+            else:
+                assert a["state"][index][key] == value, key
+
+
+def _saves_on(monkeypatch) -> list[tuple[str, int]]:
+    """Slow ``torch.save`` down (``SLOW_S`` for the test state) and record (thread, float bytes) of each call."""
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch, "save", slowed(torch.save, SAVE_RATE, lambda size: calls.append((threading.current_thread().name, size))))
+    return calls
+
+
+@pytest.mark.parametrize("name, kwargs", OPTIMIZERS)
+def test_a_snapshot_copies_on_the_compute_thread_and_serializes_in_the_background(tmp_path, monkeypatch, name, kwargs):
+    source = FakeReplica(name, kwargs)
+    source.train(3)
+    state_bytes = sum(float_bytes(s) for s in source.optimizer.optimizer.state.values())
+    assert state_bytes >= SLOW_S * SAVE_RATE  # the slowed save of it takes SLOW_S at least
+    calls = _saves_on(monkeypatch)
+    # The two ranks' writers (one replica stands for both).
+    writers = [CheckpointWriter(ChaosSchedule.for_worker(JobConfig().chaos, i, threading.Event()), lambda: None) for i in range(2)]
+    started = time.perf_counter()
+    for index, writer in enumerate(writers):
+        writer.snapshot(SnapshotRequest(3, str(tmp_path), "step-00000003", "a1", index, 2), source, {}, index)
+    copying_s = time.perf_counter() - started
+    source.train(2)  # training goes on while the parts are written, and changes nothing in them
+    files = [f for writer in writers for f in writer.written("step-00000003", "a1", timeout_s=60)]
+    assert copying_s < SLOW_S / 2, f"the snapshots held training up {copying_s:.2f}s"
+    on_compute = [size for thread, size in calls if thread == threading.current_thread().name]
+    assert not any(on_compute), f"tensor data serialized on the compute thread: {on_compute} bytes"
+
+    storage = CheckpointStorage(str(tmp_path))
+    write_manifest(storage, 3, files, {})
+    manifest = verify_checkpoint(storage, "step-00000003")
+    parts = [torch.load(tmp_path / "step-00000003" / f.path, weights_only=True) for f in files]
+    # The moments are sliced across the parts like the parameters; part 1 holds nothing whole.
+    assert {k for p in parts for k in p["slices"]} == {"params", "optim/state/exp_avg", *(["optim/state/exp_avg_sq"] if name == "RAdam" else [])}
+    assert all(0 < p["slices"]["optim/state/exp_avg"].numel() < source.flat.numel for p in parts)
+    assert parts[1]["whole"] == {}
+
+    expected = FakeReplica(name, kwargs)
+    expected.train(3)
+    restored = FakeReplica(name, kwargs)
+    restore_state(restored, storage, "step-00000003", manifest)
+    _same_state(restored.optimizer, expected.optimizer)
+    restored.train(2)
+    expected.train(2)
+    _same_state(restored.optimizer, expected.optimizer)
+    assert torch.equal(restored.flat.values, expected.flat.values)
+
+
+@pytest.mark.parametrize("name, kwargs", OPTIMIZERS)
+def test_a_join_sends_the_state_without_serializing_its_tensors(monkeypatch, name, kwargs):
+    root, joiner = FakeReplica(name, kwargs), FakeReplica(name, kwargs)
+    root.train(3)
+    calls = _saves_on(monkeypatch)
+    sent: list[torch.Tensor] = []
+    started = time.perf_counter()
+    root.optimizer.sync(lambda tensor: sent.append(tensor.clone()), is_root=True)
+    assert time.perf_counter() - started < SLOW_S / 2 and not any(size for _, size in calls), calls
+    replies = iter(sent)
+    joiner.optimizer.sync(lambda tensor: tensor.copy_(next(replies)), is_root=False)
+    assert next(replies, None) is None  # as many broadcasts on both sides
+    _same_state(joiner.optimizer, root.optimizer)
+    joiner.flat.values.copy_(root.flat.values)  # the parameters travel beside it (GroupLink)
+    joiner.next_step = root.next_step
+    root.train(2)
+    joiner.train(2)
+    _same_state(joiner.optimizer, root.optimizer)
+    assert torch.equal(joiner.flat.values, root.flat.values)
+
+
+def test_a_join_before_the_first_step_sends_an_empty_state():
+    root, joiner = FakeReplica("RAdam", {}), FakeReplica("RAdam", {})
+    sent: list[torch.Tensor] = []
+    root.optimizer.sync(lambda tensor: sent.append(tensor.clone()), is_root=True)
+    assert len(sent) == 2  # the skeleton's length and the skeleton: no tensors yet
+    replies = iter(sent)
+    joiner.optimizer.sync(lambda tensor: tensor.copy_(next(replies)), is_root=False)
+    assert joiner.optimizer.optimizer.state_dict()["state"] == {}
+
+
+def test_a_checkpoint_written_before_the_state_was_taken_apart_still_restores():
+    source = FakeReplica("RAdam", {"lr": 0.01})
+    source.train(3)
+    buffer = io.BytesIO()
+    torch.save(source.optimizer.optimizer.state_dict(), buffer)  # what part 0 held until now
+    blob = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    restored = FakeReplica("RAdam", {"lr": 0.01})
+    restored.optimizer.restore({}, {STATE_ENTRY: blob})
+    _same_state(restored.optimizer, source.optimizer)
+
+
+def test_a_state_that_does_not_fit_is_refused_in_one_line():
+    source = FakeReplica("RAdam", {"lr": 0.01})
+    source.train(1)
+    flat, whole = source.optimizer.checkpoint_tensors()
+    other = GenericOptimizer("RAdam", {"lr": 0.01}, list(torch.nn.Linear(3, 2).parameters()))
+    with pytest.raises(ValueError, match=r"^optimizer state does not fit RAdam: flat optimizer state of \[63\] entries, the parameters have 8$"):
+        other.restore(flat, whole)
+    with pytest.raises(ValueError, match=r"is not a RAdam's"):
+        other.restore(flat, {k: v for k, v in whole.items() if k != "tensor/0"})

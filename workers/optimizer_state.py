@@ -1,0 +1,246 @@
+"""A torch optimizer's ``state_dict`` taken apart into what moves cheaply, and put back together.
+
+A generic optimizer's state (``workers/generic_optimizer.py``) is the optimizer's own: created
+lazily, of any layout. Serializing it whole (``torch.save``) costs time in proportion to its
+size on the thread that trains, while the peers wait (a checkpoint's part 0, a join's root).
+So nothing here serializes tensor data. The state is split into its *skeleton* (the nested
+structure with every tensor replaced by a marker: small, serialized on its own) and its
+tensors, which move as tensors:
+
+* at a join, packed into one byte buffer on the device and broadcast (``pack``, ``unpack``);
+* in a checkpoint, the per-parameter state shaped like its parameter (Adam-like moments: the
+  bulk) is laid out flat like the parameters (``FlatPieces``), so every part copies and
+  writes its own slice as for the fused optimizers; the other tensors are whole ones that
+  part 0 copies. The background writer serializes both.
+
+Aliasing between state tensors (two entries sharing memory) is not kept: each comes back
+with memory of its own, as copies.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workers.checkpointing import FlatPieces
+
+# Markers standing in for tensors in a skeleton: (TENSOR, index into the tensors) and
+# (FLAT, state key) for per-parameter state laid out flat. Plain tuples, so that a skeleton
+# loads with ``weights_only=True``.
+TENSOR = "ringleader.optimizer_state.tensor"
+FLAT = "ringleader.optimizer_state.flat"
+# What a ``_rebuild`` leaf function returns for a part it leaves as it is.
+KEEP = object()
+# Packed tensors start at multiples of this many bytes: a byte slice can be viewed as any
+# dtype (up to complex128) only from an offset its element size divides.
+ALIGN = 16
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one of the optimizer's parameters (by its ``state_dict`` index) lies in the flat
+    layout: from entry ``start``, ``shape.numel()`` entries."""
+
+    start: int
+    shape: torch.Size
+
+
+@dataclass
+class TakenApart:
+    """A ``state_dict`` as ``skeleton`` (markers for tensors), ``tensors`` (by marker index)
+    and ``flat`` (per-parameter state by key, laid out like the parameters)."""
+
+    skeleton: Any
+    tensors: list[torch.Tensor]
+    flat: dict[str, FlatPieces]
+
+
+def _marker(value: Any, kind: str) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and value[0] == kind
+
+
+def flat_keys(state: Any, slots: Sequence[ParamSlot]) -> list[str]:
+    """The per-parameter state keys to lay out flat: held by every parameter as a tensor of
+    its parameter's shape, one dtype and device across parameters ([] if the state is not
+    keyed by parameter index, as ``torch.optim``'s is)."""
+    if not slots or not isinstance(state, Mapping) or set(state) != set(range(len(slots))):
+        return []
+    if not all(isinstance(s, Mapping) for s in state.values()):
+        return []
+    first = state[0]
+    found = []
+    for key, sample in first.items():
+        if not (isinstance(key, str) and isinstance(sample, torch.Tensor)):
+            continue
+        if all(
+            isinstance(t := state[i].get(key), torch.Tensor)
+            and t.shape == slot.shape and t.dtype == sample.dtype and t.device == sample.device
+            for i, slot in enumerate(slots)
+        ):
+            found.append(key)
+    return found
+
+
+def take_apart(state_dict: Mapping[str, Any], slots: Sequence[ParamSlot] = ()) -> TakenApart:
+    """Split ``state_dict`` (an optimizer's) into skeleton, tensors and flat state. With
+    ``slots`` (one per parameter, covering the flat layout), per-parameter state of the
+    parameters' shapes goes flat; without, every tensor is a whole one. Copies no tensor."""
+    state = state_dict.get("state")
+    keys = flat_keys(state, slots)
+    flat: dict[str, FlatPieces] = {}
+    if keys:
+        by_start = sorted(range(len(slots)), key=lambda i: slots[i].start)
+        flat = {key: FlatPieces(tuple(state[i][key] for i in by_start)) for key in keys}
+        marked = {i: {k: (FLAT, k) if k in flat else v for k, v in s.items()} for i, s in state.items()}
+        state_dict = {**state_dict, "state": marked}
+    tensors: list[torch.Tensor] = []
+    return TakenApart(_skeleton(state_dict, tensors), tensors, flat)
+
+
+def _rebuild(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` rebuilt through its dicts, lists and tuples, each part that ``leaf`` replaces
+    (returns other than ``KEEP`` for) replaced."""
+    replaced = leaf(value)
+    if replaced is not KEEP:
+        return replaced
+    if isinstance(value, Mapping):
+        return {k: _rebuild(v, leaf) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rebuild(v, leaf) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_rebuild(v, leaf) for v in value)
+    return value
+
+
+def _skeleton(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with each tensor appended to ``tensors`` and replaced by its marker."""
+
+    def leaf(part: Any) -> Any:
+        if not isinstance(part, torch.Tensor):
+            return KEEP
+        tensors.append(part)
+        return (TENSOR, len(tensors) - 1)
+
+    return _rebuild(value, leaf)
+
+
+def put_together(
+    skeleton: Any,
+    tensors: Sequence[torch.Tensor],
+    flat: Mapping[str, torch.Tensor] | None = None,
+    slots: Sequence[ParamSlot] = (),
+) -> Any:
+    """The ``state_dict`` that ``take_apart`` took apart: markers replaced by ``tensors`` and,
+    for flat state, by copies of each parameter's range of ``flat[key]`` (whole flat
+    tensors, laid out by ``slots``). Raises ValueError if a marker has nothing to refer to."""
+    if flat:
+        if not isinstance(skeleton, Mapping) or not isinstance(skeleton.get("state"), Mapping):
+            raise ValueError("flat optimizer state without per-parameter state to put it in")
+        numel = sum(slot.shape.numel() for slot in slots)
+        if {t.numel() for t in flat.values()} != {numel}:
+            raise ValueError(f"flat optimizer state of {sorted({t.numel() for t in flat.values()})} entries, the parameters have {numel}")
+        state = {i: _unflatten(i, s, flat, slots) for i, s in skeleton["state"].items()}
+        skeleton = {**skeleton, "state": state}
+    return _fill(skeleton, tensors)
+
+
+def _unflatten(index: Any, state: Any, flat: Mapping[str, torch.Tensor], slots: Sequence[ParamSlot]) -> Any:
+    """Parameter ``index``'s state with its flat markers replaced by its ranges of ``flat``."""
+    if not isinstance(state, Mapping):
+        return state
+    out = {}
+    for key, value in state.items():
+        if _marker(value, FLAT):
+            if value[1] not in flat or not (isinstance(index, int) and 0 <= index < len(slots)):
+                raise ValueError(f"optimizer state of parameter {index!r} refers to flat state {value[1]!r} it does not hold")
+            slot = slots[index]
+            value = flat[value[1]][slot.start: slot.start + slot.shape.numel()].view(slot.shape).clone()
+        out[key] = value
+    return out
+
+
+def _fill(value: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """``value`` with each tensor marker replaced by its tensor of ``tensors``."""
+
+    def leaf(part: Any) -> Any:
+        if _marker(part, FLAT):
+            raise ValueError(f"optimizer state refers to flat state {part[1]!r} outside the per-parameter state")
+        if not _marker(part, TENSOR):
+            return KEEP
+        if not (isinstance(part[1], int) and 0 <= part[1] < len(tensors)):
+            raise ValueError(f"optimizer state refers to tensor {part[1]!r} of {len(tensors)}")
+        return tensors[part[1]]
+
+    return _rebuild(value, leaf)
+
+
+def encode(value: Any) -> torch.Tensor:
+    """``value`` (a skeleton: plain values only) as bytes in a uint8 tensor."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def decode(blob: torch.Tensor) -> Any:
+    """What ``encode`` encoded (on the CPU), loaded with ``weights_only=True``: anything but
+    tensors and plain values is refused rather than unpickled."""
+    return torch.load(io.BytesIO(blob.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
+
+
+#: A packed tensor's shape, dtype name and whether it lives on the host (the CPU) rather than the device.
+TensorSpec = tuple[tuple[int, ...], str, bool]
+
+
+def _padded(nbytes: int) -> int:
+    return nbytes + (-nbytes) % ALIGN
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    shape, dtype, _ = spec
+    return torch.Size(shape).numel() * _dtype(dtype).itemsize
+
+
+def _dtype(name: str) -> torch.dtype:
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"optimizer state names an unknown dtype {name!r}")
+    return found
+
+
+def packed_bytes(specs: Sequence[TensorSpec]) -> int:
+    """The size of the buffer that ``pack`` makes of tensors of ``specs``."""
+    return sum(_padded(_nbytes(spec)) for spec in specs)
+
+
+def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[TensorSpec]]:
+    """``tensors`` back to back (each from an ``ALIGN``-byte boundary) in one uint8 buffer on
+    ``device``, and their specs: one broadcast moves them all. A copy, no serialization."""
+    pieces, specs = [], []
+    for tensor in tensors:
+        data = tensor.detach().reshape(-1).view(torch.uint8).to(device)
+        pieces.append(data)
+        pad = _padded(data.numel()) - data.numel()
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+        specs.append((tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), tensor.device.type == "cpu"))
+    buffer = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+    return buffer, specs
+
+
+def unpack(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+    """The tensors ``pack`` packed into ``buffer``, each a copy of its own: on the host if it
+    was there, else on the buffer's device."""
+    if buffer.numel() != packed_bytes(specs):
+        raise ValueError(f"packed optimizer state of {buffer.numel()} bytes, its specs need {packed_bytes(specs)}")
+    out, offset = [], 0
+    for spec in specs:
+        shape, dtype, on_host = spec
+        nbytes = _nbytes(spec)
+        piece = buffer[offset: offset + nbytes].view(_dtype(dtype)).view(shape)
+        out.append(piece.to("cpu", copy=True) if on_host else piece.clone())
+        offset += _padded(nbytes)
+    return out
