@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from orchestrator.run_dir import read_run_id
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
 from workers.checkpoint_manifest import MANIFEST, latest_valid, verify_checkpoint
 from workers.checkpoint_storage import CheckpointStorage
@@ -170,7 +171,7 @@ def test_topk_residuals_survive_recovery_and_travel_in_checkpoints(tmp_path):
     fixed = (*overrides, "stragglers.mitigation=false", "stragglers.rebalance=false")
     straight = run(tmp_path, "straight", "scaling.workers=3", "steps=20", *fixed)
     shutil.copytree(straight.run_dir, tmp_path / "resumed")  # the same run, then back to its step-10 checkpoint
-    for later in (tmp_path / "resumed" / "checkpoints").glob("step-*"):
+    for later in (tmp_path / "resumed" / "checkpoints" / read_run_id(tmp_path / "resumed")).glob("step-*"):
         if later.name != "step-00000010":
             shutil.rmtree(later)
     resumed = run(tmp_path, "resumed", "scaling.workers=3", "steps=20", *fixed)
