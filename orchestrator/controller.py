@@ -242,8 +242,7 @@ class JobController:
         if plan.mitigating:
             claims = self.store.claims
             trips, sent = claims.round_trips, claims.bytes
-            with self.store.named_errors(f"opening step {step}'s shard claims"):
-                open_step(claims, step, plan)
+            self.store.call(f"opening step {step}'s shard claims", open_step, claims, step, plan)
             self.meter.driver_store(claims.round_trips - trips, claims.bytes - sent)
         return plan
 

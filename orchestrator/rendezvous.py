@@ -2,22 +2,61 @@
 by the driver, in its process or in a child process of its own (``orchestrator/store_process.py``).
 
 Its failures end the job (``StoreFailed``, naming the store's address and the error): the
-driver's own operations on it go through ``named_errors``, and ``check_alive`` sees its process
-die. It is not restarted: the claims of the steps in flight would be lost with it, and it is
+driver's own operations on it go through ``call`` (bounded: a store that is alive but stopped
+answering is named too) and ``named_errors``, and ``check_alive`` sees its process die. It is
+not restarted: the claims of the steps in flight would be lost with it, and it is
 the driver's own child, so its death means the driver's host is in trouble."""
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import secrets
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
-from typing import Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
 
 from orchestrator.errors import JobFailed, StoreFailed
-from orchestrator.store_process import StoreProcess, StoreProcessError, listening_store
+from orchestrator.store_process import START_TIMEOUT_S, StoreProcess, StoreProcessError, listening_store
 from workers.claims import CountingStore
+
+T = TypeVar("T")
+#: Beyond the store's own timeout, how long a driver call may take before the store is named as
+#: not answering: torch's client waits on a server that is alive but wedged (stopped, swapped
+#: out) past its timeout, for minutes.
+STORE_CALL_SLACK_S = 2.0
+
+
+class _Caller:
+    """One daemon thread that makes the driver's calls to the store, so each can be waited on
+    with a deadline. A daemon thread, not an executor: a call wedged in torch must not hold
+    up the interpreter's exit; calls after a wedged one queue behind it and time out too."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="ringleader-store-calls", daemon=True).start()
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            operation, future = call
+            try:
+                future.set_result(operation())
+            except BaseException as err:  # handed to the caller, who waits on the future
+                future.set_exception(err)
+
+    def run(self, operation: Callable[[], T], timeout_s: float) -> T:
+        """``operation()``'s result (or its exception); FutureTimeout after ``timeout_s``."""
+        future: Future[T] = Future()
+        self._calls.put((operation, future))
+        return future.result(timeout=timeout_s)
+
+    def stop(self) -> None:
+        """End the thread once the calls queued before are done."""
+        self._calls.put(None)
 
 
 class RendezvousStore:
@@ -41,6 +80,7 @@ class RendezvousStore:
         self.generation = 0
         self.process: StoreProcess | None = None
         self._client: dist.Store | None = None
+        self._caller: _Caller | None = None
         if own_process:
             # Started now, connected to on first use: it loads while the workers start.
             self.process = StoreProcess(host, timeout_s)
@@ -97,24 +137,42 @@ class RendezvousStore:
             first_line = (str(err).strip().splitlines() or [""])[0]
             raise StoreFailed(f"{self.name} failed {doing}: {type(err).__name__}: {first_line}") from err
 
+    def call(self, doing: str, operation: Callable[..., T], *args: Any, wait_s: float | None = None) -> T:
+        """``operation(*args)``, the driver's own use of the store, within ``wait_s`` (default
+        the store's timeout) plus ``STORE_CALL_SLACK_S``. Raises StoreFailed naming the store
+        and what it was ``doing`` if it failed, died or did not answer in time
+        (StoreProcessError if its process has died)."""
+        if self._caller is None:
+            self._caller = _Caller()
+        deadline_s = (self.timeout_s if wait_s is None else wait_s) + STORE_CALL_SLACK_S
+        with self.named_errors(doing):
+            try:
+                return self._caller.run(lambda: operation(*args), deadline_s)
+            except FutureTimeout:
+                self.check_alive()
+                raise StoreFailed(f"{self.name} did not answer within {deadline_s:.0f}s {doing}") from None
+
     def close(self) -> None:
-        """Stop the server process, if it has one."""
+        """Stop the server process, if it has one, and the thread that calls it."""
+        if self._caller is not None:
+            self._caller.stop()
         if self.process is not None:
             self.process.close()
 
     def read(self, key: str) -> str | None:
         """The value at ``key`` (outside any generation), or None if it is not set; no wait.
         Raises StoreFailed."""
-        with self.named_errors(f"reading {key}"):
-            if not self._store.check([key]):
-                return None
-            return self._store.get(key).decode()
+        def get() -> str | None:
+            return self._store.get(key).decode() if self._store.check([key]) else None
+
+        return self.call(f"reading {key}", get)
 
     def next_prefix(self) -> str:
         """Start the next generation; returns its key prefix. Raises StoreFailed (the first
         use connects to the store's process)."""
         self.generation += 1
         prefix = f"gen{self.generation}/"
-        with self.named_errors("connecting"):
-            self.claims = CountingStore(dist.PrefixStore(prefix, self._store))
+        # The first use waits for the store's process to listen (it imports torch first).
+        connect_s = self.timeout_s + (START_TIMEOUT_S if self._client is None else 0.0)
+        self.claims = self.call("connecting", lambda: CountingStore(dist.PrefixStore(prefix, self._store)), wait_s=connect_s)
         return prefix

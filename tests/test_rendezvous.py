@@ -7,13 +7,15 @@ import os
 import re
 import signal
 import socket
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from orchestrator.errors import StoreFailed
-from orchestrator.rendezvous import RendezvousStore
+from orchestrator.rendezvous import STORE_CALL_SLACK_S, RendezvousStore
 from orchestrator.store_process import StoreProcessError
 from policies.work_stealing import StepPlan
 from workers.claims import open_step
@@ -91,4 +93,30 @@ def test_a_store_process_that_ended_itself_is_named_with_its_last_words():
         with pytest.raises(StoreProcessError, match=r"^the job's store .* at no-such-host\.invalid:\? died: its process \(pid \d+\) exited with status 1: .*gaierror"):
             store.check_alive()
     finally:
+        store.close()
+
+
+def test_a_store_that_stopped_answering_is_named_within_its_timeout_not_waited_on_forever():
+    # Alive but wedged (SIGSTOP): torch's client waits on such a server past its own timeout,
+    # so every driver call that needs an answer is bounded by the store's timeout plus a slack.
+    store = RendezvousStore("127.0.0.1", 1.0, own_process=True)
+    try:
+        store.next_prefix()
+        store.claims.multi_set(["claim/0/0"], [b"free"])
+        os.kill(store.process.pid, signal.SIGSTOP)
+        stopped_by = time.monotonic() + 10
+        while Path(f"/proc/{store.process.pid}/stat").read_text().split()[2] != "T":  # the signal is delivered late
+            assert time.monotonic() < stopped_by, "the store process did not stop"
+            time.sleep(0.01)
+        bound_s = 1.0 + STORE_CALL_SLACK_S + 2.0
+        started = time.monotonic()
+        with pytest.raises(StoreFailed, match=r"^the job's store .* at 127\.0\.0\.1:\d+ did not answer within \d+s reading key"):
+            store.read("key")
+        assert time.monotonic() - started < bound_s
+        started = time.monotonic()  # behind the wedged call, or torch's own timeout: named either way
+        with pytest.raises(StoreFailed, match=r"^the job's store .* at 127\.0\.0\.1:\d+ (did not answer within \d+s|failed) claiming"):
+            store.call("claiming", store.claims.compare_set, "claim/0/0", "free", "run:1")
+        assert time.monotonic() - started < bound_s
+    finally:
+        os.kill(store.process.pid, signal.SIGCONT)
         store.close()
