@@ -184,6 +184,17 @@ def test_a_failed_torch_import_ends_the_launch_at_once_with_the_import_error(tmp
     assert time.monotonic() - started < 15
 
 
+def test_overrides_none_means_no_overrides(tmp_path, ray_never_starts):
+    """None is what a caller passes for "no overrides": the launch goes on, to the scalar loss check."""
+    job = {**_small_job(), "loss": "tests.test_bad_input:mean_loss"}
+    with pytest.raises(ringleader.ConfigError, match="returned a scalar"):
+        ringleader.run(job, tmp_path / "run", overrides=None)
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "job.json").write_text(json.dumps(job))
+    with pytest.raises(ringleader.ConfigError, match="returned a scalar"):
+        ringleader.resume(tmp_path / "earlier", overrides=None)
+
+
 QUIET_START = """
 import os
 from orchestrator.launch import ray_session
