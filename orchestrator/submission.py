@@ -223,13 +223,18 @@ class Cluster:
         """The job's log lines as the job server streams them (what Ray's ``tail_job_logs``
         does, with bounds it has not): the upgrade must answer within ``timeout_s``, and the
         stream is pinged every ``timeout_s``, so a server that stops answering ends it
-        (a quiet job does not: its server still answers the pings)."""
+        (a quiet job does not: its server still answers the pings). It speaks as the client
+        does: the client's headers (ours, and those Ray added: its token, a cluster plugin's),
+        cookies and TLS settings (verification, a custom CA)."""
         import aiohttp
 
-        url = f"{self.client.get_address()}/api/jobs/{submission_id}/logs/tail"
+        client = self.client
+        url = f"{client.get_address()}/api/jobs/{submission_id}/logs/tail"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s)
-        async with aiohttp.ClientSession(headers=self.headers, timeout=timeout) as session:
-            async with session.ws_connect(url, heartbeat=self.timeout_s) as ws:
+        # Ray's own tail_job_logs reads the same attributes; None: aiohttp's default verification.
+        tls = True if client._ssl_context is None else client._ssl_context
+        async with aiohttp.ClientSession(headers=client._headers, cookies=client._cookies, timeout=timeout) as session:
+            async with session.ws_connect(url, heartbeat=self.timeout_s, ssl=tls) as ws:
                 async for message in ws:
                     if message.type == aiohttp.WSMsgType.TEXT:
                         yield message.data

@@ -201,3 +201,98 @@ def test_following_a_log_stream_that_never_opens_ends_in_one_line(monkeypatch):
         server.release.set()  # type: ignore[attr-defined]
         server.shutdown()
         server.server_close()
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1, its own CA, and its key: (cert, key) files."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ringleader test head")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(__import__("ipaddress").ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = directory / "head.pem", directory / "head.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+@contextlib.contextmanager
+def _job_server(tls: tuple[Path, Path] | None, cookie: str | None, header: str | None) -> Iterator[str]:
+    """A job server (aiohttp, as Ray's) that answers the version check, and streams one log line
+    to a log-tail request that carries the ``cookie`` and ``header`` it asks for (else 401);
+    over TLS with ``tls``'s certificate. Yields its address."""
+    import asyncio
+    import ssl
+
+    import ray
+    from aiohttp import web
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": "4", "ray_version": ray.__version__, "ray_commit": "x"})
+
+    async def tail(request: web.Request) -> web.StreamResponse:
+        if (cookie and request.cookies.get("session") != cookie) or (header and request.headers.get("X-Proxy-Auth") != header):
+            return web.Response(status=401)
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_str("the job's line\n")
+        await ws.close()
+        return ws
+
+    app = web.Application()
+    app.add_routes([web.get("/api/version", version), web.get("/api/jobs/{id}/logs/tail", tail)])
+    context = None
+    if tls:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(*tls)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+@pytest.mark.parametrize("needs", ["custom CA", "cookie", "header"])
+def test_following_logs_speaks_as_the_client_does(tmp_path, monkeypatch, needs):
+    """The log stream carries what the client carries: its TLS verification (a custom CA),
+    cookies and headers (a cluster plugin's, the token Ray found itself)."""
+    from orchestrator.submission import _bounded_client
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    monkeypatch.setattr(Cluster, "status", lambda self, submission_id: ("SUCCEEDED", ""))
+    tls = _self_signed(tmp_path) if needs == "custom CA" else None
+    cookie = "abc" if needs == "cookie" else None
+    header = "p" if needs == "header" else None
+    with _job_server(tls, cookie, header) as address:
+        cluster = Cluster(address, None, timeout_s=5)
+        cluster._client = _bounded_client(5)(
+            address, cookies={"session": cookie} if cookie else None, headers={"X-Proxy-Auth": header} if header else None,
+            verify=str(tls[0]) if tls else True,
+        )
+        lines: list[str] = []
+        assert cluster.follow("raysubmit_x", lines.append) == "SUCCEEDED"
+    assert lines == ["the job's line\n"]
