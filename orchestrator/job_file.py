@@ -10,7 +10,6 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from jobspec.durable import write_atomic
 from jobspec.fields import ConfigError, callable_name
 from jobspec.job import JobConfig
 from jobspec.recipe import BUILTIN_LOSSES, OptimizerConfig
@@ -105,14 +104,14 @@ def read_mapping(path: str | Path, source: str, kind: str = "job") -> dict[str, 
     return loaded
 
 
-def write_overrides(path: Path, overrides: list[str]) -> None:
-    """Write ``--set`` overrides to ``path`` (durably, private to its owner) as a JSON list,
-    which ``read_overrides`` (``ringleader run --set-file``) reads back."""
-    write_atomic(path, lambda handle: handle.write(json.dumps(list(overrides)).encode()))
+def encode_overrides(overrides: list[str]) -> bytes:
+    """``--set`` overrides as the file ``read_overrides`` (``ringleader run --set-file``)
+    reads: a JSON list of strings."""
+    return json.dumps(list(overrides)).encode()
 
 
 def read_overrides(path: str | Path) -> list[str]:
-    """The overrides ``write_overrides`` wrote to ``path``. Raises ConfigError naming the file
+    """The overrides ``encode_overrides`` encoded, from ``path``. Raises ConfigError naming the file
     if it cannot be read or is not a JSON list of strings."""
     try:
         loaded = json.loads(Path(path).read_text(encoding="utf-8"))

@@ -81,9 +81,9 @@ def test_no_override_value_is_in_the_entrypoint_or_metadata_and_no_token_in_the_
 
 
 def test_the_shipped_overrides_are_what_run_applies(tmp_path, capsys):
-    from orchestrator.job_file import write_overrides
+    from orchestrator.job_file import encode_overrides
 
-    write_overrides(tmp_path / "overrides.json", ["steps=0"])
+    (tmp_path / "overrides.json").write_bytes(encode_overrides(["steps=0"]))
     assert main(["run", "--set-file", str(tmp_path / "overrides.json"), "--run-dir", str(tmp_path / "run")]) == 2
     assert "field 'steps'" in capsys.readouterr().err
     (tmp_path / "broken.json").write_text('{"steps": 1}')
@@ -110,6 +110,74 @@ def test_submit_validates_with_the_working_directory_importable(tmp_path, submit
     assert submitted[0]["metadata"] == {"ringleader_job": "edge"}
     assert "edge_only_models.py" in submitted[0]["files"]
     assert project.is_dir()
+
+
+def _submit(project: Path, *overrides: str) -> int:
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    return main(["submit", str(project / "job.yaml"), "--working-dir", str(project), "--address", "http://127.0.0.1:1", *sets])
+
+
+def test_the_same_overrides_ship_the_same_file_so_the_same_package(tmp_path, submitted, capsys):
+    project = _project(tmp_path / "project")
+    assert _submit(project, "steps=3") == 0 and _submit(project, "steps=3") == 0 and _submit(project, "steps=4") == 0
+    first, again, other = (call["entrypoint"] for call in submitted)
+    assert first == again and first != other
+    assert submitted[0]["files"] == submitted[1]["files"]  # what Ray hashes into the package's name
+
+
+def test_a_killed_submits_overrides_file_is_removed_and_a_live_ones_never_shipped(tmp_path, submitted, capsys, monkeypatch):
+    """A SIGKILLed submit leaves its file, holding a credential: nobody holds it, so the next
+    submit removes it. A concurrent submit's (held: a live one) stays, out of this upload."""
+    import fcntl
+
+    project = _project(tmp_path / "project")
+    stale, live = project / ".ringleader-submit-0123456789abcdef.json", project / ".ringleader-submit-fedcba9876543210.json"
+    for path in (stale, live):
+        path.write_text(json.dumps([f"checkpoint.path={SECRET}"]))
+    with open(live) as holder:
+        fcntl.flock(holder, fcntl.LOCK_SH)  # as the live submit does
+        assert _submit(project, "steps=3") == 0, capsys.readouterr().err
+        (call,) = submitted
+        assert not stale.exists() and live.exists()
+        assert all("AKIAEXAMPLE" not in text for text in call["files"].values())
+        shipped = call["entrypoint"].split("--set-file ")[1].split()[0]
+        assert [name for name in call["files"] if "ringleader-submit" in name] == [shipped]
+
+        def refused(*args: Any) -> str:
+            raise SubmissionError("the cluster refused it")
+
+        monkeypatch.setattr(Cluster, "submit", refused)
+        assert _submit(project, "steps=3") == 2  # a failed submit removes its file too
+        assert [path.name for path in project.glob(".ringleader-submit-*")] == [live.name]
+
+
+def test_submits_of_the_same_overrides_share_one_file_the_last_one_out_removes(tmp_path):
+    from orchestrator.held_files import held_file
+
+    path = tmp_path / "shared.json"
+    with held_file(path, b"[]"):
+        with held_file(path, b"[]"):
+            assert path.read_bytes() == b"[]"
+        assert path.exists()  # the first submit still uploads it
+    assert not path.exists()
+
+
+def test_a_read_only_working_directory_is_one_line_saying_what_to_do(tmp_path, submitted, capsys, monkeypatch):
+    import errno
+    import tempfile
+
+    def read_only(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    project = _project(tmp_path / "project")
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)  # root writes through a chmod: a read-only mount, as it answers
+    assert _submit(project, "steps=3") == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"ringleader: cannot write the --set values into the working directory {project} (Read-only file system), "
+        "with which they travel: submit from a writable directory (--working-dir), or put them in the job file\n"
+    )
+    assert not submitted
 
 
 @contextlib.contextmanager
@@ -224,8 +292,9 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
         .sign(key, hashes.SHA256())
     )
     cert_file, key_file = directory / "head.pem", directory / "head.key"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    pem = serialization.Encoding.PEM
+    cert_file.write_bytes(cert.public_bytes(pem))
+    key_file.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
     return cert_file, key_file
 
 
