@@ -10,7 +10,6 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from jobspec.durable import write_atomic
 from jobspec.fields import ConfigError, callable_name
 from jobspec.job import JobConfig
 from jobspec.recipe import BUILTIN_LOSSES, OptimizerConfig
@@ -105,14 +104,14 @@ def read_mapping(path: str | Path, source: str, kind: str = "job") -> dict[str, 
     return loaded
 
 
-def write_overrides(path: Path, overrides: list[str]) -> None:
-    """Write ``--set`` overrides to ``path`` (durably, private to its owner) as a JSON list,
-    which ``read_overrides`` (``ringleader run --set-file``) reads back."""
-    write_atomic(path, lambda handle: handle.write(json.dumps(list(overrides)).encode()))
+def encode_overrides(overrides: list[str]) -> bytes:
+    """``--set`` overrides as the file ``read_overrides`` (``ringleader run --set-file``)
+    reads: a JSON list of strings."""
+    return json.dumps(list(overrides)).encode()
 
 
 def read_overrides(path: str | Path) -> list[str]:
-    """The overrides ``write_overrides`` wrote to ``path``. Raises ConfigError naming the file
+    """The overrides ``encode_overrides`` encoded, from ``path``. Raises ConfigError naming the file
     if it cannot be read or is not a JSON list of strings."""
     try:
         loaded = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -184,33 +183,37 @@ def resolve_job(job: JobConfig, source: str) -> None:
 def check_loss(job: JobConfig, source: str) -> None:
     """Call a user's loss once on the driver, on a batch of the job's first two samples, and
     raise ConfigError naming ``loss`` if it returns a scalar (a mean: see
-    ``workers/objective.py``); the built-ins are known to keep the contract. Anything that
-    fails here on the way (a factory, a collate, the loss raising: the driver may lack the
-    workers' data or devices) is left to the workers, which report it as before."""
+    ``workers/objective.py``); the built-ins are known to keep the contract.
+
+    The model is built on torch's ``meta`` device and the batch moved there: shapes without
+    memory, so a large model costs the driver (a small head node, perhaps) nothing. The
+    dataset factory does run here; ``orchestrator/launch.py`` bounds how long it waits for
+    this check. Anything that fails on the way (a factory that needs real tensors or a GPU, a
+    forward or loss that reads values, the driver lacking the workers' data) is left to the
+    workers, which refuse a scalar at step 0 and report anything else as before."""
     if job.loss.name in BUILTIN_LOSSES:
         return
     import numpy as np
     import torch
 
     from workers.objective import Objective, ScalarLossError
-    from workers.training import fetch_batch
+    from workers.training import fetch_batch, move_to
 
-    objective = Objective(job.loss.name, job.loss.kwargs)
+    meta = torch.device("meta")
     try:
-        model = build(job.model.factory, job.model.kwargs)
+        objective = Objective(job.loss.name, job.loss.kwargs)
+        with meta:  # every tensor the factory makes, parameters and buffers, is shape only
+            model = build(job.model.factory, job.model.kwargs)
         dataset = build(job.dataset.factory, job.dataset.kwargs)
         samples = min(2, len(dataset))
         batch = fetch_batch(dataset, np.arange(samples), optional_callable(job.dataset.collate))
-        with torch.no_grad():
-            result = objective.fn(model, batch, **objective.kwargs)
-    except Exception:  # noqa: BLE001 - the workers build and call these again, and report it there
-        return
-    try:
+        with torch.no_grad(), meta:
+            result = objective.fn(model, move_to(batch, meta), **objective.kwargs)
         objective.check(result, samples)
     except ScalarLossError as err:
         raise ConfigError(f"invalid job ({source}):\n  {err}") from None
-    except ValueError:
-        return  # other breaches (a wrong shape, a bad weight) the workers report, naming the step
+    except Exception:  # noqa: BLE001 - the workers build and call these again, and report it there
+        return
 
 
 def optimizer_problem(config: OptimizerConfig) -> str | None:

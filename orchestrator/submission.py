@@ -9,8 +9,10 @@ Every argument of the entrypoint is shell-quoted: Ray runs it through a shell.
 The ``--set`` overrides travel in a file written into the working directory for the upload
 (``shipped_overrides``), never in the entrypoint or the metadata: ``ray job list``, the
 dashboard, the job's info and ``ps`` on the head all show those, and an override may hold a
-credential (``checkpoint.path=s3://KEY:SECRET@...``). The token file, when it sits inside the
-working directory, is excluded from the upload.
+credential (``checkpoint.path=s3://KEY:SECRET@...``). Its name is a hash of its content (the
+same overrides, the same package: Ray's cache hits); no other submit's such file is ever
+uploaded, and those no live submit holds (a killed one's) are removed. The token file, when it
+sits inside the working directory, is excluded from the upload.
 
 Every request to the job server has a timeout (``REQUEST_TIMEOUT_S``, ``--timeout``): a head
 that accepts connections and never answers ends in one line naming its address, not a hang;
@@ -25,20 +27,21 @@ or a server that cannot be reached, is a one-line ``SubmissionError``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import re
-import secrets
 import shlex
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobspec.fields import first_line
-from orchestrator.job_file import write_overrides
+from orchestrator.held_files import held_file, remove_unheld
+from orchestrator.job_file import encode_overrides
 
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient
@@ -56,7 +59,7 @@ SETTLE_S = 30.0
 #: transfer: a large upload that keeps moving is not cut off), and how often a followed log
 #: stream pings it.
 REQUEST_TIMEOUT_S = 30.0
-#: The overrides file ``submit`` writes into the working directory: ``<prefix><random>.json``.
+#: The overrides file ``submit`` writes into the working directory: ``<prefix><content hash>.json``.
 OVERRIDES_PREFIX = ".ringleader-submit-"
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 130}
 
@@ -223,13 +226,18 @@ class Cluster:
         """The job's log lines as the job server streams them (what Ray's ``tail_job_logs``
         does, with bounds it has not): the upgrade must answer within ``timeout_s``, and the
         stream is pinged every ``timeout_s``, so a server that stops answering ends it
-        (a quiet job does not: its server still answers the pings)."""
+        (a quiet job does not: its server still answers the pings). It speaks as the client
+        does: the client's headers (ours, and those Ray added: its token, a cluster plugin's),
+        cookies and TLS settings (verification, a custom CA)."""
         import aiohttp
 
-        url = f"{self.client.get_address()}/api/jobs/{submission_id}/logs/tail"
+        client = self.client
+        url = f"{client.get_address()}/api/jobs/{submission_id}/logs/tail"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s)
-        async with aiohttp.ClientSession(headers=self.headers, timeout=timeout) as session:
-            async with session.ws_connect(url, heartbeat=self.timeout_s) as ws:
+        # Ray's own tail_job_logs reads the same attributes; None: aiohttp's default verification.
+        tls = True if client._ssl_context is None else client._ssl_context
+        async with aiohttp.ClientSession(headers=client._headers, cookies=client._cookies, timeout=timeout) as session:
+            async with session.ws_connect(url, heartbeat=self.timeout_s, ssl=tls) as ws:
                 async for message in ws:
                     if message.type == aiohttp.WSMsgType.TEXT:
                         yield message.data
@@ -267,28 +275,37 @@ def job_entrypoint(job_file: str, overrides_file: str | None, run_dir: str | Non
 
 @contextmanager
 def shipped_overrides(working_dir: Path, overrides: list[str]) -> Iterator[str | None]:
-    """Write ``overrides`` into a new file (private to its owner) in ``working_dir`` for the
-    upload; yields its name there (None without overrides) and removes it on exit (the
-    package is uploaded by then). Raises SubmissionError if the directory's ``.gitignore`` or
-    ``.rayignore`` would leave it out of the upload."""
+    """Write ``overrides`` into ``working_dir`` for the upload, in a file private to its owner
+    and named by a hash of them (the same overrides package the same directory, which Ray's
+    package cache then finds); yields its name there (None without overrides). On exit, failure
+    included, the file is removed, unless a concurrent submit of the same overrides still holds
+    it (``orchestrator/held_files.py``: the last one out removes it).
+
+    Such files no live submit holds, a killed one's, are removed first: cleaned rather than
+    refused, as nobody will read them and each holds a credential perhaps; those a live
+    submit holds are left to it, and out of this upload (``runtime_env``). Raises
+    SubmissionError if the directory cannot be written (read-only) or its ``.gitignore`` or
+    ``.rayignore`` would leave the file out of the upload."""
     if not overrides:
         yield None
         return
-    name = f"{OVERRIDES_PREFIX}{secrets.token_hex(6)}.json"
-    path = working_dir / name
-    try:
-        write_overrides(path, overrides)
-    except OSError as err:
-        raise SubmissionError(f"cannot write the overrides into the working directory {working_dir}: {err.strerror}") from None
-    try:
+    content = encode_overrides(overrides)
+    name = f"{OVERRIDES_PREFIX}{hashlib.sha256(content).hexdigest()[:16]}.json"
+    remove_unheld(working_dir, f"{OVERRIDES_PREFIX}*")
+    with ExitStack() as held:
+        try:
+            path = held.enter_context(held_file(working_dir / name, content))
+        except OSError as err:
+            raise SubmissionError(
+                f"cannot write the --set values into the working directory {working_dir} ({err.strerror or err}), "
+                "with which they travel: submit from a writable directory (--working-dir), or put them in the job file"
+            ) from None
         if _ignored(working_dir, path):
             raise SubmissionError(
                 f"the --set values travel in {OVERRIDES_PREFIX}*.json in the working directory, which its .gitignore "
                 f"or .rayignore leaves out of the upload: add the line !{OVERRIDES_PREFIX}*.json to that file"
             )
         yield name
-    finally:
-        path.unlink(missing_ok=True)
 
 
 def _ignored(working_dir: Path, path: Path) -> bool:
@@ -302,24 +319,32 @@ def _ignored(working_dir: Path, path: Path) -> bool:
     return any(match(path) for match in get_excludes_from_ignore_files(working_dir, include_gitignore=include_gitignore))
 
 
-def runtime_env(working_dir: Path, private: tuple[Path, ...] = ()) -> dict[str, Any]:
+def runtime_env(working_dir: Path, private: tuple[Path, ...] = (), overrides_file: str | None = None) -> dict[str, Any]:
     """The working directory, and ringleader's packages that are not inside it. ``private``
-    files (the token's) that lie inside the working directory are excluded from it."""
+    files (the token's) that lie inside the working directory are excluded from it, and so is
+    every overrides file but ``overrides_file`` (this submit's, from ``shipped_overrides``)."""
     shipped = []
     for name in PACKAGES:
         package = Path(sys.modules[name].__file__ or "").parent if name in sys.modules else _package_dir(name)
         if not package.resolve().is_relative_to(working_dir.resolve()):
             shipped.append(str(package))
-    excludes = list(EXCLUDES)
+    # Another submit's overrides (a concurrent one's, from this directory): never this upload's.
+    excludes = [*EXCLUDES, f"/{OVERRIDES_PREFIX}*"]
+    if overrides_file is not None:
+        excludes.append("!" + _anchored(overrides_file))  # the last matching pattern wins
     for secret in private:
         if secret.resolve().is_relative_to(working_dir.resolve()):
-            # Anchored at the working directory, glob characters escaped: this file only.
-            inside = secret.resolve().relative_to(working_dir.resolve()).as_posix()
-            excludes.append("/" + re.sub(r"([][*?\\ ])", r"\\\1", inside))
+            excludes.append(_anchored(secret.resolve().relative_to(working_dir.resolve()).as_posix()))
     env: dict[str, Any] = {"working_dir": str(working_dir), "excludes": excludes}
     if shipped:
         env["py_modules"] = shipped
     return env
+
+
+def _anchored(inside: str) -> str:
+    """An exclude pattern for the one file ``inside`` the working directory: anchored there,
+    glob characters escaped."""
+    return "/" + re.sub(r"([][*?\\ ])", r"\\\1", inside)
 
 
 def _package_dir(name: str) -> Path:

@@ -58,9 +58,9 @@ class RunResult:
         return torch.load(self.run_dir / "model.pt", weights_only=True)
 
 
-def as_job(job: JobLike, overrides: Sequence[str] = ()) -> JobConfig:
-    """``job`` validated into a JobConfig, with CLI-style ``overrides`` (``["steps=50"]``)
-    applied to a mapping or file. Raises ConfigError naming the field on any problem."""
+def as_job(job: JobLike, overrides: Sequence[str] | None = ()) -> JobConfig:
+    """``job`` validated into a JobConfig, with CLI-style ``overrides`` (``["steps=50"]``;
+    None: none) applied to a mapping or file. Raises ConfigError naming the field on any problem."""
     overrides = _override_list(overrides)
     if isinstance(job, JobConfig):
         if overrides:
@@ -74,8 +74,10 @@ def as_job(job: JobLike, overrides: Sequence[str] = ()) -> JobConfig:
 
 
 def _override_list(overrides: Any) -> list[str]:
-    """``overrides`` as a list, or ConfigError if it is not a sequence of strings (a lone
-    ``"steps=50"`` would otherwise be read letter by letter)."""
+    """``overrides`` as a list (None: none), or ConfigError if it is not a sequence of
+    strings (a lone ``"steps=50"`` would otherwise be read letter by letter)."""
+    if overrides is None:
+        return []
     if isinstance(overrides, (str, bytes)) or not isinstance(overrides, Sequence) or not all(
         isinstance(item, str) for item in overrides
     ):
@@ -87,13 +89,13 @@ class LaunchOptions(TypedDict, total=False):
     """How ``run`` and ``resume`` launch a job, by keyword, all optional (a keyword that is
     none of these is a TypeError, as for any function).
 
-    ``overrides``: CLI-style changes to the job (``["steps=600"]``). ``local_nodes``:
+    ``overrides``: CLI-style changes to the job (``["steps=600"]``; None: none). ``local_nodes``:
     simulated Ray nodes on this machine (0: none). ``progress``: a progress bar on stderr.
     ``warn``: called with each warning for the user. A bad value of any is a ConfigError,
     raised before Ray starts.
     """
 
-    overrides: Sequence[str]
+    overrides: Sequence[str] | None
     local_nodes: int
     progress: bool
     warn: Callable[[str], None]

@@ -92,7 +92,7 @@ def _submit(cluster: Cluster, args: argparse.Namespace, err: Callable[[str], Non
     with shipped_overrides(working_dir, list(args.overrides)) as overrides_file:
         submission_id = cluster.submit(
             job_entrypoint(job_file, overrides_file, args.run_dir),
-            runtime_env(working_dir, private),
+            runtime_env(working_dir, private, overrides_file),
             {"ringleader_job": job.name},
         )
     print(submission_id, flush=True)

@@ -4,9 +4,12 @@ started for itself."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,28 @@ def mean_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) 
     """The mistake the loss contract refuses: the batch's mean, not per-sample losses."""
     inputs, targets = batch
     return F.cross_entropy(model(inputs), targets)
+
+
+class HugeModel(torch.nn.Module):
+    """The digits' classifier beside a 4 PB buffer: no driver could build it, a model built
+    shape-only (on the meta device) costs nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 10)
+        self.register_buffer("huge", torch.empty(10**15))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.linear(inputs)
+
+
+RELEASE = threading.Event()
+
+
+def blocking_dataset() -> torch.utils.data.TensorDataset:
+    """A dataset factory that downloads forever (until the test releases it, 60 s at most)."""
+    RELEASE.wait(60)
+    return torch.utils.data.TensorDataset(torch.zeros(4, 64), torch.zeros(4, dtype=torch.int64))
 
 
 @pytest.fixture
@@ -117,6 +142,57 @@ def test_a_loss_returning_per_sample_losses_or_a_sum_and_weight_passes_the_check
     check_loss(JobConfig.model_validate({"loss": f"{h}:exploding_loss"}), "job")  # [n] (infinite, but the shape is right)
     check_loss(JobConfig.model_validate({"loss": f"{h}:nan_weight_loss"}), "job")  # a pair: its weight is the workers' to refuse
     check_loss(JobConfig.model_validate({"loss": "json:dumps"}), "job")  # raises on the call: left to the workers
+
+
+def test_a_scalar_loss_is_refused_on_a_model_too_large_for_the_driver():
+    """The model is built on the meta device: shapes, no memory (a real build raises)."""
+    from jobspec.job import JobConfig
+    from orchestrator.job_file import check_loss
+
+    with pytest.raises(RuntimeError):  # what building it for real does here
+        HugeModel()
+    job = JobConfig.model_validate({"loss": mean_loss, "model": {"factory": HugeModel}})
+    with pytest.raises(ringleader.ConfigError, match="returned a scalar"):
+        check_loss(job, "job")
+
+
+def test_a_slow_dataset_factory_delays_the_launch_by_the_loss_check_budget_only(tmp_path, ray_never_starts, monkeypatch):
+    """The check runs the dataset factory; one that takes minutes (a download) must not hold
+    the launch past LOSS_CHECK_S, nor end it in a LaunchTimeout: Ray starts (here: is refused)."""
+    from orchestrator import launch
+
+    monkeypatch.setattr(launch, "LOSS_CHECK_S", 1.0, raising=False)
+    monkeypatch.setattr(launch, "PRELOAD_TIMEOUT_S", 20.0)
+    RELEASE.clear()
+    started = time.monotonic()
+    try:
+        with pytest.raises(AssertionError, match="Ray was started"):
+            ringleader.run({**_small_job(), "loss": mean_loss, "dataset": {"factory": blocking_dataset}}, tmp_path / "run")
+    finally:
+        RELEASE.set()
+    assert time.monotonic() - started < 15
+
+
+def test_a_failed_torch_import_ends_the_launch_at_once_with_the_import_error(tmp_path, ray_never_starts, monkeypatch):
+    from orchestrator import launch
+
+    monkeypatch.setattr(launch, "PRELOAD_TIMEOUT_S", 20.0)
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch: ImportError
+    started = time.monotonic()
+    with pytest.raises(ImportError, match="torch"):
+        ringleader.run({**_small_job(), "loss": mean_loss}, tmp_path / "run")
+    assert time.monotonic() - started < 15
+
+
+def test_overrides_none_means_no_overrides(tmp_path, ray_never_starts):
+    """None is what a caller passes for "no overrides": the launch goes on, to the scalar loss check."""
+    job = {**_small_job(), "loss": "tests.test_bad_input:mean_loss"}
+    with pytest.raises(ringleader.ConfigError, match="returned a scalar"):
+        ringleader.run(job, tmp_path / "run", overrides=None)
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "job.json").write_text(json.dumps(job))
+    with pytest.raises(ringleader.ConfigError, match="returned a scalar"):
+        ringleader.resume(tmp_path / "earlier", overrides=None)
 
 
 QUIET_START = """

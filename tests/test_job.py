@@ -217,7 +217,7 @@ def test_a_wedged_preload_fails_the_launch_in_time(tmp_path, monkeypatch, capsys
 
     release = threading.Event()
     monkeypatch.setattr(launch, "PRELOAD_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(launch, "_preload", lambda job, source: release.wait(60))
+    monkeypatch.setattr(launch, "_preload", lambda job, source, checked: release.wait(60))
     started = time.perf_counter()
     try:
         code = main(["run", "--run-dir", str(tmp_path / "wedged"), "--no-progress", "--set", "steps=5"])

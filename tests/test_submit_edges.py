@@ -81,9 +81,9 @@ def test_no_override_value_is_in_the_entrypoint_or_metadata_and_no_token_in_the_
 
 
 def test_the_shipped_overrides_are_what_run_applies(tmp_path, capsys):
-    from orchestrator.job_file import write_overrides
+    from orchestrator.job_file import encode_overrides
 
-    write_overrides(tmp_path / "overrides.json", ["steps=0"])
+    (tmp_path / "overrides.json").write_bytes(encode_overrides(["steps=0"]))
     assert main(["run", "--set-file", str(tmp_path / "overrides.json"), "--run-dir", str(tmp_path / "run")]) == 2
     assert "field 'steps'" in capsys.readouterr().err
     (tmp_path / "broken.json").write_text('{"steps": 1}')
@@ -110,6 +110,74 @@ def test_submit_validates_with_the_working_directory_importable(tmp_path, submit
     assert submitted[0]["metadata"] == {"ringleader_job": "edge"}
     assert "edge_only_models.py" in submitted[0]["files"]
     assert project.is_dir()
+
+
+def _submit(project: Path, *overrides: str) -> int:
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    return main(["submit", str(project / "job.yaml"), "--working-dir", str(project), "--address", "http://127.0.0.1:1", *sets])
+
+
+def test_the_same_overrides_ship_the_same_file_so_the_same_package(tmp_path, submitted, capsys):
+    project = _project(tmp_path / "project")
+    assert _submit(project, "steps=3") == 0 and _submit(project, "steps=3") == 0 and _submit(project, "steps=4") == 0
+    first, again, other = (call["entrypoint"] for call in submitted)
+    assert first == again and first != other
+    assert submitted[0]["files"] == submitted[1]["files"]  # what Ray hashes into the package's name
+
+
+def test_a_killed_submits_overrides_file_is_removed_and_a_live_ones_never_shipped(tmp_path, submitted, capsys, monkeypatch):
+    """A SIGKILLed submit leaves its file, holding a credential: nobody holds it, so the next
+    submit removes it. A concurrent submit's (held: a live one) stays, out of this upload."""
+    import fcntl
+
+    project = _project(tmp_path / "project")
+    stale, live = project / ".ringleader-submit-0123456789abcdef.json", project / ".ringleader-submit-fedcba9876543210.json"
+    for path in (stale, live):
+        path.write_text(json.dumps([f"checkpoint.path={SECRET}"]))
+    with open(live) as holder:
+        fcntl.flock(holder, fcntl.LOCK_SH)  # as the live submit does
+        assert _submit(project, "steps=3") == 0, capsys.readouterr().err
+        (call,) = submitted
+        assert not stale.exists() and live.exists()
+        assert all("AKIAEXAMPLE" not in text for text in call["files"].values())
+        shipped = call["entrypoint"].split("--set-file ")[1].split()[0]
+        assert [name for name in call["files"] if "ringleader-submit" in name] == [shipped]
+
+        def refused(*args: Any) -> str:
+            raise SubmissionError("the cluster refused it")
+
+        monkeypatch.setattr(Cluster, "submit", refused)
+        assert _submit(project, "steps=3") == 2  # a failed submit removes its file too
+        assert [path.name for path in project.glob(".ringleader-submit-*")] == [live.name]
+
+
+def test_submits_of_the_same_overrides_share_one_file_the_last_one_out_removes(tmp_path):
+    from orchestrator.held_files import held_file
+
+    path = tmp_path / "shared.json"
+    with held_file(path, b"[]"):
+        with held_file(path, b"[]"):
+            assert path.read_bytes() == b"[]"
+        assert path.exists()  # the first submit still uploads it
+    assert not path.exists()
+
+
+def test_a_read_only_working_directory_is_one_line_saying_what_to_do(tmp_path, submitted, capsys, monkeypatch):
+    import errno
+    import tempfile
+
+    def read_only(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    project = _project(tmp_path / "project")
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)  # root writes through a chmod: a read-only mount, as it answers
+    assert _submit(project, "steps=3") == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"ringleader: cannot write the --set values into the working directory {project} (Read-only file system), "
+        "with which they travel: submit from a writable directory (--working-dir), or put them in the job file\n"
+    )
+    assert not submitted
 
 
 @contextlib.contextmanager
@@ -201,3 +269,99 @@ def test_following_a_log_stream_that_never_opens_ends_in_one_line(monkeypatch):
         server.release.set()  # type: ignore[attr-defined]
         server.shutdown()
         server.server_close()
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1, its own CA, and its key: (cert, key) files."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ringleader test head")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(__import__("ipaddress").ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = directory / "head.pem", directory / "head.key"
+    pem = serialization.Encoding.PEM
+    cert_file.write_bytes(cert.public_bytes(pem))
+    key_file.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+@contextlib.contextmanager
+def _job_server(tls: tuple[Path, Path] | None, cookie: str | None, header: str | None) -> Iterator[str]:
+    """A job server (aiohttp, as Ray's) that answers the version check, and streams one log line
+    to a log-tail request that carries the ``cookie`` and ``header`` it asks for (else 401);
+    over TLS with ``tls``'s certificate. Yields its address."""
+    import asyncio
+    import ssl
+
+    import ray
+    from aiohttp import web
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": "4", "ray_version": ray.__version__, "ray_commit": "x"})
+
+    async def tail(request: web.Request) -> web.StreamResponse:
+        if (cookie and request.cookies.get("session") != cookie) or (header and request.headers.get("X-Proxy-Auth") != header):
+            return web.Response(status=401)
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_str("the job's line\n")
+        await ws.close()
+        return ws
+
+    app = web.Application()
+    app.add_routes([web.get("/api/version", version), web.get("/api/jobs/{id}/logs/tail", tail)])
+    context = None
+    if tls:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(*tls)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+@pytest.mark.parametrize("needs", ["custom CA", "cookie", "header"])
+def test_following_logs_speaks_as_the_client_does(tmp_path, monkeypatch, needs):
+    """The log stream carries what the client carries: its TLS verification (a custom CA),
+    cookies and headers (a cluster plugin's, the token Ray found itself)."""
+    from orchestrator.submission import _bounded_client
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    monkeypatch.setattr(Cluster, "status", lambda self, submission_id: ("SUCCEEDED", ""))
+    tls = _self_signed(tmp_path) if needs == "custom CA" else None
+    cookie = "abc" if needs == "cookie" else None
+    header = "p" if needs == "header" else None
+    with _job_server(tls, cookie, header) as address:
+        cluster = Cluster(address, None, timeout_s=5)
+        cluster._client = _bounded_client(5)(
+            address, cookies={"session": cookie} if cookie else None, headers={"X-Proxy-Auth": header} if header else None,
+            verify=str(tls[0]) if tls else True,
+        )
+        lines: list[str] = []
+        assert cluster.follow("raysubmit_x", lines.append) == "SUCCEEDED"
+    assert lines == ["the job's line\n"]
