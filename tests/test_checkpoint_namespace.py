@@ -355,3 +355,34 @@ def test_a_copied_run_directory_is_refused_on_a_shared_checkpoint_path(tmp_path)
     with hold_namespace(inside, RunDirectory(tmp_path / "own-copy", resume=True)) as lease:
         assert lease is not None and lease.check() is None
     assert find_resume_point(inside, own.path, print).name == "step-00000020"
+
+
+def test_a_new_run_that_fails_before_its_job_is_saved_leaves_its_folder_as_it_found_it(tmp_path):
+    for path in (tmp_path / "missing", tmp_path / "empty"):
+        if path.name == "empty":
+            path.mkdir()
+        made = RunDirectory(path)
+        made.event("job_start")
+        (path / "checkpoints").mkdir()
+        made.close(discard_unsaved=True)
+        assert path.exists() == (path.name == "empty") and (not path.exists() or not any(path.iterdir()))
+    saved = RunDirectory(tmp_path / "saved")
+    saved.save_job({})
+    saved.close(discard_unsaved=True)
+    resumed = RunDirectory(tmp_path / "saved", resume=True)
+    resumed.close(discard_unsaved=True)
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == ["events.jsonl", "job.json", RUN_ID_FILE, "telemetry.jsonl"]
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_unreachable_checkpoint_storage_is_one_line_and_the_run_dir_can_be_used_again(tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the checkpoint directory should be")
+    common = ("steps=4", "eval=null", "scaling.workers=1", "checkpoint.every_steps=2")
+    with pytest.raises(ConfigError) as refused:
+        run_job(load_job(None, [*common, f"checkpoint.path={blocked}"]), run_dir=tmp_path / "run")
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("checkpoint.path: cannot") and str(blocked) in message
+    assert not (tmp_path / "run").exists()
+    result = run_job(load_job(None, list(common)), run_dir=tmp_path / "run")
+    assert result.summary["status"] == "finished"
