@@ -85,7 +85,8 @@ def find_resume_point(job: JobConfig, run_dir: Path, warn: Callable[[str], None]
     """The newest good checkpoint of the run in ``run_dir`` (in its namespace: ``run_namespace``),
     or None if there is none. Bad ones are reported through ``warn`` and skipped. Raises
     ConfigError if that checkpoint was written with another trajectory than ``job``'s
-    (``TRAJECTORY_FIELDS``)."""
+    (``TRAJECTORY_FIELDS``), or if ``run_dir`` is a copy of the run directory that owns the
+    namespace (``check_owner``: the copy would overwrite and prune its checkpoints)."""
     root = run_namespace(job, run_dir)
     storage = CheckpointStorage(root)
     skipped: list[str] = []

@@ -319,7 +319,10 @@ def run_job(
         from orchestrator.worker_group import RayWorkerGroup
 
         run = RunDirectory(path, resume=resuming)
-        # Before anything is written there: a second driver of the run is refused, its job.json unsaved.
+        # Closed on every way out, after the lease is released; a new run that fails before its
+        # job.json is saved (its checkpoint storage unreachable, say) leaves its folder free again.
+        held.callback(run.close, discard_unsaved=True)
+        # Before job.json is saved: a second driver of the run, or a copy of it, is refused.
         lease = held.enter_context(hold_namespace(job, run))
         _track(job, run)
         for listener in listeners:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import secrets
+import shutil
 import threading
 import time
 from datetime import datetime, timezone
@@ -63,11 +65,16 @@ class RunDirectory:
 
     A new run needs a missing or empty folder, and records a fresh run id there
     (``new_run_id``) before anything else; ``resume`` opens one a run left (its ``job.json``
-    present), reads its id back (``read_run_id``) and appends to its logs."""
+    present), reads its id back (``read_run_id``) and appends to its logs. A new run that ends
+    before its job is saved is not a run: ``close(discard_unsaved=True)`` leaves its folder as
+    it found it."""
 
     def __init__(self, path: Path, resume: bool = False) -> None:
         self.path = path
         self.run_id: str | None
+        self._new = not resume
+        self._made = not path.exists()  # new: it made the folder, else found it empty
+        self._saved = False
         if not resume:
             self.ensure_free(path)
             path.mkdir(parents=True, exist_ok=True)
@@ -104,6 +111,7 @@ class RunDirectory:
         target = self.path / JOB_FILE
         text = json.dumps(redact_all(job), indent=2, sort_keys=True).encode()
         write_atomic(target, lambda handle: handle.write(text))
+        self._saved = True
         return target
 
     def event(self, kind: str, *, quiet: bool = False, **fields: Any) -> None:
@@ -141,6 +149,22 @@ class RunDirectory:
             listener.on_summary(redacted)
         return target
 
-    def close(self) -> None:
+    def close(self, *, discard_unsaved: bool = False) -> None:
+        """Close the logs (again is fine). ``discard_unsaved``: a new run whose job was never
+        saved (it failed before it began; there is nothing to resume) also deletes what it
+        wrote, all its folder holds (missing or empty when it was made), so the same path can
+        start a run again. Best effort: it runs on the way out of a failure, which is the
+        error to report."""
         self._events.close()
         self._telemetry.close()
+        if not (discard_unsaved and self._new and not self._saved):
+            return
+        if self._made:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        with contextlib.suppress(OSError):
+            for entry in self.path.iterdir():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)

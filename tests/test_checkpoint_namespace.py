@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import orchestrator.checkpoint_namespace as lease_module
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
 from orchestrator.chaos_control import ChaosControl
@@ -114,6 +116,19 @@ def _lease_file(root: Path) -> dict:
     return json.loads((root / LEASE_FILE).read_text())
 
 
+def _age(path: Path, seconds: float) -> None:
+    """Make ``path`` read as last written ``seconds`` ago (its modification time)."""
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def _wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout_s}s for {what}"
+        time.sleep(0.02)
+
+
 def test_a_live_lease_refuses_a_second_driver_and_a_stale_or_orphaned_one_is_taken_over(tmp_path):
     root = tmp_path / "ns"
     first = NamespaceLease(str(root), settle_s=0.0)
@@ -124,9 +139,10 @@ def test_a_live_lease_refuses_a_second_driver_and_a_stale_or_orphaned_one_is_tak
     message = str(refused.value)
     assert "\n" not in message and str(root / LEASE_FILE) in message and f"pid {os.getpid()} on" in message
     assert _lease_file(root)["owner"]["token"] == first.owner.token  # the refused one wrote nothing
-    # Not refreshed within its stale_s: taken over, and the old holder finds out before writing.
+    # Not written within its stale_s (the file's age, on the storage's clock): taken over, and
+    # the old holder finds out before writing.
     stale = _lease_file(root)
-    (root / LEASE_FILE).write_text(json.dumps({**stale, "refreshed": time.time() - stale["stale_s"] - 1}))
+    _age(root / LEASE_FILE, stale["stale_s"] + 1)
     second.acquire()
     assert first.check() is not None and "no longer this driver's" in first.check()
     first.release()  # not its lease any more: left alone
@@ -213,3 +229,160 @@ def test_real_jobs_on_one_checkpoint_path_resume_from_their_own_checkpoints(tmp_
         assert result.summary["checkpoints"]["root"] == str(tmp_path / "shared" / run_id)
     namespaces = _namespaces(tmp_path / "shared")
     assert len(namespaces) == 2 and all(list(n) == ["step-00000005", "step-00000010", "step-00000015"] for n in namespaces.values())
+
+
+def _holds(root: Path, lease: NamespaceLease) -> bool:
+    try:
+        return _lease_file(root)["owner"]["token"] == lease.owner.token
+    except (FileNotFoundError, ValueError):
+        return False
+
+
+def test_a_lease_read_back_absent_or_unreadable_is_written_again_not_lost(tmp_path):
+    """A missing lease file (a network file system's passing ENOENT across the rename) or a
+    partial one is no other driver's: the holder writes its lease again and goes on."""
+    root = tmp_path / "ns"
+    lease = NamespaceLease(str(root), refresh_s=0.05, settle_s=0.0)
+    lease.acquire()
+    try:
+        for damage in (Path.unlink, lambda path: path.write_text('{"format": 1, "owner": {"ho')):
+            damage(root / LEASE_FILE)
+            _wait_for(lambda: _holds(root, lease), "the refresher to write the lease again")
+            assert lease.lost is None
+        lease._stop.set()  # the refresher's part is shown; now the check before a manifest
+        lease._refresher.join(timeout=10)
+        (root / LEASE_FILE).unlink()
+        assert lease.check() is None and _holds(root, lease)
+    finally:
+        lease.release()
+
+
+def test_a_refresher_that_keeps_failing_marks_the_lease_lost_and_the_job_fails(tmp_path, monkeypatch):
+    """Any exception in the refresher is recorded and tried again; failing past stale_s (when
+    another driver may take the lease) loses the lease, and the next manifest fails the job."""
+    root = tmp_path / "ns"
+    lease = NamespaceLease(str(root), refresh_s=0.05, stale_s=1.0, settle_s=0.0)
+    lease.acquire()
+
+    def broken(relpath: str) -> bytes:
+        raise RuntimeError("storage client broke")
+
+    monkeypatch.setattr(lease.storage, "read_bytes", broken)
+    _wait_for(lambda: lease.trouble is not None, "the refresher to record its failure")
+    assert lease.trouble == "RuntimeError: storage client broke" and lease.lost is None
+    _wait_for(lambda: lease.lost is not None, "the lease to be lost")
+    assert lease._refresher is not None
+    lease._refresher.join(timeout=10)
+    assert not lease._refresher.is_alive()
+    assert "went unrefreshed for" in lease.lost and "RuntimeError: storage client broke" in lease.lost
+    monkeypatch.undo()
+    job = _job("checkpoint.every_steps=5", f"checkpoint.path={tmp_path / 'shared'}")
+    summary = _fake_run(RunDirectory(tmp_path / "run"), job, lease)
+    assert summary["status"] == "failed" and "went unrefreshed for" in summary["error"]
+    lease.release()
+
+
+def test_a_lease_is_judged_by_its_age_on_the_storage_and_its_pid_only_in_its_pid_namespace(tmp_path):
+    """The writer's clock says nothing (hosts disagree): a lease written now whose writer's
+    clock is an hour behind is live, one written long ago whose writer's clock ran ahead is
+    stale. A gone pid frees a lease only if it was written in this PID namespace: containers
+    that share a host name cannot see each other's processes."""
+    root = tmp_path / "ns"
+    NamespaceLease(str(root))._write()  # a lease as a driver writes it
+    written = {**_lease_file(root), "refreshed": time.time() - 3600}
+    (root / LEASE_FILE).write_text(json.dumps(written))
+    other = NamespaceLease(str(root), settle_s=0.0)
+    with pytest.raises(NamespaceBusy, match="in use by another driver"):
+        other.acquire()
+    (root / LEASE_FILE).write_text(json.dumps({**written, "refreshed": time.time() + 3600}))
+    _age(root / LEASE_FILE, written["stale_s"] + 1)
+    other.acquire()
+    other.release()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    for pid_ns in ("another-boot/4:4026531836", None):  # another container; a lease that does not say
+        owner = {**written["owner"], "pid": int(gone.stdout), "token": "0" * 16, "pid_ns": pid_ns}
+        (root / LEASE_FILE).write_text(json.dumps({**written, "owner": owner, "refreshed": time.time()}))
+        with pytest.raises(NamespaceBusy, match=f"pid {int(gone.stdout)} on"):
+            NamespaceLease(str(root), settle_s=0.0).acquire()
+
+
+def test_a_lease_on_remote_storage_waits_longer_to_read_back():
+    local, remote = NamespaceLease("/tmp/ns"), NamespaceLease("mock:///ns")
+    assert local.settle_s == lease_module.SETTLE_S < remote.settle_s == lease_module.REMOTE_SETTLE_S
+
+
+def _finished_run(path: Path, job: JobConfig) -> RunDirectory:
+    """A run of ``job`` in ``path`` to its end, its job saved and its namespace held as ``run_job`` does."""
+    made = RunDirectory(path)
+    made.save_job(job.model_dump(mode="json", exclude_unset=True))
+    with hold_namespace(job, made) as lease:
+        assert _fake_run(made, job, lease)["status"] == "finished"
+    return made
+
+
+def test_a_copied_run_directory_is_refused_on_a_shared_checkpoint_path(tmp_path):
+    """A copy keeps the run id: with a shared checkpoint.path it would write (and prune) the
+    original's namespace. Refused, in one line saying so, before anything is written; the
+    original still resumes; a copy whose checkpoints are inside it (the default root) is its own."""
+    job = _job("checkpoint.every_steps=5", "checkpoint.keep=1", f"checkpoint.path={tmp_path / 'shared'}")
+    original = _finished_run(tmp_path / "original", job)
+    shutil.copytree(original.path, tmp_path / "copy")
+    root = Path(namespace_root(job, original.path, original.run_id))
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    with pytest.raises(ConfigError) as refused:
+        find_resume_point(job, tmp_path / "copy", print)
+    message = str(refused.value)
+    assert "\n" not in message and f"run directory {tmp_path / 'copy'} is a copy of {original.path}" in message
+    assert "start a new run with a new --run-dir" in message
+    copy = RunDirectory(tmp_path / "copy", resume=True)
+    with pytest.raises(ConfigError, match="is a copy of"):
+        with hold_namespace(job, copy):
+            pass
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before  # no lease, nothing pruned
+    point = find_resume_point(job, original.path, print)
+    assert point is not None and point.name == "step-00000020"
+    # The remedy the message gives for a run directory moved rather than copied.
+    (root / "owner.json").unlink()
+    with hold_namespace(job, copy):
+        pass
+    with pytest.raises(ConfigError, match=f"{original.path} is a copy of {copy.path}"):
+        find_resume_point(job, original.path, print)
+    # Checkpoints under the run directory (no checkpoint.path) travel with the copy.
+    inside = _job("checkpoint.every_steps=5")
+    own = _finished_run(tmp_path / "own", inside)
+    shutil.copytree(own.path, tmp_path / "own-copy")
+    assert find_resume_point(inside, tmp_path / "own-copy", print).name == "step-00000020"
+    with hold_namespace(inside, RunDirectory(tmp_path / "own-copy", resume=True)) as lease:
+        assert lease is not None and lease.check() is None
+    assert find_resume_point(inside, own.path, print).name == "step-00000020"
+
+
+def test_a_new_run_that_fails_before_its_job_is_saved_leaves_its_folder_as_it_found_it(tmp_path):
+    for path in (tmp_path / "missing", tmp_path / "empty"):
+        if path.name == "empty":
+            path.mkdir()
+        made = RunDirectory(path)
+        made.event("job_start")
+        (path / "checkpoints").mkdir()
+        made.close(discard_unsaved=True)
+        assert path.exists() == (path.name == "empty") and (not path.exists() or not any(path.iterdir()))
+    saved = RunDirectory(tmp_path / "saved")
+    saved.save_job({})
+    saved.close(discard_unsaved=True)
+    resumed = RunDirectory(tmp_path / "saved", resume=True)
+    resumed.close(discard_unsaved=True)
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == ["events.jsonl", "job.json", RUN_ID_FILE, "telemetry.jsonl"]
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_unreachable_checkpoint_storage_is_one_line_and_the_run_dir_can_be_used_again(tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the checkpoint directory should be")
+    common = ("steps=4", "eval=null", "scaling.workers=1", "checkpoint.every_steps=2")
+    with pytest.raises(ConfigError) as refused:
+        run_job(load_job(None, [*common, f"checkpoint.path={blocked}"]), run_dir=tmp_path / "run")
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("checkpoint.path: cannot") and str(blocked) in message
+    assert not (tmp_path / "run").exists()
+    result = run_job(load_job(None, list(common)), run_dir=tmp_path / "run")
+    assert result.summary["status"] == "finished"

@@ -188,6 +188,21 @@ class CheckpointStorage:
         info = self._fs.get_file_info(self._path(relpath))
         return info.size if info.type == pyarrow.fs.FileType.File else None
 
+    def modified(self, relpath: str) -> float | None:
+        """When the file ``relpath`` was last written (POSIX seconds), by the storage's clock (a
+        file server's or object store's, not this host's); None if there is no such file or the
+        storage keeps no such time."""
+        if self._local is not None:
+            try:
+                return os.stat(self._path(relpath)).st_mtime
+            except FileNotFoundError:
+                return None
+        import pyarrow.fs
+
+        assert self._fs is not None
+        info = self._fs.get_file_info(self._path(relpath))
+        return info.mtime_ns / 1e9 if info.type == pyarrow.fs.FileType.File and info.mtime_ns is not None else None
+
     def exists(self, relpath: str) -> bool:
         """Whether ``relpath`` exists (file or directory)."""
         if self._local is not None:
