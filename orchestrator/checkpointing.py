@@ -277,7 +277,7 @@ class CheckpointCoordinator:
             return None
         try:
             return self.lease.check()
-        except OSError as err:
+        except (OSError, ValueError) as err:  # pyarrow: ArrowIOError is an OSError, ArrowInvalid a ValueError
             return f"cannot read the lease {self.lease.where}: {type(err).__name__}: {err}"
 
     def _missing(self, name: str, files: list[FileEntry]) -> str | None:
