@@ -5,6 +5,7 @@ the step's shards, identical on every replica whoever ran which shard."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -115,6 +116,58 @@ def test_batch_dependent_layers_are_found_by_type_or_by_a_probe_forward(caplog):
     with caplog.at_level(logging.WARNING, logger="workers.step_buffers"):
         assert StepBuffers.of(make_norm_cnn(), _no_probe).per_shard
     assert "'norm' (BatchNorm2d)" in caplog.text and "pass of its own" in caplog.text
+
+
+class _Cache(torch.nn.Module):
+    """Counts its forwards (state to keep in step) and keeps a cache that a forward over more
+    samples than it holds rebuilds, as ``how`` says: ``resize`` (as older Hugging Face rotary
+    embeddings re-register cos_cached for a longer input), ``retype`` or ``drop``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.linear = torch.nn.Linear(64, 10)
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("cached", torch.zeros(2, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        if len(x) > 2:
+            if self.how == "resize":
+                self.register_buffer("cached", torch.zeros(len(x), 64))
+            else:
+                self.cached = self.cached.double() if self.how == "retype" else None
+        return self.linear(x)
+
+
+CACHE_CHANGES = [("resize", "made it float32[4, 64]"), ("retype", "made it float64[2, 64]"), ("drop", "dropped it")]
+
+
+def _refusal(change: str) -> str:
+    return "^" + re.escape(f"field 'model.factory': buffer 'cached' of layer '<model>' (_Cache) held float32[2, 64] and a forward {change};")
+
+
+@pytest.mark.parametrize("how,change", CACHE_CHANGES)
+def test_a_buffer_the_probe_resizes_retypes_or_drops_is_refused_naming_it_and_put_back(how, change):
+    model = _Cache(how)
+    with pytest.raises(ValueError, match=_refusal(change)):
+        find_batch_dependent(model, lambda: model(torch.rand(4, 64)))
+    assert model.cached.shape == (2, 64) and model.cached.dtype == torch.float32 and float(model.seen) == 0
+
+
+@pytest.mark.parametrize("how,change", CACHE_CHANGES)
+def test_a_kept_buffer_a_later_forward_resizes_retypes_or_drops_is_refused_and_the_step_undone(how, change):
+    model = _Cache(how)
+    buffers = StepBuffers.of(model, lambda: model(torch.rand(2, 64)))  # short: the cache holds
+    assert buffers.names == ["seen", "cached"]
+    buffers.begin()
+    buffers.reset()
+    model(torch.rand(4, 64))
+    with pytest.raises(ValueError, match=_refusal(change)):
+        buffers.record(0)
+    buffers.abandon()  # the failed step's: puts the buffers back without raising
+    assert model.cached.shape == (2, 64) and model.cached.dtype == torch.float32 and float(model.seen) == 0
+    buffers.begin()  # and the next step starts as usual
 
 
 def test_a_sync_batchnorm_is_refused_naming_the_layer():
