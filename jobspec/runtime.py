@@ -86,8 +86,9 @@ class WorkerConfig(StrictModel):
     trajectory on any worker count only with ``fuse_shards: false``, where each shard runs
     alone with its own seed. A model with batch-dependent layers (BatchNorm, or any whose
     buffers a training forward changes) runs one shard per pass whatever ``fuse_shards`` says:
-    the shard is its normalization batch, and its running statistics are the mean over the
-    step's shards, the same on every replica (docs/architecture.md, "Model buffers").
+    a forward's samples are its normalization batch (the shard, or each piece of it with
+    ``max_samples_per_pass`` below a shard's size), and its running statistics are the mean over
+    the step's shards, the same on every replica (docs/architecture.md, "Model buffers").
     ``max_samples_per_pass``: a pass over more samples is split into
     forward/backward passes of at most this many (gradient accumulation inside the worker, so a
     large global batch runs on small devices); each keeps its own seed, the last backward still

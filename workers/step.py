@@ -16,8 +16,9 @@ Two ways, chosen by the step's plan:
   stalled before sealing is rescued (``run_claimed``, ``rescue``; docs/architecture.md, "Rescue").
 
 A model whose training forward couples a batch's samples or updates buffers (BatchNorm) runs
-one pass per shard whatever ``fuse_shards`` says, each from the step's pre-step buffers, and
-brings its committed shards' buffer changes to the all-reduce (``workers/step_buffers.py``).
+one pass per shard whatever ``fuse_shards`` says (a forward never spans two shards; each piece
+of ``max_samples_per_pass`` is a normalization batch), each from the step's pre-step buffers,
+and brings its committed shards' buffer changes to the all-reduce (``workers/step_buffers.py``).
 
 Every pass is one forward/backward over a group of shards (split into passes of at most
 ``max_samples_per_pass`` samples): the backward of the loss sum (``workers/objective.py``)
@@ -98,7 +99,7 @@ class StepRunner:
 
     def _groups(self, shards: list[int]) -> list[list[int]]:
         """Shards run together in one pass (``fuse_shards``), or one at a time (always for a
-        model with batch-dependent layers: the shard is their normalization batch)."""
+        model with batch-dependent layers: a forward never spans two shards)."""
         fuse = self.fuse_shards and not self.buffers.per_shard
         return [list(shards)] if fuse and shards else [[s] for s in shards]
 

@@ -2,19 +2,23 @@
 
 A layer whose training forward depends on the other samples of its batch (BatchNorm) or that
 updates buffers as it runs (running statistics) would make the trajectory depend on which
-worker ran which shards. So, as the per-GPU batch is under DDP, **the shard is the
-normalization batch**: such a model runs one pass per shard (``fuse_shards`` or not), each
-pass starting from the step's pre-step buffers, and the step's new buffers are the mean over
-the step's shards of what each shard's pass left in them, identical on every replica.
+worker ran which shards. So, as the per-GPU batch is under DDP, **a forward's samples are the
+normalization batch, and a forward never spans two shards**: such a model runs one pass per
+shard (``fuse_shards`` or not), its forward over the whole shard, or over each piece of it
+in turn with ``worker.max_samples_per_pass`` below the shard's size (each piece then its own
+normalization batch, and its own update of the running statistics). Each shard's pass starts
+from the step's pre-step buffers, and the step's new buffers are the mean over the step's
+shards of what each shard's pass left in them, identical on every replica.
 
 What travels is each shard's change (``after - before``, flattened): a worker writes the sum of
 its committed shards' changes, and how many of them ran a forward, into the flat buffer's
 extra slots after the census (``workers/census.py``), so it is summed exactly with the
 gradient (compression never touches those slots) and a shard counts once, whoever ran it, in
-the main pass or in the rescue pass. For BatchNorm's ``running_mean``/``running_var`` the mean
-is exactly ``(1-m) old + m mean_s(stat_s)``; an integer buffer (``num_batches_tracked``) moves by
-the mean of its shards' (equal) changes: once per step. A model with no such buffers has no
-slots, and nothing of this runs.
+the main pass or in the rescue pass. For BatchNorm's ``running_mean``/``running_var`` with one
+piece per shard the mean is exactly ``(1-m) old + m mean_s(stat_s)``; an integer buffer
+(``num_batches_tracked``) moves by the mean of its shards' changes, rounded: once per step, or
+by the pieces a shard runs in. A model with no such buffers has no slots, and nothing of this
+runs. Buffers keep the shapes and dtypes the model was built with (``_check_kept``).
 """
 
 from __future__ import annotations
@@ -44,9 +48,45 @@ def _own_buffers(model: torch.nn.Module) -> dict[str, list[str]]:
     return owned
 
 
+def _kind(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+
+
+def _check_kept(model: torch.nn.Module, name: str, before: torch.Tensor, after: torch.Tensor | None) -> None:
+    """Raises ValueError (naming ``model.factory``, the buffer and its layer) unless buffer
+    ``name``, which held a tensor shaped and typed like ``before``, still does (``after``; None:
+    gone). A changing buffer's change is averaged over a step's shards, and a join broadcasts
+    every buffer, both in the shapes the replica was built with: a buffer a forward resizes
+    (an older Hugging Face rotary embedding's cos_cached, re-registered for a longer input),
+    retypes or drops cannot be kept identical on every replica."""
+    if after is not None and after.shape == before.shape and after.dtype == before.dtype:
+        return
+    prefix = name.rpartition(".")[0]
+    what = "dropped it" if after is None else f"made it {_kind(after)}"
+    raise ValueError(
+        f"field 'model.factory': buffer '{name}' of layer {_label(prefix, model.get_submodule(prefix))} held "
+        f"{_kind(before)} and a forward {what}; ringleader keeps the buffers identical on every replica in the "
+        "shapes and dtypes the model was built with, so build it at its final size (a rotary cache for the "
+        "longest sequence, e.g. max_position_embeddings) and keep its dtype"
+    )
+
+
+def _put_back(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Make buffer ``name`` hold ``value`` again: copied into it, or, where a forward resized,
+    retyped or dropped it, a copy of ``value`` registered in its place."""
+    prefix, _, attr = name.rpartition(".")
+    module = model.get_submodule(prefix)
+    live = module._buffers.get(attr)
+    if live is not None and live.shape == value.shape and live.dtype == value.dtype:
+        live.copy_(value)
+    else:
+        module._buffers[attr] = value.clone()
+
+
 def changed_in_forward(model: torch.nn.Module, names: Iterable[str], forward: Callable[[], None]) -> set[str]:
     """Which of the buffers ``names`` one ``forward()`` in train mode (without gradients)
-    changes; every buffer is put back as it was, the model left in the mode it was in."""
+    changes; every buffer is put back as it was, the model left in the mode it was in. Raises
+    ValueError (``_check_kept``) for a buffer the forward resized, retyped or dropped."""
     live = dict(model.named_buffers())
     before = {n: live[n].detach().clone() for n in names}
     was_training = model.training
@@ -54,13 +94,15 @@ def changed_in_forward(model: torch.nn.Module, names: Iterable[str], forward: Ca
     try:
         with torch.no_grad():
             forward()
-        live = dict(model.named_buffers())
-        return {n for n, old in before.items() if not torch.equal(live[n], old)}
+        after = dict(model.named_buffers())
+        for n, old in before.items():
+            _check_kept(model, n, old, after.get(n))
+        return {n for n, old in before.items() if not torch.equal(after[n], old)}
     finally:
         model.train(was_training)
         with torch.no_grad():
             for n, old in before.items():
-                live[n].copy_(old)
+                _put_back(model, n, old)
 
 
 def find_batch_dependent(model: torch.nn.Module, probe: Callable[[], None]) -> tuple[list[str], list[str]]:
@@ -71,7 +113,8 @@ def find_batch_dependent(model: torch.nn.Module, probe: Callable[[], None]) -> t
     is judged by ``probe()``, one training forward (run only then): if it changes any of its
     buffers, the module counts, all its buffers with it. Raises ValueError (naming
     ``model.factory`` and the layer) for a SyncBatchNorm (it syncs over a default process group
-    that ringleader's workers do not have) or a changing buffer that is not a number."""
+    that ringleader's workers do not have), a changing buffer that is not a number, or a buffer
+    the probe resized, retyped or dropped (``_check_kept``)."""
     owned = _own_buffers(model)
     layers: list[str] = []
     names: list[str] = []
@@ -80,8 +123,8 @@ def find_batch_dependent(model: torch.nn.Module, probe: Callable[[], None]) -> t
         if isinstance(module, SyncBatchNorm):
             raise ValueError(
                 f"field 'model.factory': layer {_label(prefix, module)} syncs its statistics over a default "
-                "process group, which ringleader's workers do not have; use BatchNorm (each shard is its "
-                "normalization batch, running statistics kept identical on every replica), e.g. "
+                "process group, which ringleader's workers do not have; use BatchNorm (a forward over one shard, "
+                "or a piece of it, is its normalization batch, running statistics kept identical on every replica), e.g. "
                 "torch.nn.BatchNorm2d in place of SyncBatchNorm"
             )
         if isinstance(module, _BatchNorm) or (isinstance(module, _InstanceNorm) and module.track_running_stats):
@@ -111,21 +154,26 @@ class StepBuffers:
     pre-step values, ``reset`` puts them back before each shard's pass, ``record`` keeps the
     change a shard's pass made, ``write`` sums the committed shards' changes into the extra
     slots, ``apply`` sets the step's mean from the reduced slots, ``abandon`` undoes a step
-    that failed. ``slots``: how many extra slots it needs (0: nothing to keep in step)."""
+    that failed. ``slots``: how many extra slots it needs (0: nothing to keep in step).
+    ``begin`` and ``record`` raise ValueError (``_check_kept``) once a buffer no longer has the
+    shape and dtype it had here; ``reset`` and ``abandon`` never do (they put it back)."""
 
     def __init__(self, model: torch.nn.Module, names: list[str], layers: list[str]) -> None:
         self.model = model
         self.names = names
         #: The layers that make a pass's result depend on its batch: each shard then runs alone.
         self.per_shard = bool(layers)
-        sizes = dict(model.named_buffers())
-        self.slots = 1 + sum(sizes[n].numel() for n in names) if names else 0
+        buffers = dict(model.named_buffers())
+        self.slots = 1 + sum(buffers[n].numel() for n in names) if names else 0
+        # The shapes and dtypes the slots (and a join's broadcast) are laid out for.
+        self._built = {n: buffers[n].to("meta") for n in names}
         self._before: list[torch.Tensor] = []
         self._changes: dict[int, torch.Tensor] = {}
         if layers:
             log.warning(
                 "ringleader: %s couple the samples of a batch or keep running statistics: each shard runs in a "
-                "pass of its own (worker.fuse_shards notwithstanding), its normalization batch, and the step's "
+                "pass of its own (worker.fuse_shards notwithstanding), its forward the normalization batch (each piece's, "
+                "with worker.max_samples_per_pass below a shard), and the step's "
                 "buffers are the mean over its shards, the same on every replica (docs/architecture.md, "
                 "\"Model buffers\")", ", ".join(layers),
             )
@@ -137,11 +185,14 @@ class StepBuffers:
         return cls(model, names, layers)
 
     def _live(self) -> list[torch.Tensor]:
+        """The buffers now, checked against their shapes and dtypes at the start."""
         # Looked up by name each time: a restore or a join copies into them, but a user's
         # code could rebind one.
         if not self.names:
             return []
         buffers = dict(self.model.named_buffers())
+        for name in self.names:
+            _check_kept(self.model, name, self._built[name], buffers.get(name))
         return [buffers[n] for n in self.names]
 
     def begin(self) -> None:
@@ -154,8 +205,8 @@ class StepBuffers:
         if not self._before:
             return
         with torch.no_grad():
-            for live, before in zip(self._live(), self._before):
-                live.copy_(before)
+            for name, before in zip(self.names, self._before):
+                _put_back(self.model, name, before)
 
     def record(self, shard: int) -> None:
         """Keep what the pass of ``shard`` (just run, from ``reset``) changed."""
