@@ -1,7 +1,8 @@
 """A worker copying its part of a checkpoint is busy, not silent: the driver's silence judgement
-excuses it (for as long as a checkpoint may take), and a generic optimizer whose state is slow
-to serialize (RAdam, a user's Lion) checkpoints every few steps under a short ``silent_s``
-without a worker evicted or a checkpoint abandoned, and resumes exactly."""
+excuses it (for as long as its copies take, and not so long that a hung one fails the job), and
+a generic optimizer whose state is slow to serialize (RAdam here) checkpoints between steps
+under a short ``silent_s`` without a worker evicted or a checkpoint abandoned, and resumes
+exactly."""
 
 from __future__ import annotations
 
@@ -113,34 +114,30 @@ def test_a_worker_says_it_is_snapshotting_while_it_copies_and_then_how_long_it_t
     worker.checkpoints.written("step-00000000", "a1", timeout_s=30)  # the part is written, under tmp_path
 
 
-# The digits model (hidden 32) whose workers' torch.save writes 4000 bytes of floating-point data
-# a second: RAdam's whole state (28 KB) then takes 7 s to serialize, a part of a 2-worker
-# checkpoint (21 KB) 5 s in the background; silent_s is 2 s.
-SLOW_MODEL = "model={factory: 'tests.helpers.slow_save:make_model_slow_to_save', kwargs: {hidden: 32, bytes_per_s: 4000}}"
-OPTIMIZERS = [
-    "optimizer={name: RAdam, kwargs: {lr: 0.01, weight_decay: 0.1}}",
-    "optimizer={name: 'tests.helpers.optimizers:Lion', kwargs: {lr: 0.001, weight_decay: 0.1}}",
-]
+# The digits model (hidden 32) whose workers' torch.save writes 2000 bytes of floating-point data
+# a second: RAdam's whole state (28 KB) takes 14 s to serialize (what the old code held training
+# up for: far past silent_s, 5 s), a part of a 2-worker checkpoint (21 KB) 10 s in the background.
+# One optimizer only (Ray runs are slow); test_generic_snapshot.py covers a user's (Lion) too.
+SLOW_MODEL = "model={factory: 'tests.helpers.slow_save:make_model_slow_to_save', kwargs: {hidden: 32, bytes_per_s: 2000}}"
+RADAM = "optimizer={name: RAdam, kwargs: {lr: 0.01, weight_decay: 0.1}}"
 
 
 @pytest.mark.usefixtures("ray_cluster")
-@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=["RAdam", "Lion"])
-def test_a_generic_optimizer_checkpoints_under_a_short_silent_s_and_resumes_exactly(tmp_path, optimizer):
-    job = (SLOW_MODEL, optimizer, "stragglers.silent_s=2")
-    first = run(tmp_path, "split", "steps=12", "scaling.workers=2", "checkpoint.every_steps=4", *job)
-    second = run(tmp_path, "split", "steps=20", "scaling.workers=3", "checkpoint.every_steps=4", *job)
+def test_a_generic_optimizer_checkpoints_under_a_short_silent_s_and_resumes_exactly(tmp_path):
+    job = (SLOW_MODEL, RADAM, "stragglers.silent_s=5")
+    first = run(tmp_path, "split", "steps=8", "scaling.workers=2", "checkpoint.every_steps=4", *job)
+    second = run(tmp_path, "split", "steps=12", "scaling.workers=3", "checkpoint.every_steps=4", *job)
     events = jsonl(first.run_dir / "events.jsonl")  # both runs append to the run directory's log
     trouble = [e for e in events if e["event"] in ("evict", "failure", "checkpoint_abandoned")]
     assert trouble == [] and first.summary["events"]["failures"] == second.summary["events"]["failures"] == 0
-    # One due while the last is still being written (5 s here) is skipped: the others are all there.
-    taken = [e["step"] for e in events if e["event"] == "checkpoint"]
-    assert {4, 12, 20} <= set(taken) and taken == sorted(set(taken))
-    assert [e["checkpoint"] for e in events if e["event"] == "resume"] == ["step-00000012"]
-    for ran, step in ((first, 12), (second, 20)):  # the checkpoint each ended with verifies
+    # Step 4's is taken between two steps (its peers run on into step 5 and wait there), 8 and 12 at the ends.
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [4, 8, 12]
+    assert [e["checkpoint"] for e in events if e["event"] == "resume"] == ["step-00000008"]
+    for ran, step in ((first, 8), (second, 12)):  # the checkpoint each ended with verifies
         verify_checkpoint(CheckpointStorage(ran.summary["checkpoints"]["root"]), f"step-{step:08d}")
     # The momentum is sliced across the parts, like the parameters.
-    parts = sorted((Path(second.summary["checkpoints"]["root"]) / "step-00000020").glob("part-*.pt"))
+    parts = sorted((Path(second.summary["checkpoints"]["root"]) / "step-00000012").glob("part-*.pt"))
     slices = [torch.load(p, weights_only=True)["slices"]["optim/state/exp_avg"].numel() for p in parts]
     assert len(slices) == 3 and all(n > 0 for n in slices)
-    reference = run(tmp_path, "one", "steps=20", "scaling.workers=1", "checkpoint.every_steps=0", *job)
-    assert_same_params(params(second.run_dir), params(reference.run_dir), f"{optimizer}: checkpointed, resumed on 3")
+    reference = run(tmp_path, "one", "steps=12", "scaling.workers=1", "checkpoint.every_steps=0", *job)
+    assert_same_params(params(second.run_dir), params(reference.run_dir), "RAdam: checkpointed, resumed on 3")
