@@ -75,13 +75,16 @@ class Progress:
     ``next_step`` is the next step its replica would apply (the optimizer steps it holds; -1
     while a state transfer into it is incomplete, so it holds no usable state).
     ``since_snapshot_s``: seconds since its last checkpoint snapshot ended (None: it has taken
-    none); a peer's wait that began during that snapshot is not this worker's silence."""
+    none); a peer's wait that began during that snapshot is not this worker's silence.
+    ``last_copy_s``: seconds its last snapshot's copy took (None: none yet), what the driver
+    expects a snapshot to take."""
 
     step: int
     phase: Phase
     since_s: float
     next_step: int
     since_snapshot_s: float | None = None
+    last_copy_s: float | None = None
 
     @property
     def snapshotting(self) -> bool:
@@ -95,7 +98,7 @@ class Progress:
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step, "phase": self.phase.value, "since_s": self.since_s, "next_step": self.next_step,
-            "since_snapshot_s": self.since_snapshot_s,
+            "since_snapshot_s": self.since_snapshot_s, "last_copy_s": self.last_copy_s,
         }
 
 

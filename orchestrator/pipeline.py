@@ -106,6 +106,13 @@ class StepPipeline:
         return batches
 
 
+def snapshot_cap_s(job: JobConfig) -> float:
+    """The longest a worker's checkpoint snapshot may keep its peers waiting before it is
+    evicted as hung: within a checkpoint's time limit, and half a step's, so that the
+    eviction comes before ``await_step`` gives the whole job up for a step not finishing."""
+    return min(job.timeouts.checkpoint_s, job.timeouts.step_s / 2)
+
+
 def await_step(
     group: WorkerGroup,
     batch: InFlight,
@@ -154,8 +161,7 @@ def await_step(
         if not pending or not evicting or time.monotonic() - looked < silent_s / 2:
             continue
         looked = time.monotonic()
-        # A worker copying a checkpoint snapshot is busy for up to a checkpoint's time limit.
-        silent = silent_workers(group.progress(timeout_s=min(5.0, silent_s)), silent_s, job.timeouts.checkpoint_s)
+        silent = silent_workers(group.progress(timeout_s=min(5.0, silent_s)), silent_s, snapshot_cap_s(job))
         if silent and group.size - len(silent) >= job.scaling.min_workers:
             outcome.evict = silent
             return outcome

@@ -19,8 +19,9 @@ import numpy as np
 class WorkerProgress(Protocol):
     """Where one worker is (``jobspec.wire.Progress`` is one): in ``step`` since ``since_s``
     seconds, and whether it has done its own work of a step and waits for the others;
-    whether it is ``snapshotting`` (copying its part of a checkpoint, for ``since_s``) and
-    ``since_snapshot_s``, the seconds since its last snapshot ended (None: none yet)."""
+    whether it is ``snapshotting`` (copying its part of a checkpoint, for ``since_s``),
+    ``since_snapshot_s``, the seconds since its last snapshot ended, and ``last_copy_s``, how
+    long that snapshot's copy took (None: none yet)."""
 
     @property
     def step(self) -> int: ...
@@ -33,6 +34,9 @@ class WorkerProgress(Protocol):
 
     @property
     def since_snapshot_s(self) -> float | None: ...
+
+    @property
+    def last_copy_s(self) -> float | None: ...
 
     def waiting_in(self, step: int) -> bool: ...
 
@@ -48,8 +52,22 @@ class Evict:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
+# A snapshot copies device memory to the host: milliseconds to seconds, about the same each
+# time (a first one also allocates its host memory). Up to this many times the worker's last
+# copy, and ``silent_s`` in any case, it is busy; longer, it is hung (a stuck device copy).
+SNAPSHOT_SLACK = 10.0
+
+
+def snapshot_allowance(silent_s: float, last_copy_s: float | None, cap_s: float = math.inf) -> float:
+    """How long a worker may copy a checkpoint snapshot before it counts as silent:
+    ``SNAPSHOT_SLACK`` x its ``last_copy_s`` (None: no copy yet), at least ``silent_s``, at
+    most ``cap_s`` (the driver's: below its own deadline for a step, so that a hung snapshot
+    gets its worker evicted rather than the job failed)."""
+    return min(cap_s, max(silent_s, SNAPSHOT_SLACK * (last_copy_s or 0.0)))
+
+
 def silent_workers(
-    progress: dict[int, WorkerProgress | None], silent_s: float, snapshot_s: float = math.inf
+    progress: dict[int, WorkerProgress | None], silent_s: float, snapshot_cap_s: float = math.inf
 ) -> list[Evict]:
     """Workers holding up a step that others have waited in for ``silent_s`` or longer.
 
@@ -60,10 +78,10 @@ def silent_workers(
     whole step is slow (or just began), not one worker: nobody is evicted.
 
     A worker copying its part of a checkpoint (queued between two steps: its peers run ahead
-    and wait for it) is busy, not silent, for up to ``snapshot_s``; past that it is silent
-    (a snapshot that never ends). The peers' wait began during its snapshot, so it is held
-    up silent only ``silent_s`` after the snapshot ended. Each eviction's evidence says
-    ``why``.
+    and wait for it) is busy, not silent, for its ``snapshot_allowance`` (capped at
+    ``snapshot_cap_s``); past that it is silent (a snapshot that hangs). The peers' wait
+    began during its snapshot, so it is held up silent only ``silent_s`` after the snapshot
+    ended. Each eviction's evidence says ``why``.
     """
     waited = [r.step for r in progress.values() if r is not None and r.waiting_in(r.step) and r.since_s >= silent_s]
     if not waited:
@@ -75,9 +93,10 @@ def silent_workers(
             continue
         why = f"silent for {silent_s}s (stalled or hung)"
         if report is not None and report.snapshotting:
-            if report.since_s < snapshot_s:
+            allowed = snapshot_allowance(silent_s, report.last_copy_s, snapshot_cap_s)
+            if report.since_s < allowed:
                 continue
-            why = f"copying a checkpoint snapshot for {report.since_s:.0f}s, longer than a checkpoint may take ({snapshot_s:.0f}s)"
+            why = f"copying a checkpoint snapshot for {report.since_s:.0f}s, longer than one may take ({allowed:.0f}s)"
         elif report is not None and report.since_snapshot_s is not None and report.since_snapshot_s < silent_s:
             continue
         evidence = {"step": step, "progress": report and report.to_json(), "silent_s": silent_s, "why": why}

@@ -6,6 +6,7 @@ state comes back exactly, and checkpoints written before still restore. No Ray."
 from __future__ import annotations
 
 import io
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,14 +14,17 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from jobspec.job import JobConfig
 from jobspec.wire import SnapshotRequest
-from tests.helpers.optimizers import Lion
+from tests.helpers.optimizers import Lion, SharedStep
 from tests.helpers.slow_save import float_bytes, slowed
 from workers.chaos import ChaosSchedule
 from workers.checkpoint_manifest import verify_checkpoint, write_manifest
 from workers.checkpoint_storage import CheckpointStorage
+from workers.checkpointing import FlatPieces
 from workers.generic_optimizer import STATE_ENTRY, GenericOptimizer
 from workers.loss_scaler import LossScaler
 from workers.replica_checkpoint import CheckpointWriter, restore_state
@@ -119,21 +123,29 @@ def test_a_snapshot_copies_on_the_compute_thread_and_serializes_in_the_backgroun
     assert torch.equal(restored.flat.values, expected.flat.values)
 
 
-@pytest.mark.parametrize("name, kwargs", OPTIMIZERS)
-def test_a_join_sends_the_state_without_serializing_its_tensors(monkeypatch, name, kwargs):
-    root, joiner = FakeReplica(name, kwargs), FakeReplica(name, kwargs)
-    root.train(3)
-    calls = _saves_on(monkeypatch)
+def _joined(root: FakeReplica) -> FakeReplica:
+    """A new replica that joined ``root``: its optimizer state through ``sync`` (the
+    broadcasts recorded, then replayed), its parameters and step copied (``GroupLink``)."""
+    joiner = FakeReplica(root.optimizer_name, root.kwargs)
     sent: list[torch.Tensor] = []
-    started = time.perf_counter()
     root.optimizer.sync(lambda tensor: sent.append(tensor.clone()), is_root=True)
-    assert time.perf_counter() - started < SLOW_S / 2 and not any(size for _, size in calls), calls
     replies = iter(sent)
     joiner.optimizer.sync(lambda tensor: tensor.copy_(next(replies)), is_root=False)
     assert next(replies, None) is None  # as many broadcasts on both sides
-    _same_state(joiner.optimizer, root.optimizer)
-    joiner.flat.values.copy_(root.flat.values)  # the parameters travel beside it (GroupLink)
+    joiner.flat.values.copy_(root.flat.values)
     joiner.next_step = root.next_step
+    return joiner
+
+
+@pytest.mark.parametrize("name, kwargs", OPTIMIZERS)
+def test_a_join_sends_the_state_without_serializing_its_tensors(monkeypatch, name, kwargs):
+    root = FakeReplica(name, kwargs)
+    root.train(3)
+    calls = _saves_on(monkeypatch)
+    started = time.perf_counter()
+    joiner = _joined(root)
+    assert time.perf_counter() - started < SLOW_S / 2 and not any(size for _, size in calls), calls
+    _same_state(joiner.optimizer, root.optimizer)
     root.train(2)
     joiner.train(2)
     _same_state(joiner.optimizer, root.optimizer)
@@ -170,3 +182,92 @@ def test_a_state_that_does_not_fit_is_refused_in_one_line():
         other.restore(flat, whole)
     with pytest.raises(ValueError, match=r"is not a RAdam's"):
         other.restore(flat, {k: v for k, v in whole.items() if k != "tensor/0"})
+
+
+def _restored(tmp_path, source: FakeReplica) -> FakeReplica:
+    """A new replica restored from a 2-part checkpoint of ``source`` (two ranks' writers)."""
+    writers = [CheckpointWriter(ChaosSchedule.for_worker(JobConfig().chaos, i, threading.Event()), lambda: None) for i in range(2)]
+    name = f"step-{source.next_step:08d}"
+    for index, writer in enumerate(writers):
+        writer.snapshot(SnapshotRequest(source.next_step, str(tmp_path), name, "a1", index, 2), source, {}, index)
+    storage = CheckpointStorage(str(tmp_path))
+    write_manifest(storage, source.next_step, [f for w in writers for f in w.written(name, "a1", timeout_s=60)], {})
+    restored = FakeReplica(source.optimizer_name, source.kwargs)
+    restore_state(restored, storage, name, verify_checkpoint(storage, name))
+    return restored
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["one-shared-tensor", "overlapping-views"])
+def test_state_tensors_sharing_memory_come_back_sharing_it(tmp_path, caplog, overlap):
+    # One step counter for every parameter (and, overlapping, a view of each momentum's head):
+    # restored as separate copies, the counter would advance once per parameter.
+    caplog.set_level(logging.WARNING, logger="workers.generic_optimizer")
+    source = FakeReplica(SharedStep, {"lr": 0.01, "overlap": overlap})
+    source.train(3)
+    expected = FakeReplica(SharedStep, {"lr": 0.01, "overlap": overlap})
+    expected.train(6)
+    for how, copy in (("checkpoint", _restored(tmp_path, source)), ("join", _joined(source))):
+        states = list(copy.optimizer.optimizer.state.values())
+        assert len({id(s["t"]) for s in states}) == 1, how
+        if overlap:
+            assert all(s["head"].data_ptr() == s["m"].data_ptr() for s in states), how
+        copy.train(3)
+        assert torch.equal(copy.flat.values, expected.flat.values), how
+    # Overlapping views cannot be taken apart: the state moved whole, and the log says so.
+    whole = [m for m in caplog.messages if "overlap in memory" in m]
+    assert whole == (["SharedStep's state holds tensors that overlap in memory: checkpoints and joins serialize it "
+                      "whole, on the thread that trains (slower), to keep the overlap"] if overlap else [])
+
+
+def test_a_restored_state_is_held_once_in_what_was_received_or_read(tmp_path):
+    # A join's receiver keeps views into the buffer it received; a restore, views of the flat
+    # state read from the checkpoint: no copy of each tensor beside them.
+    source = FakeReplica("RAdam", {})
+    source.train(2)
+    joined = _joined(source)
+    held = {t.untyped_storage().data_ptr() for s in joined.optimizer.optimizer.state.values() for t in s.values()}
+    assert len(held) == 1
+    restored = _restored(tmp_path, source)
+    moments = {s["exp_avg"].untyped_storage().data_ptr() for s in restored.optimizer.optimizer.state.values()}
+    assert len(moments) == 1
+
+
+def test_how_a_checkpoint_holds_the_state_is_logged_once(caplog):
+    caplog.set_level(logging.WARNING, logger="workers.generic_optimizer")
+    source = FakeReplica("RAdam", {})
+    source.optimizer.checkpoint_tensors()  # no state before the first step: nothing to say
+    source.train(1)
+    for _ in range(3):
+        source.optimizer.checkpoint_tensors()
+    source.optimizer.checkpoint_tensors(whole=False)
+    assert caplog.messages == [
+        "RAdam's per-parameter state ['exp_avg', 'exp_avg_sq'] is checkpointed in slices across the parts, like the "
+        "parameters; its 6 other tensor(s) whole in part 0"
+    ]
+
+
+class _Reads(TorchDispatchMode):
+    """Records each operator that reads memory of ``watched`` tensors, with its arguments."""
+
+    def __init__(self, watched: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = {t.untyped_storage().data_ptr() for t in watched}
+        self.reads: list[tuple[Any, tuple[Any, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if not func.is_view and any(t.untyped_storage().data_ptr() in self.storages for t in tensors):
+            self.reads.append((func.overloadpacket, args))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_flat_range_is_copied_piece_by_piece_straight_into_its_cpu_output():
+    pieces = (torch.arange(6.0).view(2, 3), torch.arange(6.0, 10.0), torch.arange(10.0, 15.0))
+    with _Reads(list(pieces)) as reads:
+        out = FlatPieces(pieces).cpu_range(4, 12)
+    assert torch.equal(out, torch.arange(4.0, 12.0))
+    # The pieces are read only by copies into the output: nothing builds the range on their
+    # device first (on a GPU, that would take the range's size in device memory).
+    assert [func for func, _ in reads.reads] == [torch.ops.aten.copy_] * 3
+    assert all(args[0].untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for _, args in reads.reads)
+    assert FlatPieces(pieces).cpu_range(15, 15).numel() == 0

@@ -120,7 +120,7 @@ class TrainWorker:
         # after a peer died) returns nothing, and recovery reads the ones it committed here.
         self._kept: deque[StepTelemetry] = deque(maxlen=KEPT_REPORTS)
         self._phase: tuple[int, Phase, float] = (-1, Phase.DONE, time.monotonic())
-        self._snapshot_ended: float | None = None  # monotonic; when the last snapshot's copy ended
+        self._last_snapshot: tuple[float, float] | None = None  # (monotonic end, seconds) of the last snapshot's copy
         self.chaos = ChaosSchedule.for_worker(job.chaos, worker_id, self.abort_flag)
         self.checkpoints = CheckpointWriter(self.chaos, self._record_death)
         self._built_at = time.time()
@@ -186,10 +186,10 @@ class TrainWorker:
         """Where this worker is. Answered while a step runs (the control group), so the driver
         can always ask: when a step is overdue, and to tell the living from the dead."""
         step, phase, since = self._phase
-        now, ended = time.monotonic(), self._snapshot_ended
+        now, last = time.monotonic(), self._last_snapshot
         return Progress(
             step=step, phase=phase, since_s=now - since, next_step=self.next_step,
-            since_snapshot_s=None if ended is None else now - ended,
+            since_snapshot_s=None if last is None else now - last[0], last_copy_s=None if last is None else last[1],
         )
 
     def _enter(self, step: int, phase: Phase) -> None:
@@ -350,13 +350,15 @@ class TrainWorker:
         RuntimeError if this replica is not there (an aborted step). Returns the seconds
         training was held up (the copy). Meanwhile ``progress`` says ``Phase.SNAPSHOT``: its
         peers, already in the next step, wait for it, and the driver must not take that for
-        silence."""
+        silence (for a while: after, ``progress`` says how long the copy took)."""
         step, phase, _ = self._phase
         self._enter(step, Phase.SNAPSHOT)
+        started = self._phase[2]
         try:
             return self.checkpoints.snapshot(request, self, self.link.residuals, self.link.rank)
         finally:
-            self._snapshot_ended = time.monotonic()
+            ended = time.monotonic()
+            self._last_snapshot = (ended, ended - started)
             self._enter(step, phase)
 
     @ray.method(concurrency_group="io")

@@ -83,16 +83,17 @@ class FlatPieces:
         return sum(piece.numel() for piece in self.pieces)
 
     def cpu_range(self, lo: int, hi: int) -> torch.Tensor:
-        """A CPU copy of entries ``[lo, hi)``: one gather on the pieces' device, one copy over."""
-        views, start = [], 0
+        """A CPU copy of entries ``[lo, hi)``: each piece's share copied straight into its place
+        in the output (no gathering on the pieces' device first: no device memory taken)."""
+        out = torch.empty(max(0, min(hi, self.numel()) - lo), dtype=self.pieces[0].dtype)
+        start = 0
         for piece in self.pieces:
             end = start + piece.numel()
             if start < hi and lo < end:
-                views.append(piece.detach().reshape(-1)[max(lo, start) - start: min(hi, end) - start])
+                a, b = max(lo, start), min(hi, end)
+                out[a - lo: b - lo].copy_(piece.detach().reshape(-1)[a - start: b - start])
             start = end
-        if not views:
-            return torch.empty(0, dtype=self.pieces[0].dtype)
-        return torch.cat(views).to("cpu")
+        return out
 
 
 # Top-k residuals are keyed by their bucket's (offset, length); files hold string keys only.

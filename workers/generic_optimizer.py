@@ -8,11 +8,15 @@ a small skeleton, read back with ``weights_only=True`` (a state holding anything
 and plain values is refused rather than unpickled), and its tensors, copied, never
 serialized on the thread that trains. Joining workers get them packed in one broadcast;
 checkpoints slice the per-parameter state across parts like the fused state, the rest in
-part 0, written by the background writer.
+part 0, written by the background writer. A state whose tensors overlap in memory (other
+than as one shared tensor) cannot be taken apart exactly: it moves whole, serialized on the
+thread that trains, with a warning. Which way the state goes is logged (once, and again if
+it changes).
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -23,8 +27,20 @@ from jobspec import targets as factories
 from jobspec.recipe import OptimizerConfig
 from workers.checkpointing import FlatPieces
 from workers.flat_optimizer import FlatOptimizer
-from workers.optimizer_state import ParamSlot, decode, encode, pack, packed_bytes, put_together, take_apart, unpack
+from workers.optimizer_state import (
+    ParamSlot,
+    TakenApart,
+    decode,
+    encode,
+    pack,
+    packed_bytes,
+    put_together,
+    take_apart,
+    unpack,
+)
 from workers.training import FlatParameters
+
+log = logging.getLogger(__name__)
 
 #: Names of ``checkpoint_tensors``'s entries: the skeleton and the other tensors (whole) and
 #: the per-parameter state laid out flat, by key.
@@ -83,6 +99,32 @@ class GenericOptimizer:
         for param in params:
             self._starts[id(param)] = start
             start += param.numel()
+        self._told = ""  # the last line logged on how the state moves
+
+    def _tell(self, parts: TakenApart, checkpoint: bool) -> None:
+        """Log how the state moves, unless that was the last thing logged: whole (overlapping
+        tensors), or, in a ``checkpoint``, which of it is sliced across the parts."""
+        name = type(self.optimizer).__name__
+        if not parts.exact:
+            line = (
+                f"{name}'s state holds tensors that overlap in memory: checkpoints and joins serialize it whole, "
+                "on the thread that trains (slower), to keep the overlap"
+            )
+        elif not checkpoint or not (parts.tensors or parts.flat):
+            return  # a join's exact transfer is always the same; no state yet: nothing to tell
+        elif parts.flat:
+            line = (
+                f"{name}'s per-parameter state {sorted(parts.flat)} is checkpointed in slices across the parts, "
+                f"like the parameters; its {len(parts.tensors)} other tensor(s) whole in part 0"
+            )
+        else:
+            line = (
+                f"{name}'s state holds no per-parameter tensors shaped like the model's parameters (or its "
+                f"parameters are not the model's): its {len(parts.tensors)} tensor(s) are checkpointed whole in part 0"
+            )
+        if line != self._told:
+            self._told = line
+            log.warning(line)
 
     @property
     def base_lr(self) -> float:
@@ -116,11 +158,18 @@ class GenericOptimizer:
         """Take the root's state through ``broadcast`` (in place, from the group's root): the
         length of its skeleton (with the specs of its tensors), the skeleton, then its tensors
         packed in one buffer; the root keeps its own. The root only copies tensors (no
-        serialization of their data), so its peers are not kept waiting in the first broadcast."""
+        serialization of their data), so its peers are not kept waiting in the first broadcast.
+        A state that does not take apart exactly goes whole in the skeleton's place. A
+        receiver's state is views into the buffer it received (held once)."""
         if is_root:
-            parts = take_apart(self.optimizer.state_dict())
-            buffer, specs = pack(parts.tensors, self.device)
-            header = encode({"skeleton": parts.skeleton, "specs": specs}).to(self.device)
+            state = self.optimizer.state_dict()
+            parts = take_apart(state)
+            self._tell(parts, checkpoint=False)
+            if parts.exact:
+                buffer, specs = pack(parts.tensors, self.device)
+                header = encode({"skeleton": parts.skeleton, "specs": specs}).to(self.device)
+            else:
+                buffer, header = torch.empty(0), encode({"state": state}).to(self.device)
             broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=self.device))
             broadcast(header)
             if buffer.numel():  # nothing to send before the first step
@@ -131,6 +180,9 @@ class GenericOptimizer:
         header = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         broadcast(header)
         decoded = decode(header)
+        if "state" in decoded:
+            self._load(decoded["state"])
+            return
         buffer = torch.empty(packed_bytes(decoded["specs"]), dtype=torch.uint8, device=self.device)
         if buffer.numel():
             broadcast(buffer)
@@ -142,8 +194,13 @@ class GenericOptimizer:
         """The state as flat entries (per-parameter state shaped like the parameters, laid out
         like them: ``state/<key>``, checkpointed in slices) and whole ones (only if ``whole``:
         the skeleton, encoded, and every other tensor as ``tensor/<n>``). Nothing is copied or
-        serialized here: the snapshot copies, the background writer serializes."""
-        parts = take_apart(self.optimizer.state_dict(), self._slots())
+        serialized here: the snapshot copies, the background writer serializes. A state that
+        does not take apart exactly is the single ``STATE_ENTRY``, serialized here."""
+        state = self.optimizer.state_dict()
+        parts = take_apart(state, self._slots())
+        self._tell(parts, checkpoint=True)
+        if not parts.exact:
+            return {}, {STATE_ENTRY: encode(state)} if whole else {}
         flat: dict[str, torch.Tensor | FlatPieces] = {FLAT_PREFIX + k: v for k, v in parts.flat.items()}
         if not whole:
             return flat, {}

@@ -13,14 +13,17 @@ tensors, which move as tensors:
   writes its own slice as for the fused optimizers; the other tensors are whole ones that
   part 0 copies. The background writer serializes both.
 
-Aliasing between state tensors (two entries sharing memory) is not kept: each comes back
-with memory of its own, as copies.
+State tensors that share memory come back sharing it: entries holding one tensor (or the
+same view of one: a step counter shared by every parameter) hold one marker, and come back
+as one tensor. Tensors whose memory overlaps otherwise (a view of part of another) cannot be
+taken apart so: ``TakenApart.exact`` is False, and the caller moves the state whole.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,21 +55,62 @@ class ParamSlot:
 @dataclass
 class TakenApart:
     """A ``state_dict`` as ``skeleton`` (markers for tensors), ``tensors`` (by marker index)
-    and ``flat`` (per-parameter state by key, laid out like the parameters)."""
+    and ``flat`` (per-parameter state by key, laid out like the parameters). ``exact``: put
+    back together, it shares memory where the original did (False: some of its tensors
+    overlap in memory without being the same view; it must move whole)."""
 
     skeleton: Any
     tensors: list[torch.Tensor]
     flat: dict[str, FlatPieces]
+    exact: bool = True
 
 
 def _marker(value: Any, kind: str) -> bool:
     return isinstance(value, tuple) and len(value) == 2 and value[0] == kind
 
 
-def flat_keys(state: Any, slots: Sequence[ParamSlot]) -> list[str]:
+def _view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Equal for two tensors exactly when they are the same view of the same memory (an
+    empty tensor has no memory: it is only itself)."""
+    if tensor.numel() == 0:
+        return ("empty", id(tensor))
+    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in ``value`` (through its dicts, lists and tuples), as often as it occurs."""
+    found: list[torch.Tensor] = []
+
+    def leaf(part: Any) -> Any:
+        if isinstance(part, torch.Tensor):
+            found.append(part)
+            return part
+        return KEEP
+
+    _rebuild(value, leaf)
+    return found
+
+
+def _overlapping(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the memory spans of any two of ``tensors`` (distinct views) overlap (two
+    strided views interleaving in one span count: better whole than wrong)."""
+    spans = sorted(
+        (t.device.type, t.device.index or 0, t.data_ptr(), t.data_ptr() + _extent(t)) for t in tensors if t.numel()
+    )
+    return any(a[:2] == b[:2] and b[2] < a[3] for a, b in zip(spans, spans[1:]))
+
+
+def _extent(tensor: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to the end of its last (strides included)."""
+    return (sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1) * tensor.element_size()
+
+
+def flat_keys(state: Any, slots: Sequence[ParamSlot], shared: Collection[tuple[Any, ...]] = ()) -> list[str]:
     """The per-parameter state keys to lay out flat: held by every parameter as a tensor of
-    its parameter's shape, one dtype and device across parameters ([] if the state is not
-    keyed by parameter index, as ``torch.optim``'s is)."""
+    its parameter's shape, one dtype and device across parameters, none of them held
+    elsewhere too (``shared``: the ``_view_key`` of those; laid out flat, each would come
+    back as a copy of its own) ([] if the state is not keyed by parameter index, as
+    ``torch.optim``'s is)."""
     if not slots or not isinstance(state, Mapping) or set(state) != set(range(len(slots))):
         return []
     if not all(isinstance(s, Mapping) for s in state.values()):
@@ -79,6 +123,7 @@ def flat_keys(state: Any, slots: Sequence[ParamSlot]) -> list[str]:
         if all(
             isinstance(t := state[i].get(key), torch.Tensor)
             and t.shape == slot.shape and t.dtype == sample.dtype and t.device == sample.device
+            and _view_key(t) not in shared
             for i, slot in enumerate(slots)
         ):
             found.append(key)
@@ -90,7 +135,10 @@ def take_apart(state_dict: Mapping[str, Any], slots: Sequence[ParamSlot] = ()) -
     ``slots`` (one per parameter, covering the flat layout), per-parameter state of the
     parameters' shapes goes flat; without, every tensor is a whole one. Copies no tensor."""
     state = state_dict.get("state")
-    keys = flat_keys(state, slots)
+    found = _tensors_in(state_dict)
+    uses = Counter(_view_key(t) for t in found)
+    distinct = {_view_key(t): t for t in found}
+    keys = flat_keys(state, slots, {key for key, count in uses.items() if count > 1})
     flat: dict[str, FlatPieces] = {}
     if keys:
         by_start = sorted(range(len(slots)), key=lambda i: slots[i].start)
@@ -98,7 +146,7 @@ def take_apart(state_dict: Mapping[str, Any], slots: Sequence[ParamSlot] = ()) -
         marked = {i: {k: (FLAT, k) if k in flat else v for k, v in s.items()} for i, s in state.items()}
         state_dict = {**state_dict, "state": marked}
     tensors: list[torch.Tensor] = []
-    return TakenApart(_skeleton(state_dict, tensors), tensors, flat)
+    return TakenApart(_skeleton(state_dict, tensors), tensors, flat, not _overlapping(list(distinct.values())))
 
 
 def _rebuild(value: Any, leaf: Callable[[Any], Any]) -> Any:
@@ -117,13 +165,18 @@ def _rebuild(value: Any, leaf: Callable[[Any], Any]) -> Any:
 
 
 def _skeleton(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """``value`` with each tensor appended to ``tensors`` and replaced by its marker."""
+    """``value`` with each tensor replaced by its marker: one per view (``_view_key``), so
+    that entries sharing one come back sharing it; each appended to ``tensors`` once."""
+    markers: dict[tuple[Any, ...], tuple[str, int]] = {}
 
     def leaf(part: Any) -> Any:
         if not isinstance(part, torch.Tensor):
             return KEEP
-        tensors.append(part)
-        return (TENSOR, len(tensors) - 1)
+        key = _view_key(part)
+        if key not in markers:
+            markers[key] = (TENSOR, len(tensors))
+            tensors.append(part)
+        return markers[key]
 
     return _rebuild(value, leaf)
 
@@ -135,8 +188,9 @@ def put_together(
     slots: Sequence[ParamSlot] = (),
 ) -> Any:
     """The ``state_dict`` that ``take_apart`` took apart: markers replaced by ``tensors`` and,
-    for flat state, by copies of each parameter's range of ``flat[key]`` (whole flat
-    tensors, laid out by ``slots``). Raises ValueError if a marker has nothing to refer to."""
+    for flat state, by views of each parameter's range of ``flat[key]`` (whole flat tensors,
+    laid out by ``slots``; the caller's, no copies). Raises ValueError if a marker has
+    nothing to refer to."""
     if flat:
         if not isinstance(skeleton, Mapping) or not isinstance(skeleton.get("state"), Mapping):
             raise ValueError("flat optimizer state without per-parameter state to put it in")
@@ -149,7 +203,7 @@ def put_together(
 
 
 def _unflatten(index: Any, state: Any, flat: Mapping[str, torch.Tensor], slots: Sequence[ParamSlot]) -> Any:
-    """Parameter ``index``'s state with its flat markers replaced by its ranges of ``flat``."""
+    """Parameter ``index``'s state with its flat markers replaced by views of its ranges of ``flat``."""
     if not isinstance(state, Mapping):
         return state
     out = {}
@@ -158,7 +212,7 @@ def _unflatten(index: Any, state: Any, flat: Mapping[str, torch.Tensor], slots: 
             if value[1] not in flat or not (isinstance(index, int) and 0 <= index < len(slots)):
                 raise ValueError(f"optimizer state of parameter {index!r} refers to flat state {value[1]!r} it does not hold")
             slot = slots[index]
-            value = flat[value[1]][slot.start: slot.start + slot.shape.numel()].view(slot.shape).clone()
+            value = flat[value[1]][slot.start: slot.start + slot.shape.numel()].view(slot.shape)
         out[key] = value
     return out
 
@@ -218,22 +272,23 @@ def packed_bytes(specs: Sequence[TensorSpec]) -> int:
 
 def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[TensorSpec]]:
     """``tensors`` back to back (each from an ``ALIGN``-byte boundary) in one uint8 buffer on
-    ``device``, and their specs: one broadcast moves them all. A copy, no serialization."""
-    pieces, specs = [], []
-    for tensor in tensors:
-        data = tensor.detach().reshape(-1).view(torch.uint8).to(device)
-        pieces.append(data)
-        pad = _padded(data.numel()) - data.numel()
-        if pad:
-            pieces.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-        specs.append((tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), tensor.device.type == "cpu"))
-    buffer = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+    ``device``, and their specs: one broadcast moves them all. A copy into the buffer, made
+    once (no serialization, no copy on the way)."""
+    specs: list[TensorSpec] = [
+        (tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu") for t in tensors
+    ]
+    buffer = torch.zeros(packed_bytes(specs), dtype=torch.uint8, device=device)
+    offset = 0
+    for tensor, spec in zip(tensors, specs):
+        nbytes = _nbytes(spec)
+        buffer[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+        offset += _padded(nbytes)
     return buffer, specs
 
 
 def unpack(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
-    """The tensors ``pack`` packed into ``buffer``, each a copy of its own: on the host if it
-    was there, else on the buffer's device."""
+    """The tensors ``pack`` packed into ``buffer``: views into it (the caller's, so the state
+    is held once), but a copy on the host for one that was there if the buffer is not."""
     if buffer.numel() != packed_bytes(specs):
         raise ValueError(f"packed optimizer state of {buffer.numel()} bytes, its specs need {packed_bytes(specs)}")
     out, offset = [], 0
@@ -241,6 +296,6 @@ def unpack(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tens
         shape, dtype, on_host = spec
         nbytes = _nbytes(spec)
         piece = buffer[offset: offset + nbytes].view(_dtype(dtype)).view(shape)
-        out.append(piece.to("cpu", copy=True) if on_host else piece.clone())
+        out.append(piece.to("cpu") if on_host else piece)
         offset += _padded(nbytes)
     return out

@@ -1,4 +1,4 @@
-"""A user's own optimizer class, as a job names one (``tests.helpers.optimizers:Lion``)."""
+"""Users' own optimizer classes, as a job names one (``tests.helpers.optimizers:Lion``)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,39 @@ class Lion(torch.optim.Optimizer):
                 exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
                 state["updates"] += 1
                 state["last_norm"] = torch.linalg.vector_norm(update)
+
+
+class SharedStep(torch.optim.Optimizer):
+    """Momentum SGD with a step size decaying as 1/t, ``t`` one step-counter tensor held by
+    every parameter's state (``state[p]["t"]`` all one tensor): state entries that share
+    memory. With ``overlap``, each parameter's state also holds ``head``, a view of its
+    momentum's first entry that the step reads (memory overlapping without being one
+    tensor). Restored as separate copies, either would train differently."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 0.1, overlap: bool = False) -> None:
+        super().__init__(params, {"lr": lr})
+        self.overlap = overlap
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        counter = next((self.state[p]["t"] for p in params if "t" in self.state[p]), None)
+        if counter is None:
+            counter = torch.zeros(())
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["t"] = counter
+                state["m"] = torch.zeros_like(p)
+                if self.overlap:
+                    state["head"] = state["m"].view(-1)[:1]
+        counter.add_(1)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["m"].mul_(0.9).add_(p.grad)
+                p.add_(state["m"], alpha=-group["lr"] / float(counter))
+                if self.overlap:
+                    p.view(-1)[:1].sub_(state["head"], alpha=group["lr"])
