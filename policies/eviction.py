@@ -58,12 +58,21 @@ class Evict:
 SNAPSHOT_SLACK = 10.0
 
 
-def snapshot_allowance(silent_s: float, last_copy_s: float | None, cap_s: float = math.inf) -> float:
+def snapshot_allowance(
+    silent_s: float, last_copy_s: float | None, cap_s: float = math.inf, group_copy_s: float | None = None
+) -> float:
     """How long a worker may copy a checkpoint snapshot before it counts as silent:
-    ``SNAPSHOT_SLACK`` x its ``last_copy_s`` (None: no copy yet), at least ``silent_s``, at
-    most ``cap_s`` (the driver's: below its own deadline for a step, so that a hung snapshot
-    gets its worker evicted rather than the job failed)."""
-    return min(cap_s, max(silent_s, SNAPSHOT_SLACK * (last_copy_s or 0.0)))
+    ``SNAPSHOT_SLACK`` x its ``last_copy_s``, at least ``silent_s``, at most ``cap_s`` (the
+    driver's: below its own deadline for a step, so that a hung snapshot gets its worker
+    evicted rather than the job failed). With no copy of its own yet (its first snapshot, or a
+    replacement's), the group's longest last copy (``group_copy_s``) stands in for it; with
+    none in the group either (the job's first snapshot), ``cap_s``: how long a first copy of a
+    large state takes (host memory allocated, every rank copying at once) is not known, and
+    ``silent_s`` alone would evict the worker, then its replacement at the next checkpoint."""
+    known = last_copy_s if last_copy_s is not None else group_copy_s
+    if known is None:
+        return cap_s
+    return min(cap_s, max(silent_s, SNAPSHOT_SLACK * known))
 
 
 def silent_workers(
@@ -79,7 +88,8 @@ def silent_workers(
 
     A worker copying its part of a checkpoint (queued between two steps: its peers run ahead
     and wait for it) is busy, not silent, for its ``snapshot_allowance`` (capped at
-    ``snapshot_cap_s``); past that it is silent (a snapshot that hangs). The peers' wait
+    ``snapshot_cap_s``; for a worker with no copy of its own yet, from the group's longest
+    last copy); past that it is silent (a snapshot that hangs). The peers' wait
     began during its snapshot, so it is held up silent only ``silent_s`` after the snapshot
     ended. Each eviction's evidence says ``why``.
     """
@@ -87,13 +97,15 @@ def silent_workers(
     if not waited:
         return []
     step = max(waited)
+    copies = [r.last_copy_s for r in progress.values() if r is not None and r.last_copy_s is not None]
+    group_copy_s = max(copies, default=None)
     out = []
     for worker, report in sorted(progress.items()):
         if report is not None and report.waiting_in(step):
             continue
         why = f"silent for {silent_s}s (stalled or hung)"
         if report is not None and report.snapshotting:
-            allowed = snapshot_allowance(silent_s, report.last_copy_s, snapshot_cap_s)
+            allowed = snapshot_allowance(silent_s, report.last_copy_s, snapshot_cap_s, group_copy_s)
             if report.since_s < allowed:
                 continue
             why = f"copying a checkpoint snapshot for {report.since_s:.0f}s, longer than one may take ({allowed:.0f}s)"

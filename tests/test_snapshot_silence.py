@@ -41,7 +41,7 @@ def test_a_worker_copying_a_snapshot_is_busy_for_as_long_as_its_copies_take():
     # silent_s at least, SNAPSHOT_SLACK (10) x its last copy if longer, never past the cap.
     assert silent_workers({**waiting, 0: _progress(7, "snapshot", 4.0)}, 5.0, 150.0) == []
     assert silent_workers({**waiting, 0: _progress(7, "snapshot", 19.0, 60.0, last_copy_s=2.0)}, 5.0, 150.0) == []
-    for stuck_since, last_copy_s, allowed in ((5.0, None, 5), (5.0, 0.01, 5), (20.0, 2.0, 20), (150.0, 60.0, 150)):
+    for stuck_since, last_copy_s, allowed in ((5.0, 0.01, 5), (20.0, 2.0, 20), (150.0, 60.0, 150)):
         (stuck,) = silent_workers({**waiting, 0: _progress(7, "snapshot", stuck_since, 90.0, last_copy_s)}, 5.0, 150.0)
         assert stuck.worker == 0 and stuck.reason == "silent"
         assert stuck.evidence["why"] == f"copying a checkpoint snapshot for {stuck_since:.0f}s, longer than one may take ({allowed}s)"
@@ -53,6 +53,25 @@ def test_a_worker_copying_a_snapshot_is_busy_for_as_long_as_its_copies_take():
         assert evict.worker == 0 and evict.evidence["why"] == "silent for 5.0s (stalled or hung)"
     # Not answering is silence, snapshot or not.
     assert [e.worker for e in silent_workers({**waiting, 0: None}, 5.0, 150.0)] == [0]
+
+
+def test_a_first_snapshot_is_allowed_what_the_group_s_copies_took_or_else_the_cap():
+    # Worker 0 copies for the first time (no copy of its own: a replacement, or the job's first
+    # checkpoint, a large state's host memory allocated as it goes). silent_s alone (5 s) would
+    # evict it, and its replacement again at the next checkpoint, and so on.
+    def stuck(since_s: float, peers_copy_s: float | None) -> list[str]:
+        waiting = {1: _progress(8, "reduce", last_copy_s=peers_copy_s), 2: _progress(8, "idle", last_copy_s=0.5)}
+        found = silent_workers({**waiting, 0: _progress(7, "snapshot", since_s, 90.0)}, 5.0, 150.0)
+        return [e.evidence["why"] for e in found if e.worker == 0]
+
+    # The peers' copies (of this same checkpoint, done) took up to 3 s: 10 x that, 30 s.
+    assert stuck(29.0, 3.0) == []  # the old code: evicted after silent_s
+    assert stuck(30.0, 3.0) == ["copying a checkpoint snapshot for 30s, longer than one may take (30s)"]
+    # Nobody has copied yet (the peers' first copies still running too): the cap.
+    no_copies = {w: _progress(8, "reduce") for w in (1, 2)}
+    assert silent_workers({**no_copies, 0: _progress(7, "snapshot", 149.0, 90.0)}, 5.0, 150.0) == []
+    (hung,) = silent_workers({**no_copies, 0: _progress(7, "snapshot", 150.0, 90.0)}, 5.0, 150.0)
+    assert hung.evidence["why"] == "copying a checkpoint snapshot for 150s, longer than one may take (150s)"
 
 
 @dataclass
