@@ -27,6 +27,7 @@ from workers.checkpoint_storage import CheckpointStorage
 from workers.checkpointing import FlatPieces
 from workers.generic_optimizer import STATE_ENTRY, GenericOptimizer
 from workers.loss_scaler import LossScaler
+from workers.optimizer_state import as_loaded
 from workers.replica_checkpoint import CheckpointWriter, restore_state
 from workers.training import FlatParameters
 
@@ -46,11 +47,12 @@ class FakeReplica:
     optimizer: GenericOptimizer = field(init=False)
     scaler: LossScaler = field(default_factory=lambda: LossScaler(False))
     device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32  # the model's
     next_step: int = 0
 
     def __post_init__(self) -> None:
         torch.manual_seed(0)  # every replica starts alike
-        self.model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+        self.model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3)).to(self.dtype)
         self.flat = FlatParameters(self.model.parameters(), extra=2)
         # decay_biases_and_norms false: two groups, so state_dict order is not the flat order
         self.optimizer = GenericOptimizer(self.optimizer_name, self.kwargs, self.flat.params, False)
@@ -59,7 +61,7 @@ class FakeReplica:
         for _ in range(steps):
             self.flat.zero()
             torch.manual_seed(100 + self.next_step)
-            self.model(torch.randn(4, 6)).square().sum().backward()
+            self.model(torch.randn(4, 6).to(self.dtype)).square().sum().backward()
             self.optimizer.step()
             self.next_step += 1
 
@@ -126,7 +128,7 @@ def test_a_snapshot_copies_on_the_compute_thread_and_serializes_in_the_backgroun
 def _joined(root: FakeReplica) -> FakeReplica:
     """A new replica that joined ``root``: its optimizer state through ``sync`` (the
     broadcasts recorded, then replayed), its parameters and step copied (``GroupLink``)."""
-    joiner = FakeReplica(root.optimizer_name, root.kwargs)
+    joiner = FakeReplica(root.optimizer_name, root.kwargs, dtype=root.dtype)
     sent: list[torch.Tensor] = []
     root.optimizer.sync(lambda tensor: sent.append(tensor.clone()), is_root=True)
     replies = iter(sent)
@@ -192,22 +194,27 @@ def _restored(tmp_path, source: FakeReplica) -> FakeReplica:
         writer.snapshot(SnapshotRequest(source.next_step, str(tmp_path), name, "a1", index, 2), source, {}, index)
     storage = CheckpointStorage(str(tmp_path))
     write_manifest(storage, source.next_step, [f for w in writers for f in w.written(name, "a1", timeout_s=60)], {})
-    restored = FakeReplica(source.optimizer_name, source.kwargs)
+    restored = FakeReplica(source.optimizer_name, source.kwargs, dtype=source.dtype)
     restore_state(restored, storage, name, verify_checkpoint(storage, name))
     return restored
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["as-the-state", "cast-on-load"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["one-shared-tensor", "overlapping-views"])
-def test_state_tensors_sharing_memory_come_back_sharing_it(tmp_path, caplog, overlap):
+def test_state_tensors_sharing_memory_come_back_sharing_it(tmp_path, caplog, overlap, dtype):
     # One step counter for every parameter (and, overlapping, a view of each momentum's head):
-    # restored as separate copies, the counter would advance once per parameter.
+    # restored as separate copies, the counter would advance once per parameter. With float64
+    # parameters, the float32 counter is cast by torch's load_state_dict to their dtype,
+    # parameter by parameter (as it moves host state to a GPU's parameters): one copy each,
+    # unless it arrives cast already.
     caplog.set_level(logging.WARNING, logger="workers.generic_optimizer")
-    source = FakeReplica(SharedStep, {"lr": 0.01, "overlap": overlap})
+    source = FakeReplica(SharedStep, {"lr": 0.01, "overlap": overlap}, dtype=dtype)
     source.train(3)
-    expected = FakeReplica(SharedStep, {"lr": 0.01, "overlap": overlap})
+    expected = FakeReplica(SharedStep, {"lr": 0.01, "overlap": overlap}, dtype=dtype)
     expected.train(6)
     for how, copy in (("checkpoint", _restored(tmp_path, source)), ("join", _joined(source))):
         states = list(copy.optimizer.optimizer.state.values())
+        assert {s["t"].dtype for s in states} == {dtype}, how  # cast as torch casts it
         assert len({id(s["t"]) for s in states}) == 1, how
         if overlap:
             assert all(s["head"].data_ptr() == s["m"].data_ptr() for s in states), how
@@ -217,6 +224,53 @@ def test_state_tensors_sharing_memory_come_back_sharing_it(tmp_path, caplog, ove
     whole = [m for m in caplog.messages if "overlap in memory" in m]
     assert whole == (["SharedStep's state holds tensors that overlap in memory: checkpoints and joins serialize it "
                       "whole, on the thread that trains (slower), to keep the overlap"] if overlap else [])
+
+
+def test_overlapping_state_of_another_dtype_than_its_parameters_keeps_its_overlap_when_cast(tmp_path):
+    # The momenta float32, the parameters float64: torch would cast each momentum and its head
+    # apart (the head no longer a view of it); cast as one memory, the head stays its view.
+    kwargs = {"lr": 0.01, "overlap": True, "low_precision": True}
+    source = FakeReplica(SharedStep, kwargs, dtype=torch.float64)
+    source.train(3)
+    for how, copy in (("checkpoint", _restored(tmp_path, source)), ("join", _joined(source))):
+        states = list(copy.optimizer.optimizer.state.values())
+        assert {s["m"].dtype for s in states} == {torch.float64}, how
+        assert all(s["head"].data_ptr() == s["m"].data_ptr() for s in states), how
+        assert len({id(s["t"]) for s in states}) == 1, how
+        copy.train(1)
+        assert all(torch.equal(s["head"], s["m"].view(-1)[:1]) for s in states), how
+
+
+def test_state_is_cast_where_and_as_load_state_dict_casts_it():
+    # RAdam over float64 parameters, its state made float32 (the step count too, which torch
+    # leaves as it is): cast beforehand, the loaded state is what torch's own cast makes of it.
+    source = FakeReplica("RAdam", {"lr": 0.01}, dtype=torch.float64)
+    source.train(2)
+    state = source.optimizer.optimizer.state_dict()
+    state = {**state, "state": {i: {k: v.float() for k, v in s.items()} for i, s in state["state"].items()}}
+    params = [p for group in source.optimizer.optimizer.param_groups for p in group["params"]]
+    ours = FakeReplica("RAdam", {"lr": 0.01}, dtype=torch.float64)
+    torchs = FakeReplica("RAdam", {"lr": 0.01}, dtype=torch.float64)
+    ours.optimizer.optimizer.load_state_dict(as_loaded(state, params))
+    torchs.optimizer.optimizer.load_state_dict(state)
+    _same_state(ours.optimizer, torchs.optimizer)
+    assert {(k, v.dtype) for s in ours.optimizer.optimizer.state.values() for k, v in s.items()} == {
+        ("step", torch.float32), ("exp_avg", torch.float64), ("exp_avg_sq", torch.float64)
+    }
+
+
+def test_views_of_one_memory_are_cast_together_only_where_they_overlap():
+    # One float32 storage of 1000 entries for float64 parameters: a momentum (0..9) with its
+    # head (0) shared by both parameters, and a counter at its far end (999).
+    memory = torch.arange(1000.0)
+    m, head, t = memory[:10], memory[:1], memory[999:]
+    params = [torch.zeros(10, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)]
+    state = {"state": {0: {"m": m, "head": head, "t": t}, 1: {"head": head, "t": t}}, "param_groups": [{"params": [0, 1]}]}
+    got = as_loaded(state, params)["state"]
+    assert got[0]["head"].data_ptr() == got[0]["m"].data_ptr() and got[1]["head"] is got[0]["head"] and got[1]["t"] is got[0]["t"]
+    assert torch.equal(got[0]["m"], torch.arange(10.0, dtype=torch.float64)) and got[0]["t"].item() == 999.0
+    # The entries between them are not copied: the momentum's span, and the counter's apart.
+    assert got[0]["m"].untyped_storage().nbytes() == 80 and got[0]["t"].untyped_storage().nbytes() == 8
 
 
 def test_a_restored_state_is_held_once_in_what_was_received_or_read(tmp_path):

@@ -30,6 +30,7 @@ from workers.flat_optimizer import FlatOptimizer
 from workers.optimizer_state import (
     ParamSlot,
     TakenApart,
+    as_loaded,
     decode,
     encode,
     pack,
@@ -146,11 +147,14 @@ class GenericOptimizer:
         return [ParamSlot(self._starts[id(p)], p.shape) for p in order]
 
     def _load(self, state: Any) -> None:
-        """Load a ``state_dict`` (its tensors on the CPU or the device: ``load_state_dict``
-        places each as the optimizer wants it; a step count stays on the host where torch
-        keeps it there). Raises ValueError if it does not fit this optimizer."""
+        """Load a ``state_dict`` (its tensors on the CPU or the device, of any dtype), each
+        memory cast once to where and as ``load_state_dict`` wants it (``as_loaded``: torch's
+        own cast, parameter by parameter, would copy a shared counter or overlapping views
+        apart; a step count stays on the host where torch keeps it there). Raises ValueError
+        if it does not fit this optimizer."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         try:
-            self.optimizer.load_state_dict(state)
+            self.optimizer.load_state_dict(as_loaded(state, params))
         except (RuntimeError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"optimizer state does not fit {type(self.optimizer).__name__}: {err}") from None
 

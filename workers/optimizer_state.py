@@ -16,7 +16,10 @@ tensors, which move as tensors:
 State tensors that share memory come back sharing it: entries holding one tensor (or the
 same view of one: a step counter shared by every parameter) hold one marker, and come back
 as one tensor. Tensors whose memory overlaps otherwise (a view of part of another) cannot be
-taken apart so: ``TakenApart.exact`` is False, and the caller moves the state whole.
+taken apart so: ``TakenApart.exact`` is False, and the caller moves the state whole. Either
+way the state is cast before ``load_state_dict`` (``as_loaded``): torch casts each
+parameter's state on its own (to the parameter's device and dtype), which would copy shared
+or overlapping memory apart.
 """
 
 from __future__ import annotations
@@ -230,6 +233,99 @@ def _fill(value: Any, tensors: Sequence[torch.Tensor]) -> Any:
         return tensors[part[1]]
 
     return _rebuild(value, leaf)
+
+
+#: A dtype and device a state tensor is cast to; None where torch leaves it as it is.
+Target = tuple[torch.dtype, torch.device] | None
+
+
+def _target(value: torch.Tensor, param: torch.Tensor, key: Any, fused_or_capturable: bool) -> Target:
+    """Where ``torch.optim.Optimizer.load_state_dict`` puts state ``value`` of ``param`` under
+    ``key`` (its ``_process_value_according_to_param_policy``): a ``step`` stays as it is (but
+    float32 on the parameter's device for a fused or capturable group); anything else goes to
+    the parameter's device, and to its dtype if that is floating-point."""
+    if key == "step":
+        return (torch.float32, param.device) if fused_or_capturable else None
+    return (param.dtype if param.is_floating_point() else value.dtype, param.device)
+
+
+def _per_parameter(
+    state_dict: Mapping[str, Any], params: Sequence[torch.Tensor], leaf: Callable[[torch.Tensor, Target], Any]
+) -> Any:
+    """``state_dict``'s state rebuilt (through dicts, lists and tuples) with each tensor of a
+    parameter replaced by ``leaf(tensor, its target)``; None if the state's parameters do not
+    match ``params`` (``load_state_dict`` says why)."""
+    groups, state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups) or not isinstance(state, Mapping):
+        return None
+    saved = [i for g in groups for i in g.get("params", ())]
+    if len(saved) != len(params):
+        return None
+    by_id = dict(zip(saved, params))
+    special = {i for g in groups if g.get("fused") or g.get("capturable") for i in g.get("params", ())}
+
+    def walk(value: Any, param: torch.Tensor, fused: bool, key: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return leaf(value, _target(value, param, key, fused))
+        if isinstance(value, Mapping):
+            return {k: walk(v, param, fused, k) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):  # torch's cast passes no key down into these
+            return type(value)(walk(v, param, fused, None) for v in value)
+        return value
+
+    return {i: walk(v, by_id[i], i in special, None) if i in by_id else v for i, v in state.items()}
+
+
+def _cast_together(views: list[torch.Tensor], target: tuple[torch.dtype, torch.device]) -> dict[tuple[Any, ...], torch.Tensor]:
+    """``views`` (of one storage, of one dtype) cast to ``target``, by ``_view_key``: views
+    whose memory overlaps (through one another) cast as the one span they cover, so that they
+    come back as views of one memory; the others apart (no bytes between them copied)."""
+    def stop(view: torch.Tensor) -> int:  # the storage entry after its last
+        return view.storage_offset() + _extent(view) // view.element_size()
+
+    out: dict[tuple[Any, ...], torch.Tensor] = {}
+    views = sorted(views, key=lambda v: v.storage_offset())
+    start = 0
+    while start < len(views):
+        lo, hi, end = views[start].storage_offset(), stop(views[start]), start + 1
+        while end < len(views) and views[end].storage_offset() < hi:
+            hi, end = max(hi, stop(views[end])), end + 1
+        span = torch.as_strided(views[start].detach(), (hi - lo,), (1,), lo).to(dtype=target[0], device=target[1])
+        for view in views[start:end]:
+            out.setdefault(_view_key(view), span.as_strided(view.shape, view.stride(), view.storage_offset() - lo))
+        start = end
+    return out
+
+
+def as_loaded(state_dict: Mapping[str, Any], params: Sequence[torch.Tensor]) -> Mapping[str, Any]:
+    """``state_dict`` with every state tensor already of the dtype and on the device that
+    ``load_state_dict`` casts it to, for an optimizer whose parameters in group order are
+    ``params``: torch casts each parameter's state on its own, so a tensor held by several
+    parameters (a shared step counter) or views of one memory (overlapping state), arriving on
+    the host for a GPU's parameters or of another dtype, would come back as one copy per
+    entry. Here each memory is cast once (``_cast_together``), each distinct view comes back
+    as one tensor, and torch's own cast then copies nothing. (Overlapping views in different
+    dtypes, or going to different targets, are cast apart.)"""
+    needs: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+
+    def collect(tensor: torch.Tensor, target: Target) -> torch.Tensor:
+        if target is not None and (tensor.dtype, tensor.device) != target and tensor.numel():
+            memory = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.dtype, target)
+            needs.setdefault(memory, []).append(tensor)
+        return tensor
+
+    if _per_parameter(state_dict, params, collect) is None or not needs:
+        return state_dict
+    cast = {(key, memory[3]): t for memory, views in needs.items() for key, t in _cast_together(views, memory[3]).items()}
+
+    def place(tensor: torch.Tensor, target: Target) -> torch.Tensor:
+        if target is None or (tensor.dtype, tensor.device) == target:
+            return tensor
+        if not tensor.numel():
+            return tensor.to(dtype=target[0], device=target[1])
+        return cast[_view_key(tensor), target]
+
+    return {**state_dict, "state": _per_parameter(state_dict, params, place)}
 
 
 def encode(value: Any) -> torch.Tensor:

@@ -45,11 +45,15 @@ class SharedStep(torch.optim.Optimizer):
     every parameter's state (``state[p]["t"]`` all one tensor): state entries that share
     memory. With ``overlap``, each parameter's state also holds ``head``, a view of its
     momentum's first entry that the step reads (memory overlapping without being one
-    tensor). Restored as separate copies, either would train differently."""
+    tensor). Restored as separate copies, either would train differently. ``t`` is float32
+    whatever the parameters' dtype (torch's ``load_state_dict`` casts it to theirs, parameter
+    by parameter); so are the momenta with ``low_precision`` (a state of another dtype than
+    its parameters, like a bf16 optimizer state)."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 0.1, overlap: bool = False) -> None:
+    def __init__(self, params: Iterable[Any], lr: float = 0.1, overlap: bool = False, low_precision: bool = False) -> None:
         super().__init__(params, {"lr": lr})
         self.overlap = overlap
+        self.low_precision = low_precision
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
@@ -61,7 +65,7 @@ class SharedStep(torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 state["t"] = counter
-                state["m"] = torch.zeros_like(p)
+                state["m"] = torch.zeros_like(p, dtype=torch.float32 if self.low_precision else p.dtype)
                 if self.overlap:
                     state["head"] = state["m"].view(-1)[:1]
         counter.add_(1)
