@@ -58,7 +58,7 @@ def test_submit_follow_runs_the_job_on_the_cluster_with_its_checkpoints(head, tm
     assert summary["status"] == "finished" and summary["workers"]["start"] == 2
     checkpoints = Path(summary["checkpoints"]["root"])
     assert checkpoints.parent == run_dir / "checkpoints" and checkpoints.name == (run_dir / "run_id").read_text().strip()
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000005", "step-00000010", "step-00000012"]
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000005", "step-00000010", "step-00000012"]
     status = _ringleader(head, "status", submission_id, "--address", head.address, cwd=project)
     assert status.returncode == 0 and status.stdout.startswith(f"{submission_id}: SUCCEEDED")
     logs = _ringleader(head, "logs", submission_id, "--address", head.address, cwd=project)
