@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -159,6 +160,31 @@ def test_submits_of_the_same_overrides_share_one_file_the_last_one_out_removes(t
         with held_file(path, b"[]"):
             assert path.read_bytes() == b"[]"
         assert path.exists()  # the first submit still uploads it
+    assert not path.exists()
+
+
+def test_the_last_two_out_at_the_same_instant_still_remove_the_file(tmp_path, monkeypatch):
+    """Another holder (another submit of the same overrides) leaves just as this one tries to
+    remove the file: refused once, this one tries again, and removes it."""
+    import fcntl
+
+    from orchestrator import held_files
+
+    path = tmp_path / "shared.json"
+    other: list[int] = []
+    lock = held_files._lock
+
+    def leaving_at_once(fd: int, how: int) -> bool:
+        granted = lock(fd, how)
+        if how == fcntl.LOCK_EX and not granted and other:
+            os.close(other.pop())  # the other holder is gone a moment after this one's first try
+        return granted
+
+    monkeypatch.setattr(held_files, "_lock", leaving_at_once)
+    with held_files.held_file(path, b"[]"):
+        other.append(os.open(path, os.O_RDONLY))
+        fcntl.flock(other[0], fcntl.LOCK_SH)  # as its holder does
+    assert not other  # it did leave during the removal
     assert not path.exists()
 
 
