@@ -26,6 +26,13 @@ REPO = Path(__file__).resolve().parent.parent
 SECRET = "s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/ckpt"
 
 
+@pytest.fixture(autouse=True)
+def private_cache(monkeypatch, tmp_path) -> None:
+    """The key that names overrides files (``orchestrator/submission.py``) is made here, not in
+    the user's own cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 @pytest.fixture
 def submitted(monkeypatch, tmp_path) -> list[dict[str, Any]]:
     """``Cluster.submit`` recording what it was given and the package Ray would upload then
@@ -124,6 +131,27 @@ def test_the_same_overrides_ship_the_same_file_so_the_same_package(tmp_path, sub
     first, again, other = (call["entrypoint"] for call in submitted)
     assert first == again and first != other
     assert submitted[0]["files"] == submitted[1]["files"]  # what Ray hashes into the package's name
+
+
+def test_the_overrides_file_name_confirms_no_guess_of_them(tmp_path, submitted, capsys, monkeypatch):
+    """The name shows in the entrypoint: a plain hash of the overrides would let whoever sees
+    it confirm a guessed credential offline. It is keyed by a secret of this user's, made once
+    (0600) and kept: the same overrides still ship the same file; under another key, another."""
+    import hashlib
+
+    from orchestrator.job_file import encode_overrides
+
+    project = _project(tmp_path / "project")
+    overrides = [f"checkpoint.path={SECRET}"]
+    assert _submit(project, *overrides) == 0 and _submit(project, *overrides) == 0, capsys.readouterr().err
+    first, again = (call["entrypoint"].split("--set-file ")[1].split()[0] for call in submitted)
+    assert first == again
+    assert hashlib.sha256(encode_overrides(overrides)).hexdigest()[:16] not in first
+    key = tmp_path / "cache" / "ringleader" / "submit-overrides.key"
+    assert key.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "another-user"))
+    assert _submit(project, *overrides) == 0
+    assert submitted[2]["entrypoint"].split("--set-file ")[1].split()[0] != first
 
 
 def test_a_killed_submits_overrides_file_is_removed_and_a_live_ones_never_shipped(tmp_path, submitted, capsys, monkeypatch):
