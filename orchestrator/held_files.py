@@ -20,13 +20,17 @@ from pathlib import Path
 #: How long ``held_file`` waits for a file another process is removing (held exclusively
 #: for just its unlink) to be gone; only a process stopped mid-removal makes it wait that long.
 JOIN_WAIT_S = 10.0
+#: How often, and how far apart, a holder on its way out tries to take a file for removal:
+#: another holder leaving at the same instant refuses its first try (as its own was refused).
+REMOVE_TRIES = 5
+REMOVE_RETRY_S = 0.02
 
 
 @contextlib.contextmanager
 def held_file(path: Path, content: bytes) -> Iterator[Path]:
     """``path`` holding ``content`` (private to its owner), held until exit, then removed
     unless another process holds it too (the last one out removes it; failures included;
-    two leaving at the same instant may both leave it, for the next ``remove_unheld``).
+    two leaving at the same instant each try ``REMOVE_TRIES`` times, so one of them does).
     Processes that ask for the same path share one file, so its name must say its content
     (a hash of it): a file found there is taken as is. A reader never sees it partial: it
     is written whole under a temporary name first. Raises OSError if it cannot be made
@@ -99,10 +103,19 @@ def _create(path: Path, content: bytes) -> int | None:
 def _remove_if_unheld(path: Path, fd: int) -> None:
     """Remove ``path`` if no other process holds it (``fd``: an open descriptor of it, closed
     here). An exclusive lock granted means nobody else holds it, and nobody can take it, nor
-    make another file at ``path`` (``_create`` never replaces one), until it is gone."""
+    make another file at ``path`` (``_create`` never replaces one), until it is gone. Refused,
+    it lets go of its own lock and tries again, ``REMOVE_TRIES`` times in all: two holders
+    leaving at once each refuse the other's first try (where a refused conversion keeps the
+    shared lock: flock over NFS), and the one that tries again alone is granted."""
     try:
-        if _lock(fd, fcntl.LOCK_EX) and _is_at(fd, path):
-            path.unlink(missing_ok=True)
+        for attempt in range(REMOVE_TRIES):
+            if _lock(fd, fcntl.LOCK_EX):
+                if _is_at(fd, path):
+                    path.unlink(missing_ok=True)
+                return
+            fcntl.flock(fd, fcntl.LOCK_UN)  # no longer a holder: the other one may take it
+            if attempt + 1 < REMOVE_TRIES:
+                time.sleep(REMOVE_RETRY_S)
     finally:
         os.close(fd)
 

@@ -187,8 +187,8 @@ def check_loss(job: JobConfig, source: str) -> None:
 
     The model is built on torch's ``meta`` device and the batch moved there: shapes without
     memory, so a large model costs the driver (a small head node, perhaps) nothing. The
-    dataset factory does run here; ``orchestrator/launch.py`` bounds how long it waits for
-    this check. Anything that fails on the way (a factory that needs real tensors or a GPU, a
+    dataset factory does run here: the launch runs this in a child process it kills after
+    ``LOSS_CHECK_S`` (``orchestrator/loss_check.py``). Anything that fails on the way (a factory that needs real tensors or a GPU, a
     forward or loss that reads values, the driver lacking the workers' data) is left to the
     workers, which refuse a scalar at step 0 and report anything else as before."""
     if job.loss.name in BUILTIN_LOSSES:

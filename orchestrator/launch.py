@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 from jobspec.fields import ConfigError, first_line
 from jobspec.job import JobConfig
 from jobspec.recipe import BUILTIN_LOSSES
-from orchestrator.job_file import check_loss, resolve_job
+from orchestrator.job_file import resolve_job
+from orchestrator.loss_check import LossTrial
 from orchestrator.run_dir import RunDirectory, RunListener
 
 if TYPE_CHECKING:
@@ -33,9 +34,10 @@ if TYPE_CHECKING:
 
 # Imports cannot hang, but a wedged file system could; never wait forever.
 PRELOAD_TIMEOUT_S = 300.0
-# How long the launch waits for a user's loss to be tried on the driver (check_loss): a
-# convenience, an early refusal of a scalar loss, not worth delaying Ray's start for long;
-# the workers refuse one at step 0 anyway.
+# How long the launch waits for a user's loss to be tried (check_loss, in a child process
+# killed then: orchestrator/loss_check.py), from when the child has the job: a convenience, an
+# early refusal of a scalar loss, not worth delaying Ray's start for long; the workers refuse
+# one at step 0 anyway.
 LOSS_CHECK_S = 20.0
 # A cluster address is tried before Ray is: Ray itself retries a dead one for minutes.
 CONNECT_CHECK_S = 5.0
@@ -201,7 +203,7 @@ def default_run_dir(job: JobConfig) -> Path:
     return Path("runs") / f"{job.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def _in_background(function: Callable[..., None], *args: Any, name: str = "ringleader-preload") -> Future[None]:
+def _in_background(function: Callable[..., None], *args: Any) -> Future[None]:
     """Run ``function`` on a daemon thread. Not a ThreadPoolExecutor: its exit (and the
     interpreter's) would wait for a wedged import, so no timeout could bound it."""
     future: Future[None] = Future()
@@ -212,39 +214,27 @@ def _in_background(function: Callable[..., None], *args: Any, name: str = "ringl
         except BaseException as err:  # handed to whoever waits on the future
             future.set_exception(err)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    threading.Thread(target=run, name="ringleader-preload", daemon=True).start()
     return future
 
 
 def _preload(job: JobConfig, source: str, checked: Future[None]) -> None:
-    """Import torch, check the job's user code (``resolve_job``, ``_try_loss``), settling
-    ``checked`` with the outcome (whatever fails, the import of torch included: the launch
-    waits on it), then import the driver's modules. Raises ConfigError for a bad factory or
-    loss."""
+    """Import torch, check the job's user code (``resolve_job``, and a user's loss in a
+    ``LossTrial`` for at most ``LOSS_CHECK_S``), settling ``checked`` with the outcome
+    (whatever fails, the import of torch included: the launch waits on it), then import the
+    driver's modules. Raises ConfigError for a bad factory or loss."""
     try:
-        import torch  # noqa: F401 - the bulk of the work, first, before anything waits on it
+        with LossTrial(job, source) as trial:  # its child imports torch beside this thread
+            import torch  # noqa: F401 - the bulk of the work, first, before anything waits on it
 
-        resolve_job(job, source)
-        _try_loss(job, source)
+            resolve_job(job, source)
+            trial.settle(LOSS_CHECK_S)
     except BaseException as err:
         checked.set_exception(err)
         raise
     checked.set_result(None)
     import orchestrator.controller  # noqa: F401
     import orchestrator.worker_group  # noqa: F401 - imports Ray's actor machinery and torch
-
-
-def _try_loss(job: JobConfig, source: str) -> None:
-    """``check_loss``, given at most ``LOSS_CHECK_S``: it runs the user's dataset factory,
-    which may download or tokenise for minutes. Past that the launch goes on without it (the
-    check goes on, unheard, on its daemon thread): the workers refuse a scalar loss at step 0."""
-    if job.loss.name in BUILTIN_LOSSES:
-        return
-    trial = _in_background(check_loss, job, source, name="ringleader-loss-check")
-    try:
-        trial.result(timeout=LOSS_CHECK_S)
-    except FutureTimeout:
-        return
 
 
 def _wait(future: Future[None], source: str) -> None:
@@ -272,8 +262,8 @@ def run_job(
 
     ``job`` may come from ``load_job(..., resolve=False)``: the import-heavy checks run here,
     alongside Ray's start, and still before any worker starts (before Ray starts for a job
-    with a user's loss, which ``check_loss`` tries once here, on a meta-device model, for at
-    most ``LOSS_CHECK_S``). A ``run_dir`` an earlier run left (with its ``job.json``) is
+    with a user's loss, which ``check_loss`` tries once, on a meta-device model, in a child
+    process killed after ``LOSS_CHECK_S``). A ``run_dir`` an earlier run left (with its ``job.json``) is
     resumed from its newest good checkpoint (from step 0 if it has none); checkpoints that
     fail verification are reported through ``warn`` and skipped. Returns the run directory
     and summary whatever the outcome; ``summary["status"]`` is ``finished``, ``failed`` or
@@ -304,9 +294,9 @@ def run_job(
     checked: Future[None] = Future()
     preload = _in_background(_preload, job, source, checked)
     if job.loss.name not in BUILTIN_LOSSES:
-        # A user's loss is tried on the driver before Ray starts (_try_loss): that costs
-        # the overlap of Ray's start with torch's import, and at most LOSS_CHECK_S more, for
-        # these jobs only. Whatever _preload raises (torch's import failing too) ends here.
+        # A user's loss is tried before Ray starts (LossTrial): that costs the overlap of
+        # Ray's start with torch's import, and at most LOSS_CHECK_S more, for these jobs
+        # only. Whatever _preload raises (torch's import failing too) ends here.
         _wait(checked, source)
     with ray_session(address, local_nodes) as session, contextlib.ExitStack() as held:
         ray_ready = time.perf_counter() - launched

@@ -9,8 +9,9 @@ Every argument of the entrypoint is shell-quoted: Ray runs it through a shell.
 The ``--set`` overrides travel in a file written into the working directory for the upload
 (``shipped_overrides``), never in the entrypoint or the metadata: ``ray job list``, the
 dashboard, the job's info and ``ps`` on the head all show those, and an override may hold a
-credential (``checkpoint.path=s3://KEY:SECRET@...``). Its name is a hash of its content (the
-same overrides, the same package: Ray's cache hits); no other submit's such file is ever
+credential (``checkpoint.path=s3://KEY:SECRET@...``). Its name is an HMAC of its content under
+a key of this user's (``overrides_key``): the same overrides, the same package (Ray's cache
+hits), and a name that confirms no guess of them; no other submit's such file is ever
 uploaded, and those no live submit holds (a killed one's) are removed. The token file, when it
 sits inside the working directory, is excluded from the upload.
 
@@ -28,17 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import os
 import re
 import shlex
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jobspec.durable import write_atomic
 from jobspec.fields import first_line
 from orchestrator.held_files import held_file, remove_unheld
 from orchestrator.job_file import encode_overrides
@@ -61,6 +64,8 @@ SETTLE_S = 30.0
 REQUEST_TIMEOUT_S = 30.0
 #: The overrides file ``submit`` writes into the working directory: ``<prefix><content hash>.json``.
 OVERRIDES_PREFIX = ".ringleader-submit-"
+#: The length of the key that names overrides files (``overrides_key``): as long as the SHA-256 it keys.
+OVERRIDES_KEY_BYTES = 32
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 130}
 
 
@@ -276,8 +281,8 @@ def job_entrypoint(job_file: str, overrides_file: str | None, run_dir: str | Non
 @contextmanager
 def shipped_overrides(working_dir: Path, overrides: list[str]) -> Iterator[str | None]:
     """Write ``overrides`` into ``working_dir`` for the upload, in a file private to its owner
-    and named by a hash of them (the same overrides package the same directory, which Ray's
-    package cache then finds); yields its name there (None without overrides). On exit, failure
+    and named by their HMAC under ``overrides_key`` (the same overrides package the same
+    directory, which Ray's package cache then finds); yields its name there (None without overrides). On exit, failure
     included, the file is removed, unless a concurrent submit of the same overrides still holds
     it (``orchestrator/held_files.py``: the last one out removes it).
 
@@ -290,7 +295,7 @@ def shipped_overrides(working_dir: Path, overrides: list[str]) -> Iterator[str |
         yield None
         return
     content = encode_overrides(overrides)
-    name = f"{OVERRIDES_PREFIX}{hashlib.sha256(content).hexdigest()[:16]}.json"
+    name = f"{OVERRIDES_PREFIX}{hmac.new(overrides_key(), content, hashlib.sha256).hexdigest()[:16]}.json"
     remove_unheld(working_dir, f"{OVERRIDES_PREFIX}*")
     with ExitStack() as held:
         try:
@@ -306,6 +311,27 @@ def shipped_overrides(working_dir: Path, overrides: list[str]) -> Iterator[str |
                 f"or .rayignore leaves out of the upload: add the line !{OVERRIDES_PREFIX}*.json to that file"
             )
         yield name
+
+
+def overrides_key() -> bytes:
+    """This user's key for naming overrides files: random, made once (0600) in
+    ``$XDG_CACHE_HOME/ringleader`` (else ``~/.cache/ringleader``) and kept, so a name confirms
+    no guess of the overrides to anyone without it. Where it cannot be kept (a read-only home),
+    one for this process only: no cache hits across submits then, and still no guessing."""
+    try:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ringleader"
+        path = cache / "submit-overrides.key"
+        with suppress(FileNotFoundError):
+            if len(key := path.read_bytes()) == OVERRIDES_KEY_BYTES:
+                return key
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_atomic(path, lambda handle: handle.write(os.urandom(OVERRIDES_KEY_BYTES)))  # 0600
+        # Read back: of two first submits at once, the one written last is the key kept.
+        if len(key := path.read_bytes()) == OVERRIDES_KEY_BYTES:
+            return key
+    except (OSError, RuntimeError):  # RuntimeError: no home directory to be found
+        pass
+    return os.urandom(OVERRIDES_KEY_BYTES)
 
 
 def _ignored(working_dir: Path, path: Path) -> bool:

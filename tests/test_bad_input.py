@@ -8,7 +8,6 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -41,12 +40,21 @@ class HugeModel(torch.nn.Module):
         return self.linear(inputs)
 
 
-RELEASE = threading.Event()
+#: A download's helper process: it writes a heartbeat (a counter) into its directory every 0.1 s, 60 s at most.
+HEARTBEAT = """
+import pathlib, sys, time
+beat = pathlib.Path(sys.argv[1]) / "beat"
+for count in range(600):
+    beat.write_text(str(count))
+    time.sleep(0.1)
+"""
 
 
-def blocking_dataset() -> torch.utils.data.TensorDataset:
-    """A dataset factory that downloads forever (until the test releases it, 60 s at most)."""
-    RELEASE.wait(60)
+def downloading_dataset(directory: str) -> torch.utils.data.TensorDataset:
+    """A dataset factory that downloads for a minute, in a helper process it started (as a
+    downloader's may); ``directory/started`` says it was called."""
+    (Path(directory) / "started").touch()
+    subprocess.run([sys.executable, "-c", HEARTBEAT, directory], timeout=90)
     return torch.utils.data.TensorDataset(torch.zeros(4, 64), torch.zeros(4, dtype=torch.int64))
 
 
@@ -117,9 +125,11 @@ def _small_job() -> dict:
         ({}, {"overrides": "steps=50"}, "overrides: expected a list of 'FIELD=VALUE' strings, e.g. overrides=['steps=50'], got"),
         ({}, {"local_nodes": -1}, "local_nodes (--local-nodes): expected an integer >= 0, got -1"),
         ({"loss": mean_loss}, {}, "returned a scalar, the batch's mean or sum: return per-sample losses of shape [2]"),
+        # Not importable by name (the check's process gets it pickled by value, as Ray's workers do).
+        ({"loss": lambda model, batch: mean_loss(model, batch)}, {}, "returned a scalar, the batch's mean or sum"),
         ({"optimizer": {"name": "RAdam", "kwargs": {"lr": "fast"}}}, {}, "field 'optimizer.kwargs': lr: expected a number"),
     ],
-    ids=["overrides-string", "local-nodes", "scalar-loss", "lr-text"],
+    ids=["overrides-string", "local-nodes", "scalar-loss", "scalar-lambda", "lr-text"],
 )
 def test_the_api_raises_config_error_before_ray_starts(tmp_path, ray_never_starts, job, options, expected):
     with pytest.raises(ringleader.ConfigError) as err:
@@ -156,21 +166,26 @@ def test_a_scalar_loss_is_refused_on_a_model_too_large_for_the_driver():
         check_loss(job, "job")
 
 
-def test_a_slow_dataset_factory_delays_the_launch_by_the_loss_check_budget_only(tmp_path, ray_never_starts, monkeypatch):
+def test_a_slow_dataset_factory_delays_the_launch_by_the_loss_check_budget_only_and_stops_then(
+    tmp_path, ray_never_starts, monkeypatch
+):
     """The check runs the dataset factory; one that takes minutes (a download) must not hold
-    the launch past LOSS_CHECK_S, nor end it in a LaunchTimeout: Ray starts (here: is refused)."""
+    the launch past LOSS_CHECK_S, nor end it in a LaunchTimeout: Ray starts (here: is refused).
+    Nor may it download on past it, helpers included, beside the workers' own download."""
     from orchestrator import launch
 
-    monkeypatch.setattr(launch, "LOSS_CHECK_S", 1.0, raising=False)
-    monkeypatch.setattr(launch, "PRELOAD_TIMEOUT_S", 20.0)
-    RELEASE.clear()
+    monkeypatch.setattr(launch, "LOSS_CHECK_S", 10.0)  # time for the check to import torch and reach the factory
+    monkeypatch.setattr(launch, "PRELOAD_TIMEOUT_S", 40.0)
+    job = {**_small_job(), "loss": mean_loss, "dataset": {"factory": downloading_dataset, "kwargs": {"directory": str(tmp_path)}}}
     started = time.monotonic()
-    try:
-        with pytest.raises(AssertionError, match="Ray was started"):
-            ringleader.run({**_small_job(), "loss": mean_loss, "dataset": {"factory": blocking_dataset}}, tmp_path / "run")
-    finally:
-        RELEASE.set()
-    assert time.monotonic() - started < 15
+    with pytest.raises(AssertionError, match="Ray was started"):
+        ringleader.run(job, tmp_path / "run")
+    assert time.monotonic() - started < 30
+    assert (tmp_path / "started").exists()  # the check did run the factory
+    beat = tmp_path / "beat"
+    before = beat.read_text() if beat.exists() else None
+    time.sleep(1.0)
+    assert (beat.read_text() if beat.exists() else None) == before, "the check's download went on past its budget"
 
 
 def test_a_failed_torch_import_ends_the_launch_at_once_with_the_import_error(tmp_path, ray_never_starts, monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -23,6 +24,13 @@ from ringleader.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET = "s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/ckpt"
+
+
+@pytest.fixture(autouse=True)
+def private_cache(monkeypatch, tmp_path) -> None:
+    """The key that names overrides files (``orchestrator/submission.py``) is made here, not in
+    the user's own cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
 @pytest.fixture
@@ -125,6 +133,27 @@ def test_the_same_overrides_ship_the_same_file_so_the_same_package(tmp_path, sub
     assert submitted[0]["files"] == submitted[1]["files"]  # what Ray hashes into the package's name
 
 
+def test_the_overrides_file_name_confirms_no_guess_of_them(tmp_path, submitted, capsys, monkeypatch):
+    """The name shows in the entrypoint: a plain hash of the overrides would let whoever sees
+    it confirm a guessed credential offline. It is keyed by a secret of this user's, made once
+    (0600) and kept: the same overrides still ship the same file; under another key, another."""
+    import hashlib
+
+    from orchestrator.job_file import encode_overrides
+
+    project = _project(tmp_path / "project")
+    overrides = [f"checkpoint.path={SECRET}"]
+    assert _submit(project, *overrides) == 0 and _submit(project, *overrides) == 0, capsys.readouterr().err
+    first, again = (call["entrypoint"].split("--set-file ")[1].split()[0] for call in submitted)
+    assert first == again
+    assert hashlib.sha256(encode_overrides(overrides)).hexdigest()[:16] not in first
+    key = tmp_path / "cache" / "ringleader" / "submit-overrides.key"
+    assert key.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "another-user"))
+    assert _submit(project, *overrides) == 0
+    assert submitted[2]["entrypoint"].split("--set-file ")[1].split()[0] != first
+
+
 def test_a_killed_submits_overrides_file_is_removed_and_a_live_ones_never_shipped(tmp_path, submitted, capsys, monkeypatch):
     """A SIGKILLed submit leaves its file, holding a credential: nobody holds it, so the next
     submit removes it. A concurrent submit's (held: a live one) stays, out of this upload."""
@@ -159,6 +188,31 @@ def test_submits_of_the_same_overrides_share_one_file_the_last_one_out_removes(t
         with held_file(path, b"[]"):
             assert path.read_bytes() == b"[]"
         assert path.exists()  # the first submit still uploads it
+    assert not path.exists()
+
+
+def test_the_last_two_out_at_the_same_instant_still_remove_the_file(tmp_path, monkeypatch):
+    """Another holder (another submit of the same overrides) leaves just as this one tries to
+    remove the file: refused once, this one tries again, and removes it."""
+    import fcntl
+
+    from orchestrator import held_files
+
+    path = tmp_path / "shared.json"
+    other: list[int] = []
+    lock = held_files._lock
+
+    def leaving_at_once(fd: int, how: int) -> bool:
+        granted = lock(fd, how)
+        if how == fcntl.LOCK_EX and not granted and other:
+            os.close(other.pop())  # the other holder is gone a moment after this one's first try
+        return granted
+
+    monkeypatch.setattr(held_files, "_lock", leaving_at_once)
+    with held_files.held_file(path, b"[]"):
+        other.append(os.open(path, os.O_RDONLY))
+        fcntl.flock(other[0], fcntl.LOCK_SH)  # as its holder does
+    assert not other  # it did leave during the removal
     assert not path.exists()
 
 
