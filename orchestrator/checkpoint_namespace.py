@@ -4,9 +4,11 @@ Jobs may share a ``checkpoint.path`` (every Tune trial of a base job that sets o
 run writes under ``<checkpoint root>/<run id>/`` (the id recorded in its run directory,
 ``orchestrator/run_dir.py``), and prunes, looks for its saved steps and resumes only there, so
 no run ever reads, counts or deletes another's checkpoints. The namespace records the run
-directory it belongs to (``owner.json``): a copy of that directory (same run id) is refused
-rather than let two runs write one namespace, unless the namespace lies inside the copy (the
-default root, copied along with it, is the copy's own). One live driver at a time writes a
+directory it belongs to (``owner.json``): a copy of that directory (same run id, the original
+still there) is refused rather than let two runs write one namespace, unless the namespace
+lies inside the copy (the default root, copied along with it, is the copy's own). A run
+directory seen at another path (moved, or mounted elsewhere: another host, a restarted pod)
+is the same run, and the namespace records its new path. One live driver at a time writes a
 namespace: ``hold_namespace`` holds its lease (``orchestrator/namespace_lease.py``).
 """
 
@@ -24,7 +26,8 @@ from orchestrator.namespace_lease import NamespaceLease
 from orchestrator.run_dir import RunDirectory, read_run_id
 from workers.checkpoint_storage import CheckpointStorage, absolute_root, sub_root
 
-#: Names the run directory a namespace belongs to; written once, by its first driver.
+#: Names the run directory a namespace belongs to (written by its first driver, and again by a
+#: driver that finds the directory moved).
 OWNER_FILE = "owner.json"
 
 
@@ -49,12 +52,13 @@ def run_namespace(job: JobConfig, run_dir: Path) -> str:
 
 
 def check_owner(storage: CheckpointStorage, run_dir: Path, run_id: str) -> bool:
-    """Whether the namespace in ``storage`` is to record ``run_dir`` as its owner (it names none,
-    an unreadable one, or another directory that ``run_dir`` may succeed). Raises ConfigError
-    if another run directory owns it and ``run_dir`` is a copy of that one (same run id): their
-    checkpoints would overwrite and prune each other's. A namespace inside ``run_dir`` is its
-    own whatever the file says: a copy of a run directory carries its default root along.
-    Raises ConfigError naming the file if the storage fails."""
+    """Whether the namespace in ``storage`` is to record ``run_dir`` as its owner: it names
+    none, an unreadable one, or another path that is not a copy of this run (``_a_copy``: the
+    directory moved here, or is mounted here from another path). Raises ConfigError if it is
+    owned by another run directory that still holds this run (same run id) and ``run_dir`` is
+    a copy of it: their checkpoints would overwrite and prune each other's. A namespace inside
+    ``run_dir`` is its own whatever the file says: a copy of a run directory carries its
+    default root along. Raises ConfigError naming the file if the storage fails."""
     mine = os.path.realpath(run_dir)
     try:
         owner = str(json.loads(storage.read_bytes(OWNER_FILE))["run_dir"])
@@ -68,11 +72,25 @@ def check_owner(storage: CheckpointStorage, run_dir: Path, run_id: str) -> bool:
         return False
     if storage.is_local and os.path.realpath(storage.where).startswith(mine + os.sep):
         return True
+    if not _a_copy(run_dir, Path(owner), run_id):
+        return True
     raise ConfigError(
         f"run directory {run_dir} is a copy of {owner} (run id {run_id}): both would write the checkpoints in "
-        f"{storage.where} and prune each other's; start a new run with a new --run-dir instead (or, if {owner} was "
-        f"moved here, delete {storage.location(OWNER_FILE)})"
+        f"{storage.where} and prune each other's; start a new run with a new --run-dir instead (or, to go on in this "
+        f"copy rather than in {owner}, delete {storage.location(OWNER_FILE)})"
     )
+
+
+def _a_copy(run_dir: Path, owner: Path, run_id: str) -> bool:
+    """Whether ``run_dir`` is a copy of the run directory ``owner``: that one still exists here,
+    is another directory (not ``run_dir`` seen through another path: a bind mount, a link) and
+    still holds the run ``run_id``. Else ``run_dir`` is that run, moved (``owner`` gone, or
+    holding another run by now) or mounted at another path (``owner`` a path on another host
+    or in an earlier container)."""
+    try:
+        return not os.path.samefile(owner, run_dir) and read_run_id(owner) == run_id
+    except (OSError, ConfigError):  # no such directory here (or none we can read): nothing to copy from
+        return False
 
 
 def _record_owner(storage: CheckpointStorage, run_dir: Path) -> None:

@@ -1,7 +1,7 @@
 """Jobs sharing a ``checkpoint.path``: each run checkpoints, prunes and resumes in its own
 namespace (``<root>/<run id>/``), one live driver at a time holds a namespace's lease, and a run
 directory made before run ids still resumes from its flat checkpoints; a copied run directory
-is refused. The lease's own scenarios are in
+is refused, a moved one is the same run. The lease's own scenarios are in
 ``test_namespace_lease.py``.
 
 Most scenarios run on the in-process fake group (``tests/helpers/fake_group.py``); the last two
@@ -21,7 +21,7 @@ import pytest
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
 from orchestrator.chaos_control import ChaosControl
-from orchestrator.checkpoint_namespace import hold_namespace, namespace_root
+from orchestrator.checkpoint_namespace import OWNER_FILE, hold_namespace, namespace_root
 from orchestrator.checkpointing import config_hash, find_resume_point
 from orchestrator.controller import JobController
 from orchestrator.job_file import load_job
@@ -225,6 +225,29 @@ def test_a_copied_run_directory_is_refused_on_a_shared_checkpoint_path(tmp_path)
     with hold_namespace(inside, RunDirectory(tmp_path / "own-copy", resume=True)) as lease:
         assert lease is not None and lease.check() is None
     assert find_resume_point(inside, own.path, print).name == "step-00000020"
+
+
+def test_a_moved_or_remounted_run_directory_is_the_same_run(tmp_path):
+    """A run directory seen at another path is no copy when the path its namespace names is
+    gone here (moved with mv; the run directory of a multi-node run mounted elsewhere on
+    another host, a pod restarted with another mount path) or is this very directory (a bind
+    mount, a link): it resumes, and the namespace records the path it has now."""
+    job = _job("checkpoint.every_steps=5", "checkpoint.keep=1", f"checkpoint.path={tmp_path / 'shared'}")
+    original = _finished_run(tmp_path / "original", job)
+    root = Path(namespace_root(job, original.path, original.run_id))
+    (tmp_path / "original").rename(tmp_path / "moved")
+    moved = tmp_path / "moved"
+    assert find_resume_point(job, moved, print).name == "step-00000020"
+    with hold_namespace(job, RunDirectory(moved, resume=True)) as lease:
+        assert lease is not None and lease.check() is None
+    assert json.loads((root / OWNER_FILE).read_text())["run_dir"] == str(moved)
+    (tmp_path / "mount").symlink_to(moved)
+    for elsewhere in ("/mnt/on-another-host/run", str(tmp_path / "mount")):
+        (root / OWNER_FILE).write_text(json.dumps({"format": 1, "run_dir": elsewhere}))
+        assert find_resume_point(job, moved, print).name == "step-00000020"
+        with hold_namespace(job, RunDirectory(moved, resume=True)):
+            pass
+        assert json.loads((root / OWNER_FILE).read_text())["run_dir"] == str(moved)
 
 
 @pytest.mark.usefixtures("ray_cluster")
