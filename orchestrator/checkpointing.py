@@ -6,7 +6,7 @@ writes it in the background while training goes on; when every part is written t
 writes the manifest (sha256 of every file) last, atomically, and prunes to the last ``keep``.
 A checkpoint whose writers fail (a death mid-write) never gets a manifest and is cleaned up.
 All of it happens in the run's own namespace under the checkpoint root, which this driver holds
-the lease of (``orchestrator/checkpoint_namespace.py``).
+the lease of (``orchestrator/namespace_lease.py``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
 from jobspec.redaction import redact_all
 from jobspec.wire import FileEntry, SnapshotRequest
-from orchestrator.checkpoint_namespace import NamespaceLease, namespace_root, run_namespace
+from orchestrator.checkpoint_namespace import namespace_root, run_namespace
 from orchestrator.errors import JobFailed
 from orchestrator.group import Call, CallFailed, WorkerGroup
+from orchestrator.namespace_lease import NamespaceLease
 from orchestrator.run_dir import RunDirectory
 from policies.checkpoint_interval import CheckpointInterval
 from workers.checkpoint_manifest import MANIFEST, CheckpointCorrupt, latest_valid, prune, verify_checkpoint, write_manifest

@@ -14,12 +14,12 @@ from typing import Any
 
 from jobspec.job import JobConfig
 from orchestrator.chaos_control import ChaosControl, ChaosError
-from orchestrator.checkpoint_namespace import NamespaceLease
 from orchestrator.checkpointing import CheckpointCoordinator, ResumePoint
 from orchestrator.control_meter import ControlPlaneMeter
 from orchestrator.errors import JobFailed
 from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.membership import JoinerPool
+from orchestrator.namespace_lease import NamespaceLease
 from orchestrator.pipeline import StepOutcome, StepPipeline, await_step
 from orchestrator.recovery import PROBE_S
 from orchestrator.recovery_procedure import RecoveryProcedure

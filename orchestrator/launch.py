@@ -313,7 +313,7 @@ def run_job(
         # job.json is saved (its checkpoint storage unreachable, say) leaves its folder free again.
         held.callback(run.close, discard_unsaved=True)
         # Before job.json is saved: a second driver of the run, or a copy of it, is refused.
-        lease = held.enter_context(hold_namespace(job, run))
+        lease = held.enter_context(hold_namespace(job, run, warn))
         _track(job, run)
         for listener in listeners:
             run.subscribe(listener)

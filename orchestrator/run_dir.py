@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import secrets
 import shutil
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import orjson
 
-from jobspec.durable import write_atomic
+from jobspec.durable import fsync_dir, write_atomic
 from jobspec.fields import ConfigError
 from jobspec.redaction import redact_all
 
@@ -63,11 +64,11 @@ class RunListener(Protocol):
 class RunDirectory:
     """Owns one run's folder. Append-only JSONL logs are flushed per record.
 
-    A new run needs a missing or empty folder, and records a fresh run id there
-    (``new_run_id``) before anything else; ``resume`` opens one a run left (its ``job.json``
-    present), reads its id back (``read_run_id``) and appends to its logs. A new run that ends
-    before its job is saved is not a run: ``close(discard_unsaved=True)`` leaves its folder as
-    it found it."""
+    A new run needs a missing or empty folder, and claims it by recording a fresh run id
+    there (``new_run_id``) before anything else, in a file only one run can create
+    (``_claim``); ``resume`` opens one a run left (its ``job.json`` present), reads its id
+    back (``read_run_id``) and appends to its logs. A new run that ends before its job is
+    saved is not a run: ``close(discard_unsaved=True)`` leaves its folder as it found it."""
 
     def __init__(self, path: Path, resume: bool = False) -> None:
         self.path = path
@@ -77,11 +78,8 @@ class RunDirectory:
         self._saved = False
         if not resume:
             self.ensure_free(path)
-            path.mkdir(parents=True, exist_ok=True)
             self.run_id = new_run_id()
-            text = f"{self.run_id}\n".encode()
-            # First and durable: a job.json without its run id would read as a run made before ids.
-            write_atomic(path / RUN_ID_FILE, lambda handle: handle.write(text))
+            self._claim(f"{self.run_id}\n".encode())
         elif not self.is_run(path):
             raise FileNotFoundError(f"{path} is not a run directory (no {JOB_FILE})")
         else:
@@ -101,6 +99,32 @@ class RunDirectory:
         """Raise FileExistsError unless ``path`` is missing or an empty directory."""
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise FileExistsError(f"run directory {path} is not empty; choose a new --run-dir")
+
+    def _claim(self, text: bytes) -> None:
+        """Make the folder this new run's: create ``run_id`` holding ``text`` exclusively
+        (``O_EXCL``), durably, before anything else (a job.json without its run id would read
+        as a run made before ids). Two runs started in one folder at once (the default run
+        directory has one-second resolution) may both find it free; only one creates the file,
+        the other raises FileExistsError having written nothing. A torn file (a crash within
+        these few bytes) is left only in a folder with no job.json: no resume opens it."""
+        target = self.path / RUN_ID_FILE
+        for _ in range(3):  # a folder deleted between mkdir and open (another run's discard) is made again
+            self.path.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                break
+            except FileExistsError:
+                raise FileExistsError(f"run directory {self.path} was just taken by another run; choose a new --run-dir") from None
+            except FileNotFoundError:
+                continue
+        else:
+            raise FileNotFoundError(f"run directory {self.path} kept vanishing while this run was made in it")
+        try:
+            os.write(fd, text)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.path)
 
     @staticmethod
     def is_run(path: Path) -> bool:
@@ -152,19 +176,26 @@ class RunDirectory:
     def close(self, *, discard_unsaved: bool = False) -> None:
         """Close the logs (again is fine). ``discard_unsaved``: a new run whose job was never
         saved (it failed before it began; there is nothing to resume) also deletes what it
-        wrote, all its folder holds (missing or empty when it was made), so the same path can
-        start a run again. Best effort: it runs on the way out of a failure, which is the
-        error to report."""
+        wrote, so the same path can start a run again: all its folder holds (it was missing or
+        empty, and from its claim (``_claim``) no other run writes there), ``run_id`` last (no
+        other run can take the folder before), then the folder if it made it (only if empty:
+        a run started since keeps it). Only while ``run_id`` still holds this run's id: else
+        the folder is not its own and nothing is deleted. Best effort: it runs on the way out
+        of a failure, which is the error to report."""
         self._events.close()
         self._telemetry.close()
         if not (discard_unsaved and self._new and not self._saved):
             return
-        if self._made:
-            shutil.rmtree(self.path, ignore_errors=True)
-            return
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ConfigError):
+            if read_run_id(self.path) != self.run_id:
+                return
             for entry in self.path.iterdir():
+                if entry.name == RUN_ID_FILE:
+                    continue
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry, ignore_errors=True)
                 else:
                     entry.unlink(missing_ok=True)
+            (self.path / RUN_ID_FILE).unlink()
+            if self._made:
+                self.path.rmdir()

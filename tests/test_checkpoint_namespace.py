@@ -1,6 +1,8 @@
 """Jobs sharing a ``checkpoint.path``: each run checkpoints, prunes and resumes in its own
 namespace (``<root>/<run id>/``), one live driver at a time holds a namespace's lease, and a run
-directory made before run ids still resumes from its flat checkpoints.
+directory made before run ids still resumes from its flat checkpoints; a copied run directory
+is refused, a moved one is the same run. The lease's own scenarios are in
+``test_namespace_lease.py``.
 
 Most scenarios run on the in-process fake group (``tests/helpers/fake_group.py``); the last two
 run real jobs on the session's Ray."""
@@ -10,27 +12,26 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-import orchestrator.checkpoint_namespace as lease_module
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
 from orchestrator.chaos_control import ChaosControl
-from orchestrator.checkpoint_namespace import LEASE_FILE, NamespaceBusy, NamespaceLease, hold_namespace, namespace_root
+from orchestrator.checkpoint_namespace import OWNER_FILE, hold_namespace, namespace_root
 from orchestrator.checkpointing import config_hash, find_resume_point
 from orchestrator.controller import JobController
 from orchestrator.job_file import load_job
 from orchestrator.launch import run_job
+from orchestrator.namespace_lease import LEASE_FILE, NamespaceBusy, NamespaceLease
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.run_dir import RUN_ID_FILE, RunDirectory
 from tests.helpers.fake_group import FakeWorkerGroup
 from tests.helpers.jobs import jsonl, run
+from tests.helpers.leases import lease_file, put_lease, wait_for
 from workers.checkpoint_manifest import MANIFEST, verify_checkpoint
 from workers.checkpoint_storage import CheckpointStorage
 
@@ -103,96 +104,20 @@ def test_a_run_directory_from_before_run_ids_resumes_from_its_flat_checkpoints(t
     assert sorted(CheckpointStorage(str(shared)).list_dirs()) == sorted([newer.run_id, "step-00000020"])
 
 
-def test_a_run_id_file_that_holds_no_run_id_is_one_line_naming_it(tmp_path):
-    made = RunDirectory(tmp_path / "run")
-    made.save_job({})
-    made.close()
-    (tmp_path / "run" / RUN_ID_FILE).write_text("../../elsewhere\n")
-    with pytest.raises(ConfigError, match=f"{tmp_path / 'run' / RUN_ID_FILE}: expected a run id like"):
-        RunDirectory(tmp_path / "run", resume=True)
-
-
-def _lease_file(root: Path) -> dict:
-    return json.loads((root / LEASE_FILE).read_text())
-
-
-def _age(path: Path, seconds: float) -> None:
-    """Make ``path`` read as last written ``seconds`` ago (its modification time)."""
-    then = time.time() - seconds
-    os.utime(path, (then, then))
-
-
-def _wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout_s}s for {what}"
-        time.sleep(0.02)
-
-
-def test_a_live_lease_refuses_a_second_driver_and_a_stale_or_orphaned_one_is_taken_over(tmp_path):
-    root = tmp_path / "ns"
-    first = NamespaceLease(str(root), settle_s=0.0)
-    first.acquire()
-    second = NamespaceLease(str(root), settle_s=0.0)
-    with pytest.raises(NamespaceBusy) as refused:
-        second.acquire()
-    message = str(refused.value)
-    assert "\n" not in message and str(root / LEASE_FILE) in message and f"pid {os.getpid()} on" in message
-    assert _lease_file(root)["owner"]["token"] == first.owner.token  # the refused one wrote nothing
-    # Not written within its stale_s (the file's age, on the storage's clock): taken over, and
-    # the old holder finds out before writing.
-    stale = _lease_file(root)
-    _age(root / LEASE_FILE, stale["stale_s"] + 1)
-    second.acquire()
-    assert first.check() is not None and "no longer this driver's" in first.check()
-    first.release()  # not its lease any more: left alone
-    assert _lease_file(root)["owner"]["token"] == second.owner.token
-    second.release()
-    assert not (root / LEASE_FILE).exists()
-    # Fresh, but its driver's process is gone from this host: taken over at once.
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
-    orphaned = {**stale, "owner": {**stale["owner"], "pid": int(gone.stdout), "token": "0" * 16}, "refreshed": time.time()}
-    (root / LEASE_FILE).write_text(json.dumps(orphaned))
-    third = NamespaceLease(str(root), settle_s=0.0)
-    third.acquire()
-    assert third.check() is None
-    third.release()
-
-
-def test_the_holder_refreshes_its_lease_and_never_writes_over_one_taken_from_it(tmp_path):
-    root = tmp_path / "ns"
-    lease = NamespaceLease(str(root), refresh_s=0.05, settle_s=0.0)
-    lease.acquire()
-    first = _lease_file(root)["refreshed"]
-    deadline = time.monotonic() + 10
-    while _lease_file(root)["refreshed"] == first and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert _lease_file(root)["refreshed"] > first
-    taken = {**_lease_file(root), "owner": {"host": "elsewhere", "pid": 1, "started": 0.0, "token": "f" * 16}}
-    (root / LEASE_FILE).write_text(json.dumps(taken))
-    while lease.lost is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert lease.lost is not None and "now held by pid 1 on elsewhere, started" in lease.lost
-    time.sleep(0.2)
-    assert _lease_file(root) == taken
-    lease.release()
-    assert _lease_file(root) == taken
-
-
 def test_a_driver_whose_lease_was_taken_writes_no_more_manifests(tmp_path):
     job = _job("checkpoint.every_steps=5", f"checkpoint.path={tmp_path / 'shared'}")
     run_dir = RunDirectory(tmp_path / "run")
     with hold_namespace(job, run_dir) as lease:
         assert lease is not None
         root = Path(namespace_root(job, run_dir.path, run_dir.run_id))
-        taken = {**_lease_file(root), "owner": {"host": "elsewhere", "pid": 1, "started": 0.0, "token": "f" * 16}}
-        (root / LEASE_FILE).write_text(json.dumps(taken))
+        taken = {**lease_file(root), "owner": {"host": "elsewhere", "pid": 1, "started": 0.0, "token": "f" * 16}}
+        put_lease(root, taken)
         summary = _fake_run(run_dir, job, lease)
     assert summary["status"] == "failed" and "no longer this driver's (now held by pid 1 on elsewhere" in summary["error"]
     assert not list(root.glob(f"*/{MANIFEST}"))
     abandoned = [e for e in jsonl(run_dir.path / "events.jsonl") if e["event"] == "checkpoint_abandoned"]
     assert abandoned and abandoned[0]["name"] == "step-00000005"
-    assert _lease_file(root) == taken  # released: but not its own, so left alone
+    assert lease_file(root) == taken  # released: but not its own, so left alone
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -231,32 +156,6 @@ def test_real_jobs_on_one_checkpoint_path_resume_from_their_own_checkpoints(tmp_
     assert len(namespaces) == 2 and all(list(n) == ["step-00000005", "step-00000010", "step-00000015"] for n in namespaces.values())
 
 
-def _holds(root: Path, lease: NamespaceLease) -> bool:
-    try:
-        return _lease_file(root)["owner"]["token"] == lease.owner.token
-    except (FileNotFoundError, ValueError):
-        return False
-
-
-def test_a_lease_read_back_absent_or_unreadable_is_written_again_not_lost(tmp_path):
-    """A missing lease file (a network file system's passing ENOENT across the rename) or a
-    partial one is no other driver's: the holder writes its lease again and goes on."""
-    root = tmp_path / "ns"
-    lease = NamespaceLease(str(root), refresh_s=0.05, settle_s=0.0)
-    lease.acquire()
-    try:
-        for damage in (Path.unlink, lambda path: path.write_text('{"format": 1, "owner": {"ho')):
-            damage(root / LEASE_FILE)
-            _wait_for(lambda: _holds(root, lease), "the refresher to write the lease again")
-            assert lease.lost is None
-        lease._stop.set()  # the refresher's part is shown; now the check before a manifest
-        lease._refresher.join(timeout=10)
-        (root / LEASE_FILE).unlink()
-        assert lease.check() is None and _holds(root, lease)
-    finally:
-        lease.release()
-
-
 def test_a_refresher_that_keeps_failing_marks_the_lease_lost_and_the_job_fails(tmp_path, monkeypatch):
     """Any exception in the refresher is recorded and tried again; failing past stale_s (when
     another driver may take the lease) loses the lease, and the next manifest fails the job."""
@@ -268,9 +167,9 @@ def test_a_refresher_that_keeps_failing_marks_the_lease_lost_and_the_job_fails(t
         raise RuntimeError("storage client broke")
 
     monkeypatch.setattr(lease.storage, "read_bytes", broken)
-    _wait_for(lambda: lease.trouble is not None, "the refresher to record its failure")
+    wait_for(lambda: lease.trouble is not None, "the refresher to record its failure")
     assert lease.trouble == "RuntimeError: storage client broke" and lease.lost is None
-    _wait_for(lambda: lease.lost is not None, "the lease to be lost")
+    wait_for(lambda: lease.lost is not None, "the lease to be lost")
     assert lease._refresher is not None
     lease._refresher.join(timeout=10)
     assert not lease._refresher.is_alive()
@@ -280,35 +179,6 @@ def test_a_refresher_that_keeps_failing_marks_the_lease_lost_and_the_job_fails(t
     summary = _fake_run(RunDirectory(tmp_path / "run"), job, lease)
     assert summary["status"] == "failed" and "went unrefreshed for" in summary["error"]
     lease.release()
-
-
-def test_a_lease_is_judged_by_its_age_on_the_storage_and_its_pid_only_in_its_pid_namespace(tmp_path):
-    """The writer's clock says nothing (hosts disagree): a lease written now whose writer's
-    clock is an hour behind is live, one written long ago whose writer's clock ran ahead is
-    stale. A gone pid frees a lease only if it was written in this PID namespace: containers
-    that share a host name cannot see each other's processes."""
-    root = tmp_path / "ns"
-    NamespaceLease(str(root))._write()  # a lease as a driver writes it
-    written = {**_lease_file(root), "refreshed": time.time() - 3600}
-    (root / LEASE_FILE).write_text(json.dumps(written))
-    other = NamespaceLease(str(root), settle_s=0.0)
-    with pytest.raises(NamespaceBusy, match="in use by another driver"):
-        other.acquire()
-    (root / LEASE_FILE).write_text(json.dumps({**written, "refreshed": time.time() + 3600}))
-    _age(root / LEASE_FILE, written["stale_s"] + 1)
-    other.acquire()
-    other.release()
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
-    for pid_ns in ("another-boot/4:4026531836", None):  # another container; a lease that does not say
-        owner = {**written["owner"], "pid": int(gone.stdout), "token": "0" * 16, "pid_ns": pid_ns}
-        (root / LEASE_FILE).write_text(json.dumps({**written, "owner": owner, "refreshed": time.time()}))
-        with pytest.raises(NamespaceBusy, match=f"pid {int(gone.stdout)} on"):
-            NamespaceLease(str(root), settle_s=0.0).acquire()
-
-
-def test_a_lease_on_remote_storage_waits_longer_to_read_back():
-    local, remote = NamespaceLease("/tmp/ns"), NamespaceLease("mock:///ns")
-    assert local.settle_s == lease_module.SETTLE_S < remote.settle_s == lease_module.REMOTE_SETTLE_S
 
 
 def _finished_run(path: Path, job: JobConfig) -> RunDirectory:
@@ -357,21 +227,27 @@ def test_a_copied_run_directory_is_refused_on_a_shared_checkpoint_path(tmp_path)
     assert find_resume_point(inside, own.path, print).name == "step-00000020"
 
 
-def test_a_new_run_that_fails_before_its_job_is_saved_leaves_its_folder_as_it_found_it(tmp_path):
-    for path in (tmp_path / "missing", tmp_path / "empty"):
-        if path.name == "empty":
-            path.mkdir()
-        made = RunDirectory(path)
-        made.event("job_start")
-        (path / "checkpoints").mkdir()
-        made.close(discard_unsaved=True)
-        assert path.exists() == (path.name == "empty") and (not path.exists() or not any(path.iterdir()))
-    saved = RunDirectory(tmp_path / "saved")
-    saved.save_job({})
-    saved.close(discard_unsaved=True)
-    resumed = RunDirectory(tmp_path / "saved", resume=True)
-    resumed.close(discard_unsaved=True)
-    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == ["events.jsonl", "job.json", RUN_ID_FILE, "telemetry.jsonl"]
+def test_a_moved_or_remounted_run_directory_is_the_same_run(tmp_path):
+    """A run directory seen at another path is no copy when the path its namespace names is
+    gone here (moved with mv; the run directory of a multi-node run mounted elsewhere on
+    another host, a pod restarted with another mount path) or is this very directory (a bind
+    mount, a link): it resumes, and the namespace records the path it has now."""
+    job = _job("checkpoint.every_steps=5", "checkpoint.keep=1", f"checkpoint.path={tmp_path / 'shared'}")
+    original = _finished_run(tmp_path / "original", job)
+    root = Path(namespace_root(job, original.path, original.run_id))
+    (tmp_path / "original").rename(tmp_path / "moved")
+    moved = tmp_path / "moved"
+    assert find_resume_point(job, moved, print).name == "step-00000020"
+    with hold_namespace(job, RunDirectory(moved, resume=True)) as lease:
+        assert lease is not None and lease.check() is None
+    assert json.loads((root / OWNER_FILE).read_text())["run_dir"] == str(moved)
+    (tmp_path / "mount").symlink_to(moved)
+    for elsewhere in ("/mnt/on-another-host/run", str(tmp_path / "mount")):
+        (root / OWNER_FILE).write_text(json.dumps({"format": 1, "run_dir": elsewhere}))
+        assert find_resume_point(job, moved, print).name == "step-00000020"
+        with hold_namespace(job, RunDirectory(moved, resume=True)):
+            pass
+        assert json.loads((root / OWNER_FILE).read_text())["run_dir"] == str(moved)
 
 
 @pytest.mark.usefixtures("ray_cluster")
