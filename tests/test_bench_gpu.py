@@ -60,3 +60,19 @@ def test_a_tiny_run_on_the_cpu_prints_both_contenders_and_the_ratio(tmp_path, ca
     for contender in ("ringleader", "plain"):
         assert table[contender]["tokens_per_s"] == pytest.approx(table[contender]["samples_per_s"] * 64)
         assert table[contender]["mfu"] is None  # no peak for a CPU
+
+
+def test_the_device_script_parses_and_runs_what_exists():
+    """deploy/gpu-check.sh: valid bash, a usage line for a wrong mode, and the suite's files and
+    the bench's subcommand it runs are there."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "deploy" / "gpu-check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    wrong = subprocess.run(["bash", str(script), "nonsense"], capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and wrong.stderr.startswith("usage:")
+    text = script.read_text()
+    for name in ("tests/test_gpu_worker.py", "tests/test_gpu_jobs.py"):
+        assert name in text and (script.parents[1] / name).is_file()
+    assert "-m ringleader bench gpu" in text
