@@ -129,6 +129,17 @@ def _parser() -> argparse.ArgumentParser:
     recovery.add_argument("--repeats", type=int, default=3, help="runs of each checkpoint-overhead variant")
     recovery.add_argument("--overhead-steps", type=int, default=200, help="steps of each checkpoint-overhead run")
     recovery.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
+
+    gpu = benches.add_parser(
+        "gpu", help="the GPT recipe on one GPU worker vs a plain PyTorch loop: samples/s, tokens/s, MFU, peak memory"
+    )
+    gpu.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run of the bench (with --tiny)")
+    gpu.add_argument("--tiny", action="store_true", help="a tiny GPT instead of the largest that fits (smoke runs)")
+    gpu.add_argument("--steps", type=int, default=40, help="steps per run, warm-up included")
+    gpu.add_argument("--warmup", type=int, default=10, help="steps before the timed span")
+    gpu.add_argument("--rounds", type=int, default=2, help="alternating ringleader/plain rounds (medians)")
+    gpu.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, where its name is not in the table")
+    gpu.add_argument("--json", dest="json_path", metavar="FILE", help="write the medians as JSON")
     return parser
 
 
@@ -306,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
             args.workload, args.workers, args.steps, args.kill_step, args.checkpoint_every, args.repeats,
             args.overhead_steps, args.json_path, args.exact_steps, args.exact_kill_step,
         )
+    if args.command == "bench" and args.bench == "gpu":
+        from benchmarks import gpu
+
+        return gpu.main(args.device, args.tiny, args.steps, args.warmup, args.rounds, args.peak_tflops, args.json_path)
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -63,3 +63,12 @@ def reference(tmp_path_factory, ray_cluster):
     from tests.helpers.jobs import params, run
 
     return params(run(tmp_path_factory.mktemp("ref"), "w1", "scaling.workers=1").run_dir)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked ``gpu`` is skipped, saying why, where torch sees no CUDA device (CI)."""
+    if item.get_closest_marker("gpu") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
