@@ -76,7 +76,7 @@ class GroupLink:
             store = dist.PrefixStore(request.namespace, store)
         self.store = store
         self.claims_store = CountingStore(dist.PrefixStore(request.prefix, store))
-        backend = pick_backend(replica.device)
+        backend = pick_backend(replica.device, self.collective.backend)
         pg = call_abortable(
             lambda: new_process_group(
                 backend, dist.PrefixStore(request.prefix, store), request.rank, request.world_size, self.timeout_s
