@@ -1,4 +1,5 @@
-"""A worker's device: which GPU is its own.
+"""A worker's device: which GPU is its own, how batches get there, and how the thread that sends
+gradients is ordered after the stream that wrote them.
 
 **Which GPU.** A worker asks Ray for at most one GPU (``scaling.resources_per_worker``; more is
 refused at validation), and Ray tells it which in ``ray.get_gpu_ids()``: ids in the node's
@@ -10,12 +11,26 @@ variable set, Ray leaves ``CUDA_VISIBLE_DEVICES`` as the process inherited it: t
 the id's place in that list, or, where the variable is unset (every GPU visible, numbered as the
 node numbers them), the id itself. One rule covers both (``cuda_index``): the id's place in
 this process's ``CUDA_VISIBLE_DEVICES``, else the id. Workers sharing a GPU (a fraction of one,
-over gloo) get the same id, so the same device."""
+over gloo) get the same id, so the same device.
+
+**Batches.** For a CUDA device a batch is pinned where it is read (on the prefetch thread for a
+step's first piece), so its ``non_blocking`` copy to the device is truly asynchronous and
+overlaps with compute; a copy from pageable memory is staged through the driver and may hold
+the host until the stream catches up.
+
+**Gradients to the communication thread.** A bucket's gradients are written on whichever stream
+backward ran that parameter's ops on (a model may use streams of its own), while collectives run
+on the communication thread's stream: relying on both being CUDA's legacy default stream is
+luck. ``StreamMarks`` orders them: the compute thread records a mark (a CUDA event) on its
+current stream when it hands a bucket over, and the communication thread makes its own stream
+wait on that mark before it reads the bucket. On the CPU there is nothing to order (no marks).
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -78,3 +93,64 @@ def worker_device(gpu_ids: Sequence[int | str]) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``fn`` applied to each tensor in it (a tensor, or tuples, lists and dicts of
+    them, nested); anything else as is."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(b, fn) for b in batch)
+    return batch
+
+
+def pin(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in page-locked memory (itself if it is there already, or not on the CPU)."""
+    if tensor.device.type != "cpu" or tensor.is_pinned():
+        return tensor
+    return tensor.pin_memory()
+
+
+def host_batch(batch: Any, device: torch.device, pin: Callable[[torch.Tensor], torch.Tensor] = pin) -> Any:
+    """``batch`` as it should wait on the host for ``device``: its CPU tensors pinned (``pin``)
+    for a CUDA device, so the copy there overlaps with compute; as it is otherwise."""
+    if device.type != "cuda":
+        return batch
+    return map_tensors(batch, pin)
+
+
+class StreamMarks(Protocol):
+    """Marks that order one thread's stream after work another thread queued on its own."""
+
+    def record(self) -> object:
+        """On the producing thread: a mark after everything queued so far on its current stream."""
+        ...
+
+    def wait(self, mark: object) -> None:
+        """On the consuming thread: make its current stream's later work wait for ``mark``."""
+        ...
+
+
+class CudaStreamMarks:
+    """``StreamMarks`` as CUDA events on ``device``'s current streams (neither call blocks the host)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, mark: object) -> None:
+        assert isinstance(mark, torch.cuda.Event)
+        torch.cuda.current_stream(self.device).wait_event(mark)
+
+
+def stream_marks(device: torch.device) -> StreamMarks | None:
+    """The marks ordering work on ``device`` across threads: CUDA events for a CUDA device,
+    None (nothing to order: CPU ops are done when they return) otherwise."""
+    return CudaStreamMarks(device) if device.type == "cuda" else None

@@ -128,6 +128,7 @@ class GroupLink:
             bucket_bytes or DEFAULT_BUCKET_BYTES,
             collective.overlap,
             extra_comm=exact if compressed is not exact else None,
+            group=group,
         )
         return choice
 
