@@ -77,12 +77,29 @@ class JobConfig(StrictModel):
                         f"chaos.{kind}.{index}.worker: {entry.worker} is not a worker "
                         f"(the job has at most {self.scaling.max_workers})"
                     )
+        self._devices_fit_backend()
         if self.shards < self.scaling.max_workers:
             raise ValueError(
                 f"shards ({self.shards}) must be >= the most workers the job may have "
                 f"({self.scaling.max_workers}), or some workers would have nothing to do"
             )
         return self
+
+    def _devices_fit_backend(self) -> None:
+        """A GPU shared between workers only over gloo; NCCL only with a GPU per worker. (More
+        than one GPU per worker is refused by ``ScalingConfig``.)"""
+        gpus, backend = self.scaling.resources_per_worker.get("GPU", 0), self.collective.backend
+        if 0 < gpus < 1 and backend != "gloo":
+            # NCCL refuses two ranks on one device, and auto would pick NCCL for a GPU.
+            raise ValueError(
+                f"scaling.resources_per_worker GPU {gpus:g}: workers sharing a GPU need collective.backend: gloo "
+                f"(got {backend}; NCCL refuses two ranks on one GPU); set GPU: 1 or collective.backend: gloo"
+            )
+        if gpus == 0 and backend == "nccl":
+            raise ValueError(
+                "collective.backend nccl needs a GPU per worker, and scaling.resources_per_worker asks for none: "
+                "set GPU: 1 there, or collective.backend: auto or gloo"
+            )
 
     @property
     def rebalancing(self) -> bool:

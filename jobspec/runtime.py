@@ -15,6 +15,10 @@ class ScalingConfig(StrictModel):
     """How many workers, and what each one gets from Ray.
 
     ``resources_per_worker`` uses Ray's resource names: ``CPU``, ``GPU``, ``TPU`` or custom ones.
+    A worker trains on the GPU Ray assigned it (``workers/devices.py``): ``GPU: 1`` is one
+    worker per GPU; a fraction (``GPU: 0.5``) shares a GPU between workers and needs
+    ``collective.backend: gloo`` (NCCL refuses two ranks on one GPU); more than one GPU per
+    worker is refused until model parallelism exists.
     """
 
     workers: int = Field(4, ge=1)
@@ -35,6 +39,13 @@ class ScalingConfig(StrictModel):
         for name, amount in value.items():
             if amount < 0:
                 raise ValueError(f"resource {name!r} must be >= 0, got {amount}")
+        gpus = value.get("GPU", 0)
+        if gpus > 1:
+            # A replica is the whole model on one device: a second GPU would sit idle.
+            raise ValueError(
+                f"GPU {gpus:g} per worker: a worker trains on one GPU (more waits for model parallelism); "
+                "set GPU: 1 and one worker per GPU (scaling.workers)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -67,9 +78,13 @@ class CollectiveConfig(StrictModel):
     (sum in half precision), ``int8`` (per-block scales) or ``topk`` (send the largest
     ``topk_ratio`` of entries, keep the rest as error feedback); int8 and topk run on our ring
     whatever the algorithm. Compression trades exactness for bytes: the invariance guarantee
-    (same trajectory on any worker count) holds only with ``none``.
+    (same trajectory on any worker count) holds only with ``none``. ``backend``: the process
+    group's, ``auto`` (NCCL for workers on a GPU, gloo on the CPU), ``gloo`` (also on GPUs: the
+    only one for workers sharing a GPU, ``scaling.resources_per_worker`` ``GPU`` below 1) or
+    ``nccl`` (needs a GPU per worker).
     """
 
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     algorithm: Literal["auto", "ring", "hierarchical", "native"] = "auto"
     bucket_mb: float | None = Field(None, gt=0)
     overlap: bool = True

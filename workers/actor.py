@@ -43,6 +43,8 @@ from workers.chaos import ChaosSchedule, death_key, kill_self
 from workers.checkpoint_storage import CheckpointStorage
 from workers.checkpointing import load_residuals
 from workers.claims import ShardClaims
+from workers.communicator import pick_backend
+from workers.devices import worker_device
 from workers.generic_optimizer import make_optimizer
 from workers.group_link import GroupLink
 from workers.loss_scaler import LossScaler
@@ -82,8 +84,10 @@ class TrainWorker:
     def __init__(self, job: JobConfig, worker_id: int = 0) -> None:
         self.job = job
         self.worker_id = worker_id
-        gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
-        self.device = torch.device("cuda", 0) if gpu_ids and torch.cuda.is_available() else torch.device("cpu")
+        # The GPU Ray assigned (cuda:0 here, as Ray narrows CUDA_VISIBLE_DEVICES to it), made
+        # current before any CUDA or NCCL work (workers/devices.py).
+        self.device = worker_device(ray.get_gpu_ids() if ray.is_initialized() else [])
+        pick_backend(self.device, job.collective.backend)  # nccl without CUDA fails here, not at the first join
         torch.manual_seed(job.seed)
         self.dataset = factories.build(job.dataset.factory, job.dataset.kwargs)
         num_samples = len(self.dataset)

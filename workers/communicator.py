@@ -68,6 +68,16 @@ def make_communicator(algorithm: str, group: CommGroup, nodes: Sequence[str]) ->
     raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose one of {ALGORITHMS}")
 
 
-def pick_backend(device: torch.device) -> str:
-    """NCCL for CUDA tensors, gloo otherwise."""
-    return "nccl" if device.type == "cuda" else "gloo"
+def pick_backend(device: torch.device, configured: str = "auto") -> str:
+    """The process group's backend for tensors on ``device`` under ``collective.backend``
+    (``configured``): ``auto`` is NCCL for CUDA tensors, gloo otherwise; ``gloo`` and ``nccl``
+    as named. Raises ValueError (naming ``collective.backend``) for NCCL on a non-CUDA device:
+    validation refuses it for a job without GPUs, this catches a worker whose GPU torch
+    cannot use."""
+    if configured == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if configured == "nccl" and device.type != "cuda":
+        raise ValueError(f"field 'collective.backend': nccl needs CUDA tensors, and this worker trains on {device}")
+    if configured not in ("gloo", "nccl"):
+        raise ValueError(f"field 'collective.backend': expected auto, gloo or nccl, got {configured!r}")
+    return configured

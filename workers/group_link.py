@@ -76,7 +76,7 @@ class GroupLink:
             store = dist.PrefixStore(request.namespace, store)
         self.store = store
         self.claims_store = CountingStore(dist.PrefixStore(request.prefix, store))
-        backend = pick_backend(replica.device)
+        backend = pick_backend(replica.device, self.collective.backend)
         pg = call_abortable(
             lambda: new_process_group(
                 backend, dist.PrefixStore(request.prefix, store), request.rank, request.world_size, self.timeout_s
@@ -128,6 +128,7 @@ class GroupLink:
             bucket_bytes or DEFAULT_BUCKET_BYTES,
             collective.overlap,
             extra_comm=exact if compressed is not exact else None,
+            group=group,
         )
         return choice
 

@@ -8,6 +8,13 @@ covers the ``extra`` slots in front of the first parameter.
 Buckets are launched strictly in index order, whatever order their gradients become ready in,
 so every rank issues the same sequence of collectives: a rank with no shards this step, or
 whose backward skipped some parameters, launches the rest in ``finish`` in that same order.
+
+A bucket is launched from the compute thread (in a gradient hook, or in ``finish``) and read on
+the communication thread. On a GPU its gradients may still be being written when it is
+launched, on the stream backward ran that parameter's ops on: every launch records a mark (a
+CUDA event) on the compute thread's current stream, and queues, right before the bucket's
+collective, a step on the communication thread that makes that thread's stream wait for it
+(``workers/devices.py``, ``StreamMarks``). On the CPU there are no marks.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.comm_group import CommGroup
 from workers.communicator import Communicator, PendingReduce
+from workers.devices import StreamMarks, stream_marks
 from workers.training import FlatParameters
 
 FIRST_BUCKET_BYTES = 1 << 20
@@ -67,6 +76,10 @@ class GradientReducer:
     of the step accumulate locally), then ``finish()`` after it. With ``overlap`` off, ``finish``
     launches every bucket. ``finish`` returns the seconds spent waiting: the exposed part of
     communication.
+
+    ``group`` is the process group ``comm`` runs on: each bucket's hand-off (the wait on its
+    mark) is queued on its communication thread. ``marks``: how the hand-off is ordered,
+    by default ``stream_marks`` of the buffer's device (CUDA events on a GPU, none on the CPU).
     """
 
     def __init__(
@@ -76,11 +89,17 @@ class GradientReducer:
         bucket_bytes: int,
         overlap: bool,
         extra_comm: Communicator | None = None,
+        group: CommGroup | None = None,
+        marks: StreamMarks | None = None,
     ) -> None:
         element = grads.buffer.element_size()
         self.grads = grads
         self.comm = comm
         self.overlap = overlap
+        self.group = group
+        self.marks = marks if marks is not None else stream_marks(grads.buffer.device)
+        if self.marks is not None and group is None:
+            raise ValueError("a reducer on a device with streams needs the group whose thread reads its buckets")
         # An inexact (compressed) ``comm`` must not touch the bookkeeping slots: with
         # ``extra_comm`` they are summed apart, exactly, after the buckets.
         self.extra_comm = extra_comm
@@ -120,7 +139,19 @@ class GradientReducer:
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
-        self._pending.append(self.comm.start_sum(self.grads.buffer[bucket.start : bucket.end]))
+        self._pending.append(self._start(self.comm, self.grads.buffer[bucket.start : bucket.end]))
+
+    def _start(self, comm: Communicator, tensor: torch.Tensor) -> PendingReduce:
+        """Hand ``tensor`` to ``comm`` from the compute thread: with marks, the communication
+        thread first waits for everything queued so far on this thread's current stream (in a
+        gradient hook, the stream that wrote those gradients), then sums it."""
+        marks, group = self.marks, self.group
+        if marks is not None and group is not None:
+            mark = marks.record()
+            # Queued before the sum (the thread runs in order), so nothing of it reads the
+            # bucket before the wait. Its PendingOp is not waited for: the sum's is.
+            group.submit(lambda: marks.wait(mark), "bucket hand-off")
+        return comm.start_sum(tensor)
 
     def arm(self) -> None:
         """Call right before the step's final backward: buckets go out as their grads are ready."""
@@ -142,7 +173,7 @@ class GradientReducer:
         for index in range(len(self._pending), len(self.buckets)):
             self._launch(index)
         if self.extra_comm is not None and self.grads.extra.numel():
-            self._pending.append(self.extra_comm.start_sum(self.grads.extra))
+            self._pending.append(self._start(self.extra_comm, self.grads.extra))
         try:
             if watch is not None:
                 while not all(p.done() for p in self._pending) and watch():
@@ -158,5 +189,5 @@ class GradientReducer:
         collective after backward; returns seconds waited. The rescue pass of a step uses it:
         it is rare, and its shards' gradient then counts the same whoever computed it."""
         started = time.perf_counter()
-        (self.extra_comm or self.comm).start_sum(self.grads.buffer).wait()
+        self._start(self.extra_comm or self.comm, self.grads.buffer).wait()
         return time.perf_counter() - started

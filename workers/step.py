@@ -44,6 +44,7 @@ from policies.work_stealing import FREE, Backup, ClaimKind, Finished, RunShards,
 from workers.census import census_slots, missing_shards, write_census
 from workers.chaos import ChaosSchedule
 from workers.claims import ShardClaims
+from workers.devices import host_batch
 from workers.objective import Objective
 from workers.overlap import GradientReducer
 from workers.prefetch import BatchPrefetch
@@ -95,7 +96,12 @@ class StepRunner:
         self.on_phase = on_phase  # told IDLE while waiting for others' shards, then COMPUTE
         #: The model's batch-dependent buffers (none: the fast path, passes as ``fuse_shards`` says).
         self.buffers = buffers if buffers is not None else StepBuffers(model, [], [])
-        self.prefetch = BatchPrefetch(lambda indices: fetch_batch(self.dataset, indices, self.collate))
+        self.prefetch = BatchPrefetch(self._read)
+
+    def _read(self, indices: np.ndarray) -> Any:
+        """The samples at ``indices`` as a batch waiting on the host for this worker's device
+        (pinned for a GPU, so the copy there overlaps: ``workers/devices.py``)."""
+        return host_batch(fetch_batch(self.dataset, indices, self.collate), self.device)
 
     def _groups(self, shards: list[int]) -> list[list[int]]:
         """Shards run together in one pass (``fuse_shards``), or one at a time (always for a
@@ -132,11 +138,14 @@ class StepRunner:
         self.buffers.reset()  # every shard's pass starts from the step's buffers
         for number, chunk in enumerate(pieces):
             read = self.prefetch.take(chunk) if number == 0 else None
-            batch = move_to(read if read is not None else fetch_batch(self.dataset, chunk, self.collate), self.device)
+            batch = move_to(read if read is not None else self._read(chunk), self.device)
             seed_forward(piece_seed(shard_seed(self.seed, step, shards[0]), number), self.device)
             with autocast(self.device, self.precision):
                 loss = self.objective(self.model, batch, len(chunk))
-            result = result + PassResult(float(loss.total.detach()), loss.weight, len(chunk))
+            # The loss sum stays a device tensor (float64, as the Python float it replaces):
+            # reading it here would hold the host until the forward is done, before backward is
+            # queued. It reaches the census slots as a tensor and is read once, after the step.
+            result = result + PassResult(loss.total.detach().to(torch.float64), loss.weight, len(chunk))
             if number == len(pieces) - 1:
                 if self.buffers.per_shard:  # one shard: what its forward left in the buffers
                     self.buffers.record(shards[0])

@@ -7,6 +7,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from policies.work_stealing import ClaimState, StepPlan
 from workers.claims import ShardClaims
 from workers.overlap import GradientReducer
@@ -18,9 +20,11 @@ def _ready() -> bool:
 
 @dataclass(frozen=True)
 class PassResult:
-    """A pass's loss sum, the weight normalising it and its sample count."""
+    """A pass's loss sum, the weight normalising it and its sample count. The loss sum is a
+    0-dim tensor on the worker's device once a pass ran (read after the step, from the
+    census: reading it per pass would sync the host with the device)."""
 
-    loss: float = 0.0
+    loss: float | torch.Tensor = 0.0
     weight: float = 0.0
     samples: int = 0
 

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from jobspec import targets as factories
+from workers.devices import map_tensors
 from workers.objective import Objective
 
 if TYPE_CHECKING:
@@ -44,14 +45,10 @@ def evaluate_job(model: torch.nn.Module, job: JobConfig, objective: Objective) -
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
-    """``batch`` (a tensor, or tuples, lists and dicts of them) on ``device``; anything else as is."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {k: move_to(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(move_to(b, device) for b in batch)
-    return batch
+    """``batch`` (a tensor, or tuples, lists and dicts of them) on ``device``; anything else as
+    is. The copies do not block the host: from pinned memory (``workers/devices.py``,
+    ``host_batch``) they overlap with compute."""
+    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=True))
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:

@@ -1,0 +1,295 @@
+"""A worker's device without a GPU: which CUDA device the GPU Ray assigned is, the backend and
+the jobs refused for it, pinned batches for a GPU, no host sync per forward piece, and the
+bucket hand-off to the communication thread ordered by stream marks (a fake of CUDA events)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from jobspec.job import JobConfig
+from orchestrator.job_file import load_job
+from workers.census import LOSS_SLOT, census_slots
+from workers.chaos import ChaosSchedule
+from workers.comm_group import CommGroup, PendingOp
+from workers.communicator import pick_backend
+from workers.devices import choose_device, cuda_index, host_batch, worker_device
+from workers.objective import Objective
+from workers.overlap import GradientReducer
+from workers.sampler import ShardSampler
+from workers.step import StepRunner
+from workers.training import FlatParameters
+
+CUDA = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+
+
+# Which device: the GPU Ray assigned, as this process's CUDA numbers it.
+
+
+@pytest.mark.parametrize(
+    "gpu_id, visible, index",
+    [
+        ("3", "3", 0),  # Ray narrowed CUDA_VISIBLE_DEVICES to the assigned GPU: it is cuda:0 whatever its id
+        (3, "3", 0),  # ids come as ints where the node set no CUDA_VISIBLE_DEVICES of its own
+        ("3", "1,3", 1),  # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: the node's list is inherited
+        (2, None, 2),  # ... and where the node has none, every GPU is visible, numbered as the node does
+        ("GPU-b2", "GPU-a1, GPU-b2", 1),  # UUIDs, as a node's CUDA_VISIBLE_DEVICES may hold
+    ],
+)
+def test_the_assigned_gpu_is_its_place_in_cuda_visible_devices(gpu_id, visible, index):
+    assert cuda_index(gpu_id, visible) == index
+
+
+@pytest.mark.parametrize(
+    "gpu_id, visible, expected",
+    [("4", "1,3", "which CUDA_VISIBLE_DEVICES='1,3' does not list"), ("GPU-a1", None, "which is no CUDA index")],
+)
+def test_an_assigned_gpu_cuda_cannot_see_is_refused(gpu_id, visible, expected):
+    with pytest.raises(ValueError, match=expected):
+        cuda_index(gpu_id, visible)
+
+
+def test_the_device_is_the_cpu_without_a_gpu_and_the_assigned_gpu_with_one():
+    assert choose_device([], None, cuda_available=True, device_count=8) == CPU
+    assert choose_device(["5"], "5", cuda_available=True, device_count=1) == CUDA
+    assert choose_device([5], None, cuda_available=True, device_count=8) == torch.device("cuda", 5)
+
+
+@pytest.mark.parametrize(
+    "gpu_ids, visible, available, count, expected",
+    [
+        (["1"], "1", False, 0, r"GPU 1 \(scaling.resources_per_worker\), but torch .* cannot use CUDA"),
+        (["1", "2"], "1,2", True, 2, r"GPUs \['1', '2'\]: a worker trains on one GPU"),
+        ([6], None, True, 4, r"GPU 6, cuda:6 here, but CUDA shows 4 device"),
+        (["7"], "1,3", True, 2, r"does not list \(scaling.resources_per_worker\)"),
+    ],
+)
+def test_a_gpu_the_worker_cannot_use_fails_its_start_with_the_reason(gpu_ids, visible, available, count, expected):
+    with pytest.raises(RuntimeError, match=expected):
+        choose_device(gpu_ids, visible, cuda_available=available, device_count=count)
+
+
+def test_the_worker_device_reads_the_environment_and_is_made_current(monkeypatch):
+    chosen = []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")  # as RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES leaves it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert worker_device(["2"]) == torch.device("cuda", 1)
+    assert chosen == [torch.device("cuda", 1)]  # before any NCCL work: the actor's constructor
+    assert worker_device([]) == CPU and len(chosen) == 1
+
+
+# The backend, and the jobs refused for their devices.
+
+
+def test_the_backend_follows_collective_backend():
+    assert (pick_backend(CUDA), pick_backend(CPU)) == ("nccl", "gloo")  # auto
+    assert pick_backend(CUDA, "gloo") == "gloo"  # workers sharing a GPU
+    assert pick_backend(CUDA, "nccl") == "nccl"
+    with pytest.raises(ValueError, match="field 'collective.backend': nccl needs CUDA tensors, and this worker trains on cpu"):
+        pick_backend(CPU, "nccl")
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["scaling.resources_per_worker={CPU: 1, GPU: 2}"], "field 'scaling.resources_per_worker': GPU 2 per worker: a worker trains on one GPU"),
+        (["scaling.resources_per_worker={GPU: 1.5}"], "field 'scaling.resources_per_worker': GPU 1.5 per worker"),
+        (["scaling.resources_per_worker={GPU: 0.5}"], "scaling.resources_per_worker GPU 0.5: workers sharing a GPU need collective.backend: gloo (got auto"),
+        (["scaling.resources_per_worker={GPU: 0.25}", "collective.backend=nccl"], "GPU 0.25: workers sharing a GPU need collective.backend: gloo (got nccl"),
+        (["collective.backend=nccl"], "collective.backend nccl needs a GPU per worker, and scaling.resources_per_worker asks for none"),
+        (["collective.backend=mpi"], "field 'collective.backend'"),
+    ],
+    ids=["two-gpus", "gpu-and-a-half", "shared-auto", "shared-nccl", "nccl-on-cpu", "unknown"],
+)
+def test_jobs_whose_devices_do_not_fit_are_refused_naming_the_field(overrides, expected):
+    from jobspec.fields import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        load_job(None, overrides, resolve=False)
+    assert expected in str(refused.value)
+
+
+def test_jobs_whose_devices_fit_are_taken():
+    shared = load_job(None, ["scaling.resources_per_worker={CPU: 1, GPU: 0.5}", "collective.backend=gloo"], resolve=False)
+    assert shared.scaling.resources_per_worker["GPU"] == 0.5
+    for backend in ("auto", "nccl", "gloo"):
+        assert load_job(None, ["scaling.resources_per_worker={GPU: 1}", f"collective.backend={backend}"], resolve=False)
+    assert JobConfig().collective.backend == "auto"
+
+
+# Batches for a GPU wait on the host pinned.
+
+
+def _fake_pin(monkeypatch) -> list[torch.Tensor]:
+    """Pinning recorded instead of done (no CUDA here): returns the tensors it produced."""
+    pinned: list[torch.Tensor] = []
+
+    def pin_memory(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        pinned.append(tensor.clone())
+        return pinned[-1]
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda tensor, *args, **kwargs: any(tensor is p for p in pinned))
+    return pinned
+
+
+def test_a_batch_for_a_gpu_is_pinned_and_one_for_the_cpu_is_not(monkeypatch):
+    pinned = _fake_pin(monkeypatch)
+    batch = {"input_ids": torch.zeros(2, 3), "extra": [torch.ones(2), "text"]}
+    assert host_batch(batch, CPU) is batch and not pinned
+    moved = host_batch(batch, CUDA)
+    assert moved["input_ids"] is pinned[0] and moved["extra"][0] is pinned[1] and moved["extra"][1] == "text"
+    assert host_batch(moved, CUDA)["input_ids"] is pinned[0] and len(pinned) == 2  # pinned once
+
+
+class _Armed:
+    """A reducer that only needs arming (run_fixed's passes arm it before their last backward)."""
+
+    def arm(self) -> None:
+        pass
+
+
+def _runner(device: torch.device, objective: Objective, *, max_samples_per_pass: int | None = None, shards: int = 2):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    flat = FlatParameters(model.parameters(), extra=census_slots(shards))
+    dataset = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    chaos = ChaosSchedule.for_worker(JobConfig().chaos, 0, threading.Event())
+    sampler = ShardSampler(len(dataset), 8, shards, 0)
+    runner = StepRunner(
+        model, flat, sampler, dataset, objective, 0, True, chaos, device, max_samples_per_pass=max_samples_per_pass
+    )
+    return runner, flat, model
+
+
+def test_the_step_reads_batches_pinned_for_a_gpu(monkeypatch):
+    pinned = _fake_pin(monkeypatch)
+    runner, _, _ = _runner(CUDA, Objective("mse"))
+    indices = np.arange(4)
+    runner.prefetch.start(indices)  # a step's first batch, read on the prefetch thread
+    assert runner.prefetch.wait(lambda: False)
+    inputs, targets = runner.prefetch.take(indices)
+    assert inputs is pinned[0] and targets is pinned[1]
+    inputs, _ = runner._read(indices)  # a later piece's, read in the pass
+    assert inputs is pinned[2]
+
+
+# No host sync in a forward/backward piece.
+
+
+class _SyncCounter(torch.Tensor):
+    """A tensor (and every one computed from it) counting the reads that would wait for a GPU."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206 - torch's protocol
+        if func in (torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.tolist):
+            cls.reads.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def counted_mse(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Per-sample squared error whose tensors count host reads."""
+    inputs, targets = batch
+    return (model(inputs) - targets).pow(2).sum(dim=1).as_subclass(_SyncCounter)
+
+
+def test_a_step_reads_no_loss_per_piece_and_its_census_holds_the_loss_sum(monkeypatch):
+    monkeypatch.setattr(_SyncCounter, "reads", [])
+    runner, flat, model = _runner(CPU, Objective(counted_mse), max_samples_per_pass=1)  # 4 pieces per shard
+    work = runner.run_fixed(0, [0, 1], 2, _Armed())
+    assert _SyncCounter.reads == []  # the loss was never read from the device: once, after the step, from the census
+    # What the pieces' losses summed to reaches the census slot (what used to be a float per piece).
+    inputs, targets = runner.dataset.tensors
+    indices = np.concatenate([runner.sampler.shard_indices(0, s) for s in (0, 1)])
+    with torch.no_grad():
+        expected = (model(inputs[indices]) - targets[indices]).pow(2).sum()
+    assert float(flat.extra[2 + LOSS_SLOT]) == pytest.approx(float(expected), rel=1e-6)
+    assert work.total.samples == 8 and work.total.weight == 8.0
+
+
+# The bucket hand-off: the communication thread waits for the mark of the stream that wrote it.
+
+
+class _FakeMarks:
+    """``StreamMarks`` as a log: the thread each record and wait ran on, in order."""
+
+    def __init__(self, log: list[tuple[str, int, str]]) -> None:
+        self.log = log
+        self.count = 0
+
+    def record(self) -> int:
+        self.count += 1
+        self.log.append(("record", self.count, threading.current_thread().name))
+        return self.count
+
+    def wait(self, mark: object) -> None:
+        assert isinstance(mark, int)
+        self.log.append(("wait", mark, threading.current_thread().name))
+
+
+class _ReadingComm:
+    """A communicator whose sum reads its bucket on the group's communication thread."""
+
+    def __init__(self, group: CommGroup, log: list[tuple[str, int, str]]) -> None:
+        self.group = group
+        self.log = log
+
+    def start_sum(self, tensor: torch.Tensor) -> PendingOp:
+        offset = tensor.storage_offset()
+        return self.group.submit(lambda: self.log.append(("read", offset, threading.current_thread().name)), "read")
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 40)
+        self.b = torch.nn.Linear(40, 40)
+        self.c = torch.nn.Linear(40, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_each_bucket_is_read_only_after_the_comm_thread_waited_for_its_mark(overlap):
+    log: list[tuple[str, int, str]] = []
+    group = CommGroup(None, 0, 1, 10.0, threading.Event())  # type: ignore[arg-type]  # only its thread is used
+    torch.manual_seed(0)
+    net = _Net()
+    flat = FlatParameters(net.parameters(), extra=2)
+    exact = _ReadingComm(group, log)
+    reducer = GradientReducer(flat, exact, 400, overlap, extra_comm=_ReadingComm(group, log), group=group, marks=_FakeMarks(log))
+    assert len(reducer.buckets) > 3
+    reducer.arm()
+    net(torch.randn(3, 6)).pow(2).sum().backward()
+    reducer.finish()
+    group.close()
+    me = threading.current_thread().name
+    records = [(mark, thread) for kind, mark, thread in log if kind == "record"]
+    assert records == [(n, me) for n in range(1, len(reducer.buckets) + 2)]  # every bucket, then the bookkeeping
+    comm = [entry for entry in log if entry[0] != "record"]
+    assert all(thread.startswith("ringleader-comm") for _, _, thread in comm)
+    starts = [b.start for b in reducer.buckets] + [0]  # the extra slots (at offset 0) go last
+    # On the communication thread: the wait for bucket i's mark, then bucket i's read; in launch order.
+    assert [(kind, value) for kind, value, _ in comm] == [e for n, s in enumerate(starts, 1) for e in (("wait", n), ("read", s))]
+    for n in range(1, len(starts) + 1):  # recorded (on the compute thread) before it was waited for
+        assert log.index(("record", n, me)) < log.index(comm[2 * (n - 1)])
+
+
+def test_on_the_cpu_nothing_is_handed_over_but_the_sums():
+    log: list[tuple[str, int, str]] = []
+    group = CommGroup(None, 0, 1, 10.0, threading.Event())  # type: ignore[arg-type]
+    flat = FlatParameters(_Net().parameters(), extra=2)
+    reducer = GradientReducer(flat, _ReadingComm(group, log), 400, False, group=group)
+    assert reducer.marks is None
+    reducer.finish()
+    group.close()
+    assert [kind for kind, _, _ in log] == ["read"] * len(reducer.buckets)

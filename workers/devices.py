@@ -1,0 +1,156 @@
+"""A worker's device: which GPU is its own, how batches get there, and how the thread that sends
+gradients is ordered after the stream that wrote them.
+
+**Which GPU.** A worker asks Ray for at most one GPU (``scaling.resources_per_worker``; more is
+refused at validation), and Ray tells it which in ``ray.get_gpu_ids()``: ids in the node's
+numbering (or, where the node's own ``CUDA_VISIBLE_DEVICES`` narrowed it, the entries of that
+list). Unless ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` is set, Ray then sets the actor's
+``CUDA_VISIBLE_DEVICES`` to exactly its ids, so CUDA in this process sees one GPU, index 0,
+whatever its id: GPU 3 of the node is ``cuda:0`` here, and ``cuda:3`` would not exist. With that
+variable set, Ray leaves ``CUDA_VISIBLE_DEVICES`` as the process inherited it: the GPU is then
+the id's place in that list, or, where the variable is unset (every GPU visible, numbered as the
+node numbers them), the id itself. One rule covers both (``cuda_index``): the id's place in
+this process's ``CUDA_VISIBLE_DEVICES``, else the id. Workers sharing a GPU (a fraction of one,
+over gloo) get the same id, so the same device.
+
+**Batches.** For a CUDA device a batch is pinned where it is read (on the prefetch thread for a
+step's first piece), so its ``non_blocking`` copy to the device is truly asynchronous and
+overlaps with compute; a copy from pageable memory is staged through the driver and may hold
+the host until the stream catches up.
+
+**Gradients to the communication thread.** A bucket's gradients are written on whichever stream
+backward ran that parameter's ops on (a model may use streams of its own), while collectives run
+on the communication thread's stream: relying on both being CUDA's legacy default stream is
+luck. ``StreamMarks`` orders them: the compute thread records a mark (a CUDA event) on its
+current stream when it hands a bucket over, and the communication thread makes its own stream
+wait on that mark before it reads the bucket. On the CPU there is nothing to order (no marks).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+
+def cuda_index(gpu_id: int | str, visible: str | None) -> int:
+    """The CUDA index in this process of the GPU Ray assigned as ``gpu_id``, given this
+    process's ``CUDA_VISIBLE_DEVICES`` (``visible``, None if unset): the id's place in that
+    list, else the id itself. Raises ValueError if the id is not in the list, or is not a
+    number where there is no list."""
+    wanted = str(gpu_id).strip()
+    if visible is None:
+        if not wanted.isdigit():
+            raise ValueError(f"Ray assigned GPU {wanted!r}, which is no CUDA index, and CUDA_VISIBLE_DEVICES is unset")
+        return int(wanted)
+    listed = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    if wanted not in listed:
+        raise ValueError(f"Ray assigned GPU {wanted!r}, which CUDA_VISIBLE_DEVICES={visible!r} does not list")
+    return listed.index(wanted)
+
+
+def choose_device(gpu_ids: Sequence[int | str], visible: str | None, cuda_available: bool, device_count: int) -> torch.device:
+    """The device a worker trains on: the CPU without assigned GPUs, else the one GPU Ray
+    assigned (``gpu_ids``), as ``cuda_index`` finds it among the ``device_count`` CUDA shows
+    this process. Raises RuntimeError (naming ``scaling.resources_per_worker``) if a GPU was
+    assigned but torch cannot use CUDA here, if more than one was, or if the index is not a
+    device CUDA shows."""
+    if not gpu_ids:
+        return torch.device("cpu")
+    ids = sorted(str(i) for i in gpu_ids)
+    if len(ids) > 1:
+        raise RuntimeError(
+            f"Ray assigned this worker GPUs {ids}: a worker trains on one GPU (scaling.resources_per_worker GPU: 1)"
+        )
+    if not cuda_available:
+        raise RuntimeError(
+            f"Ray assigned this worker GPU {ids[0]} (scaling.resources_per_worker), but torch {torch.__version__} "
+            "here cannot use CUDA (torch.cuda.is_available() is False): install a CUDA build of torch on the "
+            "workers' nodes, or ask for no GPU"
+        )
+    try:
+        index = cuda_index(ids[0], visible)
+    except ValueError as err:
+        raise RuntimeError(f"{err} (scaling.resources_per_worker)") from None
+    if index >= device_count:
+        raise RuntimeError(
+            f"Ray assigned this worker GPU {ids[0]}, cuda:{index} here, but CUDA shows {device_count} device(s) "
+            f"(CUDA_VISIBLE_DEVICES={visible!r})"
+        )
+    return torch.device("cuda", index)
+
+
+def worker_device(gpu_ids: Sequence[int | str]) -> torch.device:
+    """``choose_device`` for this process (its ``CUDA_VISIBLE_DEVICES`` and CUDA), made the
+    current CUDA device so that NCCL, CUDA events and every allocation without an explicit
+    device use it. ``gpu_ids``: ``ray.get_gpu_ids()`` in an actor, [] elsewhere."""
+    available = torch.cuda.is_available()
+    device = choose_device(
+        gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"), available, torch.cuda.device_count() if available else 0
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``fn`` applied to each tensor in it (a tensor, or tuples, lists and dicts of
+    them, nested); anything else as is."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(b, fn) for b in batch)
+    return batch
+
+
+def pin(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in page-locked memory (itself if it is there already, or not on the CPU)."""
+    if tensor.device.type != "cpu" or tensor.is_pinned():
+        return tensor
+    return tensor.pin_memory()
+
+
+def host_batch(batch: Any, device: torch.device, pin: Callable[[torch.Tensor], torch.Tensor] = pin) -> Any:
+    """``batch`` as it should wait on the host for ``device``: its CPU tensors pinned (``pin``)
+    for a CUDA device, so the copy there overlaps with compute; as it is otherwise."""
+    if device.type != "cuda":
+        return batch
+    return map_tensors(batch, pin)
+
+
+class StreamMarks(Protocol):
+    """Marks that order one thread's stream after work another thread queued on its own."""
+
+    def record(self) -> object:
+        """On the producing thread: a mark after everything queued so far on its current stream."""
+        ...
+
+    def wait(self, mark: object) -> None:
+        """On the consuming thread: make its current stream's later work wait for ``mark``."""
+        ...
+
+
+class CudaStreamMarks:
+    """``StreamMarks`` as CUDA events on ``device``'s current streams (neither call blocks the host)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, mark: object) -> None:
+        assert isinstance(mark, torch.cuda.Event)
+        torch.cuda.current_stream(self.device).wait_event(mark)
+
+
+def stream_marks(device: torch.device) -> StreamMarks | None:
+    """The marks ordering work on ``device`` across threads: CUDA events for a CUDA device,
+    None (nothing to order: CPU ops are done when they return) otherwise."""
+    return CudaStreamMarks(device) if device.type == "cuda" else None
