@@ -93,7 +93,18 @@ class JobConfig(StrictModel):
             # NCCL refuses two ranks on one device, and auto would pick NCCL for a GPU.
             raise ValueError(
                 f"scaling.resources_per_worker GPU {gpus:g}: workers sharing a GPU need collective.backend: gloo "
-                f"(got {backend}; NCCL refuses two ranks on one GPU); set GPU: 1 or collective.backend: gloo"
+                f"(got {backend}; NCCL refuses two ranks on one GPU); set GPU: 1 or collective.backend: gloo with collective.algorithm: native"
+            )
+        collective = self.collective
+        if gpus > 0 and backend == "gloo" and (collective.algorithm != "native" or collective.compression in ("int8", "topk")):
+            # gloo's send/recv take host tensors only: our ring, hierarchical, int8 and top-k
+            # (and auto's probe, which times the ring) would hand it device memory.
+            what = f"collective.algorithm {collective.algorithm}"
+            if collective.compression in ("int8", "topk"):
+                what += f" with collective.compression {collective.compression}"
+            raise ValueError(
+                f"{what} over collective.backend gloo on a GPU: gloo sends only host tensors point to point; "
+                "set collective.algorithm: native (and compression none, bf16 or fp16)"
             )
         if gpus == 0 and backend == "nccl":
             raise ValueError(

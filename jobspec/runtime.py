@@ -81,7 +81,8 @@ class CollectiveConfig(StrictModel):
     (same trajectory on any worker count) holds only with ``none``. ``backend``: the process
     group's, ``auto`` (NCCL for workers on a GPU, gloo on the CPU), ``gloo`` (also on GPUs: the
     only one for workers sharing a GPU, ``scaling.resources_per_worker`` ``GPU`` below 1) or
-    ``nccl`` (needs a GPU per worker).
+    ``nccl`` (needs a GPU per worker). gloo on GPUs needs ``algorithm: native`` and no int8/topk
+    compression: its point-to-point sends take host tensors only.
     """
 
     backend: Literal["auto", "gloo", "nccl"] = "auto"

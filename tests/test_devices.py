@@ -104,8 +104,13 @@ def test_the_backend_follows_collective_backend():
         (["scaling.resources_per_worker={GPU: 0.25}", "collective.backend=nccl"], "GPU 0.25: workers sharing a GPU need collective.backend: gloo (got nccl"),
         (["collective.backend=nccl"], "collective.backend nccl needs a GPU per worker, and scaling.resources_per_worker asks for none"),
         (["collective.backend=mpi"], "field 'collective.backend'"),
+        (["scaling.resources_per_worker={GPU: 0.5}", "collective.backend=gloo"], "collective.algorithm auto over collective.backend gloo on a GPU"),
+        (
+            ["scaling.resources_per_worker={GPU: 1}", "collective.backend=gloo", "collective.algorithm=native", "collective.compression=int8"],
+            "collective.algorithm native with collective.compression int8 over collective.backend gloo on a GPU",
+        ),
     ],
-    ids=["two-gpus", "gpu-and-a-half", "shared-auto", "shared-nccl", "nccl-on-cpu", "unknown"],
+    ids=["two-gpus", "gpu-and-a-half", "shared-auto", "shared-nccl", "nccl-on-cpu", "unknown", "gloo-gpu-ring", "gloo-gpu-int8"],
 )
 def test_jobs_whose_devices_do_not_fit_are_refused_naming_the_field(overrides, expected):
     from jobspec.fields import ConfigError
@@ -116,10 +121,14 @@ def test_jobs_whose_devices_do_not_fit_are_refused_naming_the_field(overrides, e
 
 
 def test_jobs_whose_devices_fit_are_taken():
-    shared = load_job(None, ["scaling.resources_per_worker={CPU: 1, GPU: 0.5}", "collective.backend=gloo"], resolve=False)
+    shared = load_job(
+        None, ["scaling.resources_per_worker={CPU: 1, GPU: 0.5}", "collective.backend=gloo", "collective.algorithm=native"],
+        resolve=False,
+    )
     assert shared.scaling.resources_per_worker["GPU"] == 0.5
-    for backend in ("auto", "nccl", "gloo"):
+    for backend in ("auto", "nccl"):
         assert load_job(None, ["scaling.resources_per_worker={GPU: 1}", f"collective.backend={backend}"], resolve=False)
+    assert load_job(None, ["scaling.resources_per_worker={GPU: 1}", "collective.backend=gloo", "collective.algorithm=native"], resolve=False)
     assert JobConfig().collective.backend == "auto"
 
 
