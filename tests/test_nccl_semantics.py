@@ -39,9 +39,10 @@ def _contribution(rank: int, length: int) -> torch.Tensor:
 
 
 def _lengths(size: int) -> list[int]:
-    # Below the world size (empty chunks), odd, and chunks of 65536 and 65537 floats: one and
-    # two 256 KiB segments, so a step's send and receive differ in segment count.
-    return sorted({1, max(1, size - 1), 1001, size * 65536 + 1})
+    # Odd; chunks of 65536 and 65537 floats (one and two 256 KiB segments: a step's send and
+    # receive differ in segment count); below the world size (empty chunks). A first sum in
+    # which some rank sends nothing would let lazily made pair communicators form in turn.
+    return [1001, size * 65536 + 1, 1] + ([size - 1] if size > 2 else [])
 
 
 def _nodes(algorithm: str, size: int) -> list[str]:
