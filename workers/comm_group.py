@@ -198,9 +198,11 @@ class _Formation:
         first one-element all-reduce on it: with non-blocking communicators the connection is
         only proven once a collective completes. Runs on ``call_abortable``'s thread."""
         pg = new_process_group(backend, store, rank, size, timeout_s)
-        with self._lock:
-            self._pg = pg
-        if self._given_up.is_set():  # given up while it was being constructed
+        with self._lock:  # either give_up sees this group and aborts it, or this sees give_up
+            given_up = self._given_up.is_set()
+            if not given_up:
+                self._pg = pg
+        if given_up:  # given up while it was being constructed
             _abort(pg)
             raise CollectiveAborted("the process group was formed after its formation was given up")
         if backend == "nccl":
