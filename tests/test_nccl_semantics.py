@@ -1,80 +1,215 @@
-"""The abort and timeout guarantees with NCCL's semantics, without a GPU: a fake process group
-whose work ``wait()`` returns at once (as NCCL's does: it only orders a CUDA stream) and
-``is_completed()`` stays false while a peer is dead."""
+"""Our collectives, point-to-point algorithms and group formation under NCCL's semantics, without
+a GPU: ranks are threads over ``tests/helpers/nccl_fake_group.py`` (streams, posting-order
+matching, lazy blocking communicators, non-blocking ``wait()``), driven through ``CommGroup``
+exactly as a real ``ProcessGroupNCCL`` is."""
 
 from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
-from workers.comm_group import CommGroup
-from workers.communicator import NativeAllReduce
+from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
+from workers.comm_group import CommGroup, form_process_group, new_process_group
+from workers.communicator import NativeAllReduce, make_communicator
+from workers.compression import compress
+from workers.link_probe import auto_communicator
 from workers.ring import RingAllReduce
 
-
-class _NeverCompletes:
-    """NCCL-like work whose peer died: wait() does not block, it never completes."""
-
-    def __init__(self, log: list[str]) -> None:
-        self.log = log
-
-    def wait(self) -> bool:
-        self.log.append("wait")
-        return True
-
-    def is_completed(self) -> bool:
-        return False
+# Long enough for a loaded 2-core machine, short enough that a deadlock fails in seconds.
+TIMEOUT_S = 8.0
 
 
-class _DeadPeerGroup:
-    """A process group whose every operation hangs on a dead peer; records abort()."""
+def _groups(size: int, timeout_s: float = TIMEOUT_S) -> tuple[FakeNcclWorld, list[CommGroup]]:
+    world = FakeNcclWorld(size)
+    return world, [
+        CommGroup(FakeProcessGroupNCCL(world, r, size, fake_options(timeout_s)), r, size, timeout_s, threading.Event(), True)
+        for r in range(size)
+    ]
 
-    def __init__(self) -> None:
-        self.log: list[str] = []
-        self.aborted = False
 
-    def allreduce(self, tensors, options):  # noqa: ANN001 - torch's signature
-        return _NeverCompletes(self.log)
+def _contribution(rank: int, length: int) -> torch.Tensor:
+    # Small integers: every partial sum is exact in float32, so the ring must equal the sum.
+    return torch.randint(-8, 9, (length,), generator=torch.Generator().manual_seed(rank)).float()
 
-    def send(self, tensors, dst, tag):  # noqa: ANN001
-        return _NeverCompletes(self.log)
 
-    recv = send
+def _lengths(size: int) -> list[int]:
+    # Odd; chunks of 65536 and 65537 floats (one and two 256 KiB segments: a step's send and
+    # receive differ in segment count); below the world size (empty chunks). A first sum in
+    # which some rank sends nothing would let lazily made pair communicators form in turn.
+    return [1001, size * 65536 + 1, 1] + ([size - 1] if size > 2 else [])
 
-    def broadcast(self, tensors, options):  # noqa: ANN001
-        return _NeverCompletes(self.log)
 
-    def abort(self) -> None:
-        self.aborted = True
+def _nodes(algorithm: str, size: int) -> list[str]:
+    if algorithm == "hierarchical":  # 2 simulated nodes (one rank per node at 2: the flat ring)
+        return ["a"] * (size // 2) + ["b"] * (size - size // 2)
+    return ["n"] * size
+
+
+def _raise_first(outcomes: list[object]) -> None:
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    if errors:
+        raise AssertionError(f"{len(errors)} rank(s) failed, first: {type(errors[0]).__name__}: {errors[0]}") from errors[0]
+
+
+# The fake itself: what NCCL does that gloo does not.
+
+
+def test_the_fake_deadlocks_two_ranks_that_send_before_they_receive_ungrouped():
+    world = FakeNcclWorld(2)
+    pgs = [FakeProcessGroupNCCL(world, r, 2, fake_options(2.0)) for r in range(2)]
+
+    def post(rank: int) -> list:
+        peer = 1 - rank
+        return [pgs[rank].send([torch.ones(3)], peer, 0), pgs[rank].recv([torch.empty(3)], peer, 0)]
+
+    works = on_ranks(2, post)
+    time.sleep(0.2)
+    assert not any(w.is_completed() for ws in works for w in ws)  # each send waits behind nothing it can reach
+    for pg in pgs:
+        pg.abort()
+    assert all(w.is_completed() for ws in works for w in ws)
+    with pytest.raises(RuntimeError, match="aborted"):
+        works[0][0].wait()
+
+
+def test_the_fake_starts_a_group_together_and_matches_in_posting_order_whatever_the_tags():
+    world = FakeNcclWorld(2)
+    pgs = [FakeProcessGroupNCCL(world, r, 2, fake_options(2.0)) for r in range(2)]
+    received = [[torch.empty(2), torch.empty(2)] for _ in range(2)]
+
+    def exchange(rank: int) -> object:
+        pg, peer = pgs[rank], 1 - rank
+        pg._start_coalescing()
+        pg.send([torch.full((2,), 10.0 * rank + 1)], peer, 7)
+        pg.send([torch.full((2,), 10.0 * rank + 2)], peer, 3)
+        pg.recv([received[rank][0]], peer, 3)  # tags swapped on purpose: NCCL ignores them
+        pg.recv([received[rank][1]], peer, 7)
+        return pg._end_coalescing()
+
+    works = on_ranks(2, exchange)
+    assert all(w.is_completed() for w in works)
+    assert [t[0].item() for t in received[0]] == [11.0, 12.0] and [t[0].item() for t in received[1]] == [1.0, 2.0]
+
+
+def test_the_fake_blocks_a_pairs_first_exchange_until_the_peer_arrives():
+    world = FakeNcclWorld(2)
+    pg = FakeProcessGroupNCCL(world, 0, 2, fake_options(0.3))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="pair communicator with 1 timed out"):
+        pg.send([torch.ones(1)], 1, 0)  # rank 1 never posts on the pair: the thread blocks
+    assert 0.25 < time.monotonic() - started < 2.0
+
+
+# Every algorithm, at 2 to 5 ranks: today's single sends and receives deadlock here.
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5])
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+def test_ring_and_hierarchical_sum_exactly_under_nccl_semantics(algorithm, size):
+    _, groups = _groups(size)
+    lengths = _lengths(size)
+
+    def run(rank: int) -> dict[int, torch.Tensor]:
+        try:
+            communicator = make_communicator(algorithm, groups[rank], _nodes(algorithm, size))
+            out = {}
+            for length in lengths:
+                tensor = _contribution(rank, length)
+                communicator.start_sum(tensor).wait()
+                out[length] = tensor
+            return out
+        finally:
+            groups[rank].close()
+
+    outcomes = on_ranks(size, run)
+    _raise_first(outcomes)
+    for length in lengths:
+        expected = torch.stack([_contribution(r, length) for r in range(size)]).sum(0)
+        for out in outcomes:
+            torch.testing.assert_close(out[length], expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5])
+@pytest.mark.parametrize(("compression", "tolerance"), [("int8", 0.1), ("topk", 1e-5)])
+def test_int8_and_topk_sum_under_nccl_semantics(compression, tolerance, size):
+    _, groups = _groups(size)
+    length = size * 700 + 3
+
+    def run(rank: int) -> torch.Tensor:
+        try:
+            communicator = compress(compression, RingAllReduce(groups[rank]), groups[rank], topk_ratio=1.0)
+            tensor = torch.randn(length, generator=torch.Generator().manual_seed(rank))
+            communicator.start_sum(tensor).wait()
+            return tensor
+        finally:
+            groups[rank].close()
+
+    outcomes = on_ranks(size, run)
+    _raise_first(outcomes)
+    expected = torch.stack([torch.randn(length, generator=torch.Generator().manual_seed(r)) for r in range(size)]).sum(0)
+    for out in outcomes[1:]:
+        torch.testing.assert_close(out, outcomes[0], rtol=0, atol=0)  # replicas stay identical
+    assert (outcomes[0] - expected).abs().max() / expected.abs().max() < tolerance
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5])
+def test_the_link_probe_runs_and_every_rank_chooses_alike_under_nccl_semantics(size):
+    """``auto``'s probe times native, ring, hierarchical (2 simulated nodes) and the int8 ring
+    (``measure_links(int8=...)``), then agrees on the slowest rank's times with a MAX all-reduce."""
+    _, groups = _groups(size)
+    nodes = _nodes("hierarchical", size)
+
+    def run(rank: int) -> tuple[object, torch.Tensor]:
+        try:
+            communicator, choice = auto_communicator(groups[rank], nodes, torch.zeros(5000), None)
+            tensor = _contribution(rank, 5000)
+            communicator.start_sum(tensor).wait()
+            return choice, tensor
+        finally:
+            groups[rank].close()
+
+    outcomes = on_ranks(size, run)
+    _raise_first(outcomes)
+    expected = torch.stack([_contribution(r, 5000) for r in range(size)]).sum(0)
+    assert all(choice == outcomes[0][0] for choice, _ in outcomes)
+    assert set(outcomes[0][0].bandwidth_mb_s) == ({"native", "ring"} if size == 2 else {"native", "ring", "hierarchical"})
+    for _, tensor in outcomes:
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
+
+
+# Aborts and timeouts of collectives whose peer is dead.
 
 
 @pytest.mark.parametrize("make", [NativeAllReduce, RingAllReduce])
-def test_an_abort_frees_a_polled_collective_and_aborts_the_communicator(make):
-    pg, flag = _DeadPeerGroup(), threading.Event()
-    group = CommGroup(pg, rank=0, size=2, timeout_s=30.0, abort_flag=flag, poll_completion=True)  # type: ignore[arg-type]
+def test_an_abort_frees_a_collective_waiting_on_a_dead_peer_and_aborts_the_communicator(make):
+    world, groups = _groups(2, timeout_s=30.0)
+    world.connected.add(1)  # rank 1 formed the communicator, then died: it never posts anything
+    group = groups[0]
     pending = make(group).start_sum(torch.ones(8))
-    time.sleep(0.1)
-    assert pg.log == []  # polled, never trusted wait(): the op is not "done" on a dead peer
-    flag.set()
+    time.sleep(0.2)
+    assert not pending.done()  # polled, never trusting wait(): not "done" on a dead peer
+    group.abort_flag.set()
     started = time.perf_counter()
     with pytest.raises(CollectiveAborted):
         pending.wait()
     assert time.perf_counter() - started < 1.0
     group.close()
-    assert pg.aborted
+    assert group.pg.aborted
 
 
-def test_a_polled_collective_times_out_without_an_abort():
-    pg = _DeadPeerGroup()
-    group = CommGroup(pg, rank=1, size=2, timeout_s=0.3, abort_flag=threading.Event(), poll_completion=True)  # type: ignore[arg-type]
+def test_a_collective_on_a_dead_peer_times_out_without_an_abort():
+    world, groups = _groups(2, timeout_s=0.5)
+    world.connected.add(0)  # rank 0 formed the communicator, then died
     with pytest.raises(CollectiveTimeout):
-        group.broadcast(torch.ones(4), root=0)
-    group.close()
-    assert pg.aborted
+        groups[1].broadcast(torch.ones(4), root=0)
+    groups[1].close()
+    assert groups[1].pg.aborted
 
 
 class _FailedWork:
@@ -96,29 +231,106 @@ def test_a_completed_op_that_failed_raises_instead_of_passing_half_reduced_value
 
 def test_without_polling_wait_would_have_reported_a_dead_op_as_done():
     """Why polling is needed: trusting NCCL's wait() ends the op at once, and the caller would
-    go on to read values that never arrive."""
-    pg = _DeadPeerGroup()
+    go on to read values that never arrived."""
+    world = FakeNcclWorld(2)
+    world.connected.add(1)  # rank 1 formed the communicator, then died
+    pg = FakeProcessGroupNCCL(world, 0, 2, fake_options(5.0))
     group = CommGroup(pg, rank=0, size=2, timeout_s=5.0, abort_flag=threading.Event(), poll_completion=False)  # type: ignore[arg-type]
-    NativeAllReduce(group).start_sum(torch.ones(4)).wait()  # "succeeds"
-    assert pg.log == ["wait"]
+    tensor = torch.ones(4)
+    NativeAllReduce(group).start_sum(tensor).wait()  # "succeeds"
+    assert world.pending(0) == 1 and torch.equal(tensor, torch.ones(4))  # nothing was summed
     group.close()
-    assert not pg.aborted
 
 
-@pytest.mark.parametrize(("preset", "want"), [(None, "2"), ("1", "1")])
-def test_nccl_errors_abort_communicators_without_killing_the_process(monkeypatch, preset, want):
-    """torch's default (3) tears the process down on a collective timeout: every survivor
-    would die with the peer. A user's own choice is kept."""
-    from workers.comm_group import new_process_group
+# Formation: the communicator is made and proven inside the abortable, deadline-bounded wait.
 
-    if preset is None:
-        monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
-    else:
-        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", preset)
-    try:
-        new_process_group("nccl", None, 0, 1, 1.0)  # type: ignore[arg-type]  # no GPU here: fails after the setting
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        pass
+
+@pytest.fixture
+def fake_nccl(monkeypatch):
+    """``dist.ProcessGroupNCCL`` is the fake (this build has none), the NCCL environment unset."""
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeProcessGroupNCCL, raising=False)
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ENABLE_MONITORING"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _form(world: FakeNcclWorld, rank: int, flag: threading.Event, deadline_s: float = TIMEOUT_S) -> dist.ProcessGroup:
+    return form_process_group(
+        "nccl", world, rank, world.size, timeout_s=TIMEOUT_S, deadline_s=deadline_s, abort_flag=flag,  # type: ignore[arg-type]
+        device=torch.device("cpu"),
+    )
+
+
+def test_formation_connects_eagerly_and_chooses_the_recovery_environment(fake_nccl, monkeypatch):
     import os
 
-    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == want
+    monkeypatch.setenv("TORCH_NCCL_ENABLE_MONITORING", "1")  # a user's own choice is kept
+    world = FakeNcclWorld(3)
+    pgs = on_ranks(3, lambda rank: _form(world, rank, threading.Event()))
+    _raise_first(pgs)
+    assert all(pg.main_connected and not pg.options.config.blocking for pg in pgs)  # type: ignore[attr-defined]
+    assert pgs[0].options._timeout == timedelta(seconds=TIMEOUT_S)  # type: ignore[attr-defined]
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # torch's default (3) kills survivors
+    assert os.environ["TORCH_NCCL_ENABLE_MONITORING"] == "1"
+    assert all(world.pending(r) == 0 for r in range(3))
+
+
+def test_formation_turns_the_monitor_off_unless_the_user_chose(fake_nccl):
+    import os
+
+    new_process_group("nccl", FakeNcclWorld(1), 0, 1, 1.0)  # type: ignore[arg-type]
+    assert os.environ["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+
+
+def _formation_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("ringleader-abortable")}
+
+
+def _assert_nothing_left(world: FakeNcclWorld, ranks: list[int], before: set[threading.Thread]) -> None:
+    """Every formation thread ended, every communicator made aborted, no launch or wait left."""
+    for thread in _formation_threads() - before:
+        thread.join(5.0)
+        assert not thread.is_alive(), "a formation thread was left behind"
+    for rank in ranks:
+        assert world.groups[rank].aborted, f"rank {rank}'s communicator was not aborted"
+        assert world.pending(rank) == 0, f"rank {rank} left work behind"
+
+
+def _dead_rank(world: FakeNcclWorld, died_before: str) -> None:
+    """The last rank dies before ``died_before``: it may have made its group and connected."""
+    if died_before == "construction":
+        return
+    pg = FakeProcessGroupNCCL(world, world.size - 1, world.size, fake_options(TIMEOUT_S))
+    if died_before == "first collective":  # it connected (blocking until all arrive), then died
+        threading.Thread(target=pg.eager_connect_single_device, args=(None,), daemon=True).start()
+
+
+@pytest.mark.parametrize("died_before", ["construction", "eager connect", "first collective"])
+@pytest.mark.parametrize("ending", ["abort", "deadline"])
+def test_a_peer_dying_during_formation_ends_it_in_bounded_time_leaving_nothing(fake_nccl, died_before, ending):
+    size, before = 3, _formation_threads()
+    world = FakeNcclWorld(size)
+    flag = threading.Event()
+    _dead_rank(world, died_before)
+    deadline_s = 0.6 if ending == "deadline" else TIMEOUT_S
+    if ending == "abort":
+        threading.Timer(0.4, flag.set).start()
+    started = time.monotonic()
+    outcomes = on_ranks(size - 1, lambda rank: _form(world, rank, flag, deadline_s))
+    elapsed = time.monotonic() - started
+    expected = CollectiveAborted if ending == "abort" else CollectiveTimeout
+    assert all(isinstance(o, expected) for o in outcomes), outcomes
+    assert elapsed < 3.0
+    _assert_nothing_left(world, list(range(size - 1)), before)
+
+
+def test_an_abort_during_construction_aborts_the_group_made_after_it(fake_nccl):
+    before = _formation_threads()
+    world = FakeNcclWorld(2)
+    world.construction_gate = threading.Event()  # construction is slow (a CUDA context, say)
+    flag = threading.Event()
+    threading.Timer(0.3, flag.set).start()
+    with pytest.raises(CollectiveAborted):
+        _form(world, 0, flag)
+    assert 0 not in world.groups
+    world.construction_gate.set()  # construction finishes after the formation was given up
+    _assert_nothing_left(world, [0], before)

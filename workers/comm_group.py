@@ -11,6 +11,18 @@ abandons it and a new generation (a new store prefix) is formed.
 The process group is a ``ProcessGroupGloo``/``ProcessGroupNCCL`` object of our own rather than
 torch's global default group, so a broken generation can be dropped while its thread is still
 stuck in it, and the next one formed beside it.
+
+Point-to-point traffic goes only through ``CommGroup.exchange``: one call posts a set of sends
+and receives as one group (NCCL: one coalesced launch, so no send waits on a receive posted
+after it, and every exchange runs on the group's one communicator, made at formation), and
+returns one handle. Tags are not used: NCCL ignores them, so between a pair of ranks a
+receive takes the message of the send posted in the same place of their order; gloo is
+given the same single tag, so both backends match messages in posting order alone.
+
+Formation (``form_process_group``) runs in ``call_abortable``: with NCCL the communicator is
+created eagerly on the worker's device and proven by a first one-element all-reduce, so the
+whole rendezvous is inside the abortable, deadline-bounded wait, and a formation that fails
+or is given up aborts what it made.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from datetime import timedelta
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,8 +45,19 @@ ABORT_POLL_S = 0.02
 # How often the communication thread looks whether an NCCL op has completed (short: it is
 # latency added to every op of a ring).
 COMPLETION_POLL_S = 0.0002
-# TORCH_NCCL_ASYNC_ERROR_HANDLING's CleanUpOnly: abort communicators, do not kill the process.
-NCCL_CLEAN_UP_ONLY = "2"
+# The NCCL environment for in-place recovery, each set only where the user has not chosen:
+# - TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): a collective that times out or fails
+#   aborts its communicators and keeps the process; torch's default (3) tears the process
+#   down, turning one dead peer into the death of every survivor.
+# - TORCH_NCCL_ENABLE_MONITORING=0: torch's heartbeat monitor kills the process (std::abort)
+#   when its watchdog has been stuck TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (8 min) - e.g. in the
+#   ncclCommAbort of a dead peer's communicator - and, in the process's first NCCL group,
+#   a while after any rank flagged a timeout on the shared store (a key never cleared there,
+#   so a replacement worker would read an old generation's flag and die minutes later).
+#   Survivors must live for in-place recovery: every wait of ours is bounded by our own
+#   deadline and the driver's abort, and a worker truly wedged in CUDA stops answering
+#   progress probes and is replaced as lost (docs/architecture.md, Recovery).
+NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
 
 T = TypeVar("T")
 
@@ -115,35 +138,145 @@ def call_abortable(operation: Callable[[], T], abort_flag: threading.Event, time
     return wait_abortable(future, abort_flag, timeout_s, what)
 
 
+def poll_work(work: dist.Work, stopped: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Wait for NCCL-like ``work`` (whose ``wait()`` does not block the CPU) by polling
+    ``is_completed()`` every ``COMPLETION_POLL_S``; raises CollectiveAborted (``"<what> was
+    aborted"``) once ``stopped()`` and CollectiveTimeout (``"<what> did not finish within
+    <t>s"``) after ``timeout_s``. Work that ended in an error (a watchdog timeout, a remote
+    error, an abort) also counts as completed: ``wait()`` then raises that error instead of
+    letting half-reduced values on."""
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if stopped():
+            raise CollectiveAborted(f"{what} was aborted")
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout(f"{what} did not finish within {timeout_s:.0f}s")
+        time.sleep(COMPLETION_POLL_S)
+    work.wait()
+
+
 def new_process_group(
     backend: str, store: dist.Store, rank: int, size: int, timeout_s: float
 ) -> dist.ProcessGroup:
     """A standalone gloo or NCCL process group over ``store`` (not torch's default group).
 
-    For NCCL, asynchronous error handling is set to clean up only (abort the communicators, keep
-    the process) unless the user chose otherwise: torch's default tears the whole process down
-    when a collective times out, which would turn one dead peer into the death of every
-    survivor instead of an in-place recovery."""
+    Gloo's constructor is the whole rendezvous (it connects every pair). NCCL's only makes the
+    object: ``form_process_group`` connects it. Its communicators are created non-blocking
+    (as torchft does), so ``abort()`` can end one still being set up with a dead peer; the
+    NCCL environment (``NCCL_ENVIRONMENT``) is set first, where the user has not chosen."""
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_CLEAN_UP_ONLY)
+        for name, value in NCCL_ENVIRONMENT.items():
+            os.environ.setdefault(name, value)  # read when the process group is constructed
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
+        options.config.blocking = False
         return dist.ProcessGroupNCCL(store, rank, size, options)
     raise ValueError(f"unsupported backend {backend!r}; expected 'gloo' or 'nccl'")
+
+
+class _Formation:
+    """One attempt to form a process group, which its caller may give up on at any moment
+    (abort, deadline): whatever it made by then, or makes after, is aborted, and its thread
+    ends instead of waiting in a rendezvous nobody will finish."""
+
+    def __init__(self, abort_flag: threading.Event) -> None:
+        self._abort_flag = abort_flag
+        self._given_up = threading.Event()
+        self._lock = threading.Lock()
+        self._pg: dist.ProcessGroup | None = None
+
+    def _stopped(self) -> bool:
+        return self._abort_flag.is_set() or self._given_up.is_set()
+
+    def run(
+        self, backend: str, store: dist.Store, rank: int, size: int, timeout_s: float, device: torch.device
+    ) -> dist.ProcessGroup:
+        """Construct the group, then (NCCL) create its communicator on ``device`` and run a
+        first one-element all-reduce on it: with non-blocking communicators the connection is
+        only proven once a collective completes. Runs on ``call_abortable``'s thread."""
+        pg = new_process_group(backend, store, rank, size, timeout_s)
+        with self._lock:  # either give_up sees this group and aborts it, or this sees give_up
+            given_up = self._given_up.is_set()
+            if not given_up:
+                self._pg = pg
+        if given_up:  # given up while it was being constructed
+            _abort(pg)
+            raise CollectiveAborted("the process group was formed after its formation was given up")
+        if backend == "nccl":
+            pg.eager_connect_single_device(device)
+            first = pg.allreduce([torch.zeros(1, device=device)], dist.AllreduceOptions())
+            poll_work(first, self._stopped, timeout_s, f"the first collective of rank {rank}")
+        return pg
+
+    def give_up(self) -> None:
+        """Abort what was made (a formation thread blocked in NCCL's rendezvous then ends)."""
+        with self._lock:
+            self._given_up.set()
+            pg, self._pg = self._pg, None
+        if pg is not None:
+            _abort(pg)
+
+
+def _abort(pg: dist.ProcessGroup) -> None:
+    """Abort ``pg``'s communicators; one whose abort itself fails is dropped all the same."""
+    try:
+        pg.abort()
+    except RuntimeError:
+        pass  # nothing more can be done for it: the group is dropped either way
+
+
+def form_process_group(
+    backend: str,
+    store: dist.Store,
+    rank: int,
+    size: int,
+    *,
+    timeout_s: float,
+    deadline_s: float,
+    abort_flag: threading.Event,
+    device: torch.device,
+) -> dist.ProcessGroup:
+    """Form and connect a process group (``new_process_group``; NCCL: its communicator made
+    eagerly on ``device`` and proven by a first collective) inside ``call_abortable``, so an
+    abort or ``deadline_s`` ends it wherever it is. ``timeout_s``: the group's collective
+    timeout. Raises CollectiveAborted, CollectiveTimeout or the formation's own error; on any
+    of them the group made so far is aborted, and with NCCL the formation thread ends too."""
+    formation = _Formation(abort_flag)
+    try:
+        return call_abortable(
+            lambda: formation.run(backend, store, rank, size, timeout_s, device), abort_flag, deadline_s, "rendezvous"
+        )
+    except BaseException:
+        formation.give_up()
+        raise
+
+
+class Exchange:
+    """Sends and receives posted as one group by ``CommGroup.exchange``; ``complete`` waits
+    (on the communication thread) until all of them are done. Until then no sent tensor may
+    be written and no received one read."""
+
+    def __init__(self, group: CommGroup, works: list[dist.Work]) -> None:
+        self._group = group
+        self._works = works
+
+    def complete(self) -> None:
+        for work in self._works:
+            self._group.complete(work)
 
 
 class CommGroup:
     """``size`` ranks, this one being ``rank``, over the process group ``pg``.
 
     ``timeout_s`` bounds every wait; ``abort_flag`` is shared with whoever may abort (the actor's
-    control thread). Operations queued with ``submit`` run on the communication thread and wait
-    for each torch ``Work`` with ``complete``. ``poll_completion`` (NCCL): ``Work.wait()`` does
-    not block the CPU there (it only orders the current CUDA stream), so completion is polled
-    with ``is_completed()`` against the abort flag and the deadline, and a broken group's
-    communicators are aborted when it closes.
+    control thread). Operations queued with ``submit`` run on the communication thread; they
+    exchange tensors with ``exchange`` and wait for each torch ``Work`` with ``complete``.
+    ``poll_completion`` (NCCL): ``Work.wait()`` does not block the CPU there (it only orders the
+    current CUDA stream), so completion is polled with ``is_completed()`` against the abort
+    flag and the deadline, and a broken group's communicators are aborted when it closes.
     """
 
     def __init__(
@@ -165,6 +298,9 @@ class CommGroup:
         self.broken: str | None = None
         #: Bytes handed to point-to-point sends and native all-reduces (their 2(n-1)/n share).
         self.bytes_sent = 0
+        # NCCL coalesces (torch's batch_isend_irecv asks the same property); gloo cannot, and
+        # needs not: its sends never wait for the peer's receive.
+        self._coalesce = bool(getattr(pg, "supports_coalescing", False))
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"ringleader-comm-r{rank}")
 
     def submit(self, operation: Callable[[], None], what: str) -> PendingOp:
@@ -173,34 +309,47 @@ class CommGroup:
             raise CollectiveAborted(f"the process group is broken ({self.broken}); re-form it")
         return PendingOp(self._thread.submit(operation), self, what)
 
-    # Blocking point-to-point and collective primitives, for operations run on the comm thread.
+    # Blocking primitives, for operations run on the comm thread.
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> dist.Work:
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        return self.pg.send([tensor], dst, tag)
+    def exchange(
+        self, sends: Sequence[tuple[torch.Tensor, int]] = (), receives: Sequence[tuple[torch.Tensor, int]] = ()
+    ) -> Exchange:
+        """Post ``sends`` ((tensor, destination rank)) and ``receives`` ((tensor, source rank))
+        as one group and return its handle. With NCCL they are one coalesced launch: its ops
+        start together, so no send in it waits on a receive of it posted after it, whatever
+        the peers; with gloo they are posted one by one (receives first), which never blocks.
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> dist.Work:
-        return self.pg.recv([tensor], src, tag)
+        Messages carry no tag (NCCL ignores tags): between two ranks, the k-th tensor one
+        sends to the other is the k-th the other receives from it, counted over every
+        exchange in posting order. Every caller must post its exchanges in an order its peers
+        match, and keep each group's shapes alike on both sides."""
+        receives = [(tensor, src) for tensor, src in receives if tensor.numel()]
+        sends = [(tensor, dst) for tensor, dst in sends if tensor.numel()]
+        self.bytes_sent += sum(tensor.numel() * tensor.element_size() for tensor, _ in sends)
+        if not self._coalesce:
+            works = [self.pg.recv([tensor], src, 0) for tensor, src in receives]
+            return Exchange(self, works + [self.pg.send([tensor], dst, 0) for tensor, dst in sends])
+        if not sends and not receives:
+            return Exchange(self, [])
+        # A failure between start and end leaves the backend mid-group: it propagates, the
+        # PendingOp breaks the group, and the group is aborted on close, never used again.
+        self.pg._start_coalescing()
+        for tensor, src in receives:
+            self.pg.recv([tensor], src, 0)
+        for tensor, dst in sends:
+            self.pg.send([tensor], dst, 0)
+        return Exchange(self, [self.pg._end_coalescing()])
 
     def complete(self, work: dist.Work) -> None:
         """Block (on the communication thread) until ``work`` has finished. Gloo's ``wait()``
         blocks until then (a caller's PendingOp.wait polls the abort flag meanwhile). NCCL's
         returns at once, and a dead peer would surface later in a CUDA sync that never ends
-        (reading the census): its work is polled until done, raising CollectiveAborted or
-        CollectiveTimeout, so nothing reads a reduced value before the op has completed."""
+        (reading the census): its work is polled until done (``poll_work``), raising
+        CollectiveAborted or CollectiveTimeout, so nothing reads a value before it arrived."""
         if not self.poll_completion:
             work.wait()
             return
-        deadline = time.monotonic() + self.timeout_s
-        while not work.is_completed():
-            if self.abort_flag.is_set():
-                raise CollectiveAborted("a collective was aborted by the driver")
-            if time.monotonic() > deadline:
-                raise CollectiveTimeout(f"a collective did not finish within {self.timeout_s:.0f}s (rank {self.rank})")
-            time.sleep(COMPLETION_POLL_S)
-        # NCCL work that ended in an error (a watchdog timeout, a remote error, an abort) also
-        # counts as completed: wait() raises that error instead of letting half-reduced values on.
-        work.wait()
+        poll_work(work, self.abort_flag.is_set, self.timeout_s, f"a collective on rank {self.rank}")
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Blocking broadcast from ``root`` (queued behind pending operations)."""

@@ -85,11 +85,8 @@ def int8_ring_sum(group: CommGroup, flat: torch.Tensor) -> None:
         (slo, shi), (rlo, rhi) = bounds[(me - step) % n], bounds[(me - step - 1) % n]
         codes, scales = quantize_int8(flat[slo:shi])
         r_codes, r_scales = in_codes[: rhi - rlo], in_scales[: math.ceil((rhi - rlo) / INT8_BLOCK)]
-        works = [group.send(codes, right, 0), group.send(scales, right, 1)] if shi > slo else []
-        if rhi > rlo:
-            works += [group.recv(r_codes, left, 0), group.recv(r_scales, left, 1)]
-        for work in works:
-            group.complete(work)
+        # One exchange per step; codes before scales on both sides (messages match in order).
+        group.exchange([(codes, right), (scales, right)], [(r_codes, left), (r_scales, left)]).complete()
         if rhi > rlo:
             flat[rlo:rhi].add_(dequantize_int8(r_codes, r_scales).to(flat.dtype))
     # Finished chunks travel quantized once; every rank (the owner too) keeps the decoded values.

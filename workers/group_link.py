@@ -1,10 +1,11 @@
 """A worker's link to one generation's process group: joining the group and leaving it.
 
 Joining connects to the driver's store (where the step's shard claims live), forms the process
-group (abortable), builds the gradient reducer over it (the all-reduce the job names, or the
-one ``auto`` picks by probing the group's links; compression wrapped round it; top-k residuals
-carried over) and takes rank 0's training state, so that every replica starts the generation
-identical. Leaving closes the reducer and the group.
+group (``form_process_group``: abortable and deadline-bounded, NCCL's communicator included),
+builds the gradient reducer over it (the all-reduce the job names, or the one ``auto`` picks
+by probing the group's links; compression wrapped round it; top-k residuals carried over)
+and takes rank 0's training state, so that every replica starts the generation identical.
+Leaving closes the reducer and the group.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jobspec.runtime import CollectiveConfig
 from jobspec.wire import Joined, JoinRequest
 from policies.collective_choice import CollectiveChoice
 from workers.claims import CountingStore
-from workers.comm_group import CommGroup, call_abortable, new_process_group
+from workers.comm_group import CommGroup, form_process_group
 from workers.communicator import Communicator, make_communicator, pick_backend
 from workers.compression import OWN_TRANSPORT, TopKAllReduce, compress
 from workers.link_probe import auto_communicator
@@ -77,13 +78,9 @@ class GroupLink:
         self.store = store
         self.claims_store = CountingStore(dist.PrefixStore(request.prefix, store))
         backend = pick_backend(replica.device, self.collective.backend)
-        pg = call_abortable(
-            lambda: new_process_group(
-                backend, dist.PrefixStore(request.prefix, store), request.rank, request.world_size, self.timeout_s
-            ),
-            self.abort_flag,
-            request.timeout_s,
-            "rendezvous",
+        pg = form_process_group(
+            backend, dist.PrefixStore(request.prefix, store), request.rank, request.world_size,
+            timeout_s=self.timeout_s, deadline_s=request.timeout_s, abort_flag=self.abort_flag, device=replica.device,
         )
         previous = self.reducer_comm
         residuals = self.residuals or self.restored_residuals

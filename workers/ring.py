@@ -2,8 +2,9 @@
 
 Ring (docs/architecture.md, "The step protocol"): the buffer is cut into one chunk per rank; n−1 reduce-scatter steps leave
 each rank with one fully summed chunk, n−1 all-gather steps hand those around, so every rank
-sends 2(n−1)/n of the buffer. Each step's chunk is further cut into segments, all posted at
-once, so summing one segment overlaps receiving the next.
+sends 2(n−1)/n of the buffer. Each step's chunk is further cut into segments, each sent and
+received as one group (``CommGroup.exchange``), so summing one segment overlaps receiving the
+next, and nothing waits on a receive posted after it (NCCL).
 
 Hierarchical: ranks on one Ray node first sum into their node's leader, leaders run the ring,
 and each leader sends the result back to its node's ranks; the slow inter-node links carry
@@ -18,10 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from policies.split import even_bounds
-from workers.comm_group import CommGroup, PendingOp
+from workers.comm_group import CommGroup, Exchange, PendingOp
 
 # Segments: about SEGMENTS_PER_CHUNK per chunk so the pipeline has depth, within bounds that
 # keep per-message overhead (small) and pipeline fill time (large) down; measured on gloo.
@@ -59,9 +59,18 @@ def ring_sum(group: CommGroup, flat: torch.Tensor, ranks: Sequence[int], scratch
     """Sum the 1-D ``flat`` in place over ``ranks`` (group ranks, in ring order; this rank
     among them). Blocking; every rank in ``ranks`` must make the same call.
 
-    The 2(n-1) steps run as one pipeline: the chunk received at step t is the one sent at step
-    t + 1, so each segment goes back out as soon as it is summed (reduce-scatter) or has
-    arrived (all-gather), while later segments are still on the wire.
+    Every exchange is one group (``CommGroup.exchange``): segment j of step t, this rank's
+    send of it to the right and its receive from the left, ``(t, j)`` for short. The 2(n-1)
+    steps run as one pipeline: the segment received in (t, j) is the one sent in (t + 1, j),
+    so (t + 1, j) is posted as soon as (t, j) is complete (and, in the reduce-scatter, summed),
+    while (t, j + 1), ... are still on the wire.
+
+    Why it cannot deadlock under NCCL's semantics (a group starts once those posted before it
+    on this rank ended, and completes once each peer has posted the matching group): every
+    rank posts its groups in increasing (t, j) order, and its send in (t, j) is the receive
+    in (t, j) of its right neighbour, so the lowest (t, j) not yet complete anywhere is first
+    in line on every rank that has it, and completes. The same order makes messages match
+    without tags: between two neighbours, segments go in (t, j) order on both sides.
     """
     n = len(ranks)
     if n == 1 or flat.numel() == 0:
@@ -72,43 +81,45 @@ def ring_sum(group: CommGroup, flat: torch.Tensor, ranks: Sequence[int], scratch
     longest = max(end - start for start, end in bounds)
     size = flat.element_size()
     segment = max(1, min(MAX_SEGMENT_BYTES, max(MIN_SEGMENT_BYTES, longest * size // SEGMENTS_PER_CHUNK)) // size)
-    # Two receive buffers: step t + 1's receives are posted while step t's are being summed.
+    # Two receive buffers: (t + 1, j) receives while (t, j + 1) is still being received.
     buffers = scratch.get(flat, 2 * longest)
     steps = 2 * (n - 1)
 
-    def received(t: int) -> tuple[int, int]:  # the chunk arriving at step t (sent at t + 1)
-        return bounds[(me - t - 1) % n] if t < n - 1 else bounds[(me - t + n - 1) % n]
+    def sent(t: int) -> list[tuple[int, int]]:  # the segments sent in step t
+        return _segments(*bounds[(me - t) % n], segment)
 
-    def tag(t: int, j: int) -> int:  # at most two steps in flight per peer
-        return (t % 2) << 20 | j
+    def received(t: int) -> list[tuple[int, int]]:  # the segments arriving in step t (sent on in t + 1)
+        return _segments(*bounds[(me - t - 1) % n], segment)
 
-    def post_receives(t: int) -> list[tuple[dist.Work, int, int]]:
-        lo0 = received(t)[0]
-        out = []
-        for j, (lo, hi) in enumerate(_segments(*received(t), segment)):
-            into = buffers[(t % 2) * longest + lo - lo0 :][: hi - lo] if t < n - 1 else flat[lo:hi]
-            out.append((group.recv(into, left, tag(t, j)), lo, hi))
-        return out
+    def landing(t: int, lo: int, hi: int) -> torch.Tensor:  # where segment [lo, hi) of step t arrives
+        if t >= n - 1:  # all-gather: straight into place
+            return flat[lo:hi]
+        first = bounds[(me - t - 1) % n][0]
+        return buffers[(t % 2) * longest + lo - first :][: hi - lo]
 
-    sends = [group.send(flat[lo:hi], right, tag(0, j)) for j, (lo, hi) in enumerate(_segments(*bounds[me], segment))]
-    receives = post_receives(0)
+    def post(t: int, j: int) -> Exchange:
+        out, into = sent(t), received(t)
+        sends = [(flat[slice(*out[j])], right)] if j < len(out) else []
+        receives = [(landing(t, *into[j]), left)] if j < len(into) else []
+        return group.exchange(sends, receives)
+
+    def width(t: int) -> int:  # segments in step t: its chunks differ by at most one element
+        return max(len(sent(t)), len(received(t)))
+
+    pending = [post(0, j) for j in range(width(0))]
     for t in range(steps):
-        next_sends: list[dist.Work] = []
-        next_receives: list[tuple[dist.Work, int, int]] = []
-        lo0 = received(t)[0]
-        if not receives and t + 1 < steps:  # nothing arrives this step (a chunk of length 0)
-            next_receives = post_receives(t + 1)
-        for j, (work, lo, hi) in enumerate(receives):
-            group.complete(work)
-            if t < n - 1:
-                flat[lo:hi].add_(buffers[(t % 2) * longest + lo - lo0 :][: hi - lo])
-            if t + 1 < steps:
-                if j == 0:
-                    next_receives = post_receives(t + 1)
-                next_sends.append(group.send(flat[lo:hi], right, tag(t + 1, j)))
-        for work in sends:  # each send (and the view it reads) stays alive until done
-            group.complete(work)
-        sends, receives = next_sends, next_receives
+        into = received(t)
+        following = width(t + 1) if t + 1 < steps else 0
+        posted = []
+        for j in range(max(len(pending), following)):
+            if j < len(pending):
+                pending[j].complete()
+                if t < n - 1 and j < len(into):
+                    lo, hi = into[j]
+                    flat[lo:hi].add_(landing(t, lo, hi))
+            if j < following:
+                posted.append(post(t + 1, j))
+        pending = posted
 
 
 def ring_all_gather(
@@ -118,16 +129,14 @@ def ring_all_gather(
 
     ``pieces[i]`` is a tuple of tensors (shapes alike on every rank); on entry this rank holds
     ``pieces[own]``, on exit all of them. Blocking; every rank in ``ranks`` makes the call.
+    Each step is one exchange; its tensors match in tuple order (no tags).
     """
     n = len(ranks)
     me = ranks.index(group.rank)
     right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
     for step in range(n - 1):
         outgoing, incoming = pieces[(own - step) % n], pieces[(own - step - 1) % n]
-        sends = [group.send(t, right, tag) for tag, t in enumerate(outgoing) if t.numel()]
-        receives = [group.recv(t, left, tag) for tag, t in enumerate(incoming) if t.numel()]
-        for work in receives + sends:
-            group.complete(work)
+        group.exchange([(t, right) for t in outgoing], [(t, left) for t in incoming]).complete()
 
 
 class RingAllReduce:
@@ -159,21 +168,21 @@ def is_flat(groups: Sequence[Sequence[int]], size: int) -> bool:
 
 def hierarchical_sum(group: CommGroup, flat: torch.Tensor, nodes: list[list[int]], scratch: _Scratch) -> None:
     """Sum ``flat`` in place: into each node's leader (its first rank), ring across leaders,
-    back out to each node's ranks. Blocking; every rank makes the same call."""
+    back out to each node's ranks. Blocking; every rank makes the same call. Each transfer is
+    its own exchange, posted in the same order on both of its sides: a member sends, then
+    receives; its leader receives from each member in rank order, rings, then sends to all."""
     mine = next(ranks for ranks in nodes if group.rank in ranks)
     leader = mine[0]
     if group.rank != leader:
-        group.complete(group.send(flat, leader))
-        group.complete(group.recv(flat, leader))
+        group.exchange(sends=[(flat, leader)]).complete()
+        group.exchange(receives=[(flat, leader)]).complete()
         return
     incoming = scratch.get(flat, flat.numel())
     for member in mine[1:]:
-        group.complete(group.recv(incoming, member))
+        group.exchange(receives=[(incoming, member)]).complete()
         flat.add_(incoming)
     ring_sum(group, flat, [ranks[0] for ranks in nodes], scratch)
-    sends = [group.send(flat, member) for member in mine[1:]]
-    for work in sends:
-        group.complete(work)
+    group.exchange(sends=[(flat, member) for member in mine[1:]]).complete()
 
 
 class HierarchicalAllReduce:
