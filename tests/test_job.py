@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +159,33 @@ def test_step_timeout_fails_instead_of_hanging(tmp_path):
     assert result.summary["wall_s"] < 30
 
 
+def _stuck_process_report(proc, run_dir: Path) -> str:
+    """What a run that will not stop was doing: its threads' stacks (py-spy, Ray's dependency,
+    where the machine allows it, and faulthandler's on SIGABRT), its last events and whether it
+    wrote its summary. The process is killed: never left running."""
+    import signal
+    import subprocess
+    import sys
+
+    spy = Path(sys.executable).parent / "py-spy"
+    stacks = "py-spy: not installed"
+    if spy.exists():
+        dump = subprocess.run([str(spy), "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=60)
+        stacks = dump.stdout + dump.stderr
+    proc.send_signal(signal.SIGABRT)
+    try:
+        _, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    events = run_dir / "events.jsonl"
+    last = events.read_text().splitlines()[-8:] if events.exists() else []
+    return "\n".join([
+        f"summary.json written: {(run_dir / 'summary.json').exists()}", "last events:", *last,
+        "py-spy:", stacks, "stderr (faulthandler) ends:", err[-8000:],
+    ])
+
+
 def test_ctrl_c_stops_cleanly_and_releases_actors(tmp_path):
     """The CLI joins this session's cluster by --address; SIGINT mid-run exits 130, writes the
     summary, and frees every actor and the placement group."""
@@ -176,7 +204,8 @@ def test_ctrl_c_stops_cleanly_and_releases_actors(tmp_path):
             "--address", ray.get_runtime_context().gcs_address, "--run-dir", str(run_dir),
             "--set", "steps=100000", "--set", "eval=null",
         ],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONFAULTHANDLER="1"),  # SIGABRT then prints every thread's stack
     )
     events = run_dir / "events.jsonl"
     deadline = time.monotonic() + 120
@@ -188,9 +217,7 @@ def test_ctrl_c_stops_cleanly_and_releases_actors(tmp_path):
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        proc.kill()  # never left running; what it said is the diagnosis
-        out, err = proc.communicate()
-        pytest.fail(f"no exit within 120 s of SIGINT; its stderr ends:\n{err[-4000:]}")
+        pytest.fail(f"no exit within 120 s of SIGINT; where it was:\n{_stuck_process_report(proc, run_dir)}")
     assert proc.returncode == 130, err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "stopped" and 0 < summary["steps"] < 100000
