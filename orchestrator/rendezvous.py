@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
 
+from jobspec.fields import first_line
 from orchestrator.errors import JobFailed, StoreFailed
 from orchestrator.store_process import START_TIMEOUT_S, StoreProcess, StoreProcessError, listening_store
 from workers.claims import CountingStore
@@ -134,8 +135,7 @@ class RendezvousStore:
             raise
         except RuntimeError as err:
             self.check_alive()
-            first_line = (str(err).strip().splitlines() or [""])[0]
-            raise StoreFailed(f"{self.name} failed {doing}: {type(err).__name__}: {first_line}") from err
+            raise StoreFailed(f"{self.name} failed {doing}: {type(err).__name__}: {first_line(err)}") from err
 
     def call(self, doing: str, operation: Callable[..., T], *args: Any, wait_s: float | None = None) -> T:
         """``operation(*args)``, the driver's own use of the store, within ``wait_s`` (default
