@@ -107,7 +107,7 @@ class PeerRecipe:
             group["lr"] = base_lr * self.schedule.factor(step, self.horizon)
         with autocast(self.device, self.job.precision):
             result = self.objective(model, batch, samples)
-        factor, weight = scale(result.weight)
+        factor, weight = scale(float(result.weight))
         loss = result.total * factor
         self.scaler.scale(loss).backward()
         return loss, weight

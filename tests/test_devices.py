@@ -17,7 +17,7 @@ from workers.chaos import ChaosSchedule
 from workers.comm_group import CommGroup, PendingOp
 from workers.communicator import pick_backend
 from workers.devices import choose_device, cuda_index, host_batch, worker_device
-from workers.objective import Objective
+from workers.objective import Objective, causal_lm, cross_entropy
 from workers.overlap import GradientReducer
 from workers.sampler import ShardSampler
 from workers.step import StepRunner
@@ -222,6 +222,21 @@ def test_a_step_reads_no_loss_per_piece_and_its_census_holds_the_loss_sum(monkey
         expected = (model(inputs[indices]) - targets[indices]).pow(2).sum()
     assert float(flat.extra[2 + LOSS_SLOT]) == pytest.approx(float(expected), rel=1e-6)
     assert work.total.samples == 8 and work.total.weight == 8.0
+
+
+def test_the_built_in_token_losses_keep_their_weight_on_the_device(monkeypatch):
+    """Counting the kept tokens on the host would sync every pass (the GPT recipe's loss)."""
+    monkeypatch.setattr(_SyncCounter, "reads", [])
+    torch.manual_seed(0)
+    classifier = torch.nn.Linear(4, 3)
+    inputs = torch.randn(5, 4).as_subclass(_SyncCounter)
+    labels = torch.tensor([0, 1, 2, -100, 1]).as_subclass(_SyncCounter)
+    tokens = torch.tensor([[1, 2, 3, 0], [2, 2, 1, 3]]).as_subclass(_SyncCounter)
+    lm = torch.nn.Embedding(4, 4)
+    classified, modelled = cross_entropy(classifier, (inputs, labels)), causal_lm(lm, tokens)
+    assert _SyncCounter.reads == []
+    assert float(classified.weight) == 4 and float(modelled.weight) == 2 * 3  # read here, once: counted after
+    assert classified.weight.dtype == modelled.weight.dtype == torch.float64
 
 
 # The bucket hand-off: the communication thread waits for the mark of the stream that wrote it.

@@ -329,7 +329,7 @@ class TrainWorker:
             shards_run=work.shards_run,
             shard_s=busy_s / work.shards_run if work.shards_run else 0.0,
             samples_per_s=work.total.samples / busy_s if busy_s > 0 else 0.0,
-            weight_per_s=work.total.weight / busy_s if busy_s > 0 else 0.0,
+            weight_per_s=float(work.total.weight) / busy_s if busy_s > 0 else 0.0,
             idle_s=work.idle_s,
             stalled_s=work.stalled_s,
             gave_up=work.gave_up,

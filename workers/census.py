@@ -30,9 +30,12 @@ def census_slots(num_shards: int) -> int:
 def write_census(extra: torch.Tensor, num_shards: int, committed: list[int], total: PassResult) -> None:
     """Write this rank's census (1 for each shard in ``committed``) and its ``total`` loss sum,
     sample count and weight into ``extra``, the buffer's slots in front of the gradient."""
-    extra[:num_shards] = 0.0
+    # Built on the host (pinned for a device) and copied without waiting: indexing a device
+    # tensor with a host list copies the index over synchronously, a host sync every step.
+    census = torch.zeros(num_shards, dtype=extra.dtype, pin_memory=extra.is_cuda)
     if committed:
-        extra[committed] = 1.0
+        census[committed] = 1.0
+    extra[:num_shards].copy_(census, non_blocking=True)
     extra[num_shards + LOSS_SLOT] = total.loss
     extra[num_shards + SAMPLES_SLOT] = total.samples
     extra[num_shards + WEIGHT_SLOT] = total.weight

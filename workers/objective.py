@@ -40,12 +40,14 @@ class ScalarLossError(ValueError):
 @dataclass(frozen=True)
 class BatchLoss:
     """A batch's loss: ``total`` (a scalar tensor to backpropagate), the ``weight`` it is
-    normalised by, and, for the built-in classification losses, a function counting how many
-    of the weighed predictions were ``correct`` (for eval accuracy; training never pays for
-    it)."""
+    normalised by (a number, or, for the built-in token losses, a float64 0-dim tensor on the
+    batch's device: counting kept tokens on the host would sync it with the device every
+    pass; ``float()`` it where a number is needed), and, for the built-in classification
+    losses, a function counting how many of the weighed predictions were ``correct`` (for eval
+    accuracy; training never pays for it)."""
 
     total: torch.Tensor
-    weight: float
+    weight: float | torch.Tensor
     correct: Callable[[], float] | None = None
 
 
@@ -89,7 +91,7 @@ def _token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_ind
     def correct() -> float:
         return float(((flat_logits.detach().argmax(dim=-1) == flat_targets) & kept).sum())
 
-    return BatchLoss(total, float(kept.sum()), correct)
+    return BatchLoss(total, kept.sum(dtype=torch.float64), correct)
 
 
 def cross_entropy(model: torch.nn.Module, batch: Any, ignore_index: int = IGNORE_INDEX) -> BatchLoss:

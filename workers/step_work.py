@@ -22,10 +22,11 @@ def _ready() -> bool:
 class PassResult:
     """A pass's loss sum, the weight normalising it and its sample count. The loss sum is a
     0-dim tensor on the worker's device once a pass ran (read after the step, from the
-    census: reading it per pass would sync the host with the device)."""
+    census: reading it per pass would sync the host with the device); so is the weight of the
+    built-in token losses (``BatchLoss.weight``)."""
 
     loss: float | torch.Tensor = 0.0
-    weight: float = 0.0
+    weight: float | torch.Tensor = 0.0
     samples: int = 0
 
     def __add__(self, other: "PassResult") -> "PassResult":

@@ -88,7 +88,7 @@ def evaluate_model(
                 result = objective(model, data, len(indices))
                 extra = metrics(model, data) if metrics is not None else {}
             loss_total += float(result.total)
-            weight += result.weight
+            weight += float(result.weight)
             has_accuracy = has_accuracy and result.correct is not None
             correct += result.correct() if result.correct is not None else 0.0
             if not isinstance(extra, Mapping):
