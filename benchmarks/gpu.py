@@ -22,6 +22,7 @@ it, so the bench cannot rot); figures from it mean nothing.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -33,7 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-#: Dense bf16 tensor-core peak FLOP/s by device-name fragment, first match wins (NVIDIA's data
+#: Dense bf16 tensor-core peak FLOP/s by device-name fragment (a whole model name: "L4" is not
+#: "L40"), first match wins (NVIDIA's data
 #: sheets; SXM figures unless the name says otherwise).
 PEAK_BF16: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756e12),
@@ -42,6 +44,7 @@ PEAK_BF16: tuple[tuple[str, float], ...] = (
     ("H200", 989e12),  # GH200 too
     ("A100", 312e12),
     ("L40S", 362e12),
+    ("L40", 181e12),
     ("L4", 121e12),
 )
 #: The ratio to the plain loop the bench is held to (ringleader's per-step overhead <= 3%).
@@ -98,7 +101,7 @@ def choose_size(device_bytes: int) -> GptSize:
 
 def peak_flops(device_name: str) -> float | None:
     """The dense bf16 peak of the device called ``device_name`` (torch's name for it), or None."""
-    return next((peak for fragment, peak in PEAK_BF16 if fragment in device_name), None)
+    return next((peak for fragment, peak in PEAK_BF16 if re.search(rf"{re.escape(fragment)}(?![0-9A-Za-z])", device_name)), None)
 
 
 def flops_per_token(num_params: int, size: GptSize) -> float:

@@ -15,7 +15,7 @@ from ringleader.cli import main
 @pytest.mark.parametrize(
     "name, peak",
     [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
-     ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12), ("Tesla T4", None)],
+     ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12), ("NVIDIA L40", 181e12), ("Tesla T4", None)],
 )
 def test_the_peak_is_looked_up_by_device_name(name, peak):
     assert gpu.peak_flops(name) == peak
