@@ -159,14 +159,25 @@ def test_step_timeout_fails_instead_of_hanging(tmp_path):
     assert result.summary["wall_s"] < 30
 
 
+def _signal_state(pid: int) -> str:
+    """The ignored, blocked and caught signal masks of process ``pid`` (Linux), or why not."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError as err:
+        return f"unreadable ({err})"
+    return " ".join(line.replace("\t", "") for line in status if line.startswith(("SigIgn", "SigBlk", "SigCgt")))
+
+
 def _stuck_process_report(proc, run_dir: Path) -> str:
     """What a run that will not stop was doing: its threads' stacks (py-spy, Ray's dependency,
     where the machine allows it, and faulthandler's on SIGABRT), its last events and whether it
     wrote its summary. The process is killed: never left running."""
+    import os
     import signal
     import subprocess
     import sys
 
+    signal_state = _signal_state(proc.pid)
     spy = Path(sys.executable).parent / "py-spy"
     stacks = "py-spy: not installed"
     if spy.exists():
@@ -181,6 +192,7 @@ def _stuck_process_report(proc, run_dir: Path) -> str:
     events = run_dir / "events.jsonl"
     last = events.read_text().splitlines()[-8:] if events.exists() else []
     return "\n".join([
+        f"its signal masks: {signal_state}", f"this process's: {_signal_state(os.getpid())}",
         f"summary.json written: {(run_dir / 'summary.json').exists()}", "last events:", *last,
         "py-spy:", stacks, "stderr (faulthandler) ends:", err[-8000:],
     ])
@@ -198,12 +210,21 @@ def test_ctrl_c_stops_cleanly_and_releases_actors(tmp_path):
     import ray
 
     run_dir = tmp_path / "interrupted"
+    command = [
+        sys.executable, "-m", "ringleader", "run", "--no-progress", "--workers", "2",
+        "--address", ray.get_runtime_context().gcs_address, "--run-dir", str(run_dir),
+        "--set", "steps=100000", "--set", "eval=null",
+    ]
+    # Ctrl-C reaches a foreground process whose SIGINT is at its default. A process inherits an
+    # ignored or blocked SIGINT across exec (a background job of a non-interactive shell ignores
+    # it), and Python then keeps it ignored: started so, the run would rightly never see it. So
+    # the run starts from the default, whatever this test process was started with.
+    at_default = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); os.execv(sys.executable, sys.argv[1:])"
+    )
     proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "ringleader", "run", "--no-progress", "--workers", "2",
-            "--address", ray.get_runtime_context().gcs_address, "--run-dir", str(run_dir),
-            "--set", "steps=100000", "--set", "eval=null",
-        ],
+        [sys.executable, "-c", at_default, *command],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONFAULTHANDLER="1"),  # SIGABRT then prints every thread's stack
     )
