@@ -1,6 +1,7 @@
 """A worker's device without a GPU: which CUDA device the GPU Ray assigned is, the backend and
 the jobs refused for it, pinned batches for a GPU, no host sync per forward piece, and the
-bucket hand-off to the communication thread ordered by stream marks (a fake of CUDA events)."""
+bucket hand-off to the communication thread ordered by stream marks (a fake of CUDA events),
+and the worker's device current on every thread that touches CUDA (a fake of CUDA's)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from workers.chaos import ChaosSchedule
 from workers.comm_group import CommGroup, PendingOp
 from workers.communicator import pick_backend
 from workers.compression import CastCompressed
-from workers.devices import choose_device, cuda_index, host_batch, worker_device
+from workers.devices import choose_device, cuda_index, host_batch, inherit_device, worker_device
 from workers.objective import Objective, causal_lm, cross_entropy
 from workers.overlap import GradientReducer
+from workers.prefetch import BatchPrefetch
 from workers.sampler import ShardSampler
 from workers.step import StepRunner
 from workers.training import FlatParameters
@@ -371,3 +373,46 @@ def test_on_the_cpu_nothing_is_handed_over_but_the_sums():
     reducer.finish()
     group.close()
     assert [kind for kind, _, _ in log] == ["read"] * len(reducer.buckets)
+
+
+# The worker's device on every thread that touches CUDA.
+
+
+def _fake_cuda(monkeypatch, current: int) -> list[tuple[str, object]]:
+    """CUDA initialized with device ``current`` current, ``set_device`` recorded (thread, device)."""
+    chosen: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: chosen.append((threading.current_thread().name, device)))
+    return chosen
+
+
+def test_our_threads_start_with_the_device_current_where_they_were_made(monkeypatch):
+    chosen = _fake_cuda(monkeypatch, current=1)
+    prefetch = BatchPrefetch(lambda indices: indices * 2)
+    prefetch.start(np.arange(3))
+    assert prefetch.wait(lambda: False)
+    assert list(prefetch.take(np.arange(3))) == [0, 2, 4]
+    assert chosen and all(thread.startswith("ringleader-fetch") and device == 1 for thread, device in chosen)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a CPU worker
+    inherit_device()()
+    assert len(chosen) == 1
+
+
+def test_every_compute_method_of_the_worker_runs_with_its_device_current(monkeypatch):
+    from workers.actor import TrainWorker
+
+    chosen = _fake_cuda(monkeypatch, current=0)
+
+    class Worker:
+        device = torch.device("cuda", 1)
+        leave_group = vars(TrainWorker)["leave_group"]
+        link = type("NoGroup", (), {"leave": lambda self: None})()
+
+    thread = threading.Thread(target=Worker().leave_group, name="ray-compute")  # as one of Ray's group threads
+    thread.start()
+    thread.join(timeout=10)
+    assert chosen == [("ray-compute", torch.device("cuda", 1))]
+    compute = [name for name, f in vars(TrainWorker).items() if getattr(f, "__ray_concurrency_group__", None) == "compute"]
+    assert {"join_group", "train_step", "train_steps", "snapshot", "restore", "model_state"} <= set(compute)
+    assert all(hasattr(vars(TrainWorker)[name], "__wrapped__") for name in compute)  # each through on_worker_device
