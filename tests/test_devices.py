@@ -1,6 +1,7 @@
 """A worker's device without a GPU: which CUDA device the GPU Ray assigned is, the backend and
 the jobs refused for it, pinned batches for a GPU, no host sync per forward piece, and the
-bucket hand-off to the communication thread ordered by stream marks (a fake of CUDA events)."""
+bucket hand-off to the communication thread ordered by stream marks (a fake of CUDA events),
+and the worker's device current on every thread that touches CUDA (a fake of CUDA's)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from workers.census import LOSS_SLOT, census_slots
 from workers.chaos import ChaosSchedule
 from workers.comm_group import CommGroup, PendingOp
 from workers.communicator import pick_backend
-from workers.devices import choose_device, cuda_index, host_batch, worker_device
+from workers.compression import CastCompressed
+from workers.devices import choose_device, cuda_index, host_batch, inherit_device, worker_device
 from workers.objective import Objective, causal_lm, cross_entropy
 from workers.overlap import GradientReducer
+from workers.prefetch import BatchPrefetch
 from workers.sampler import ShardSampler
 from workers.step import StepRunner
 from workers.training import FlatParameters
@@ -239,36 +242,65 @@ def test_the_built_in_token_losses_keep_their_weight_on_the_device(monkeypatch):
     assert classified.weight.dtype == modelled.weight.dtype == torch.float64
 
 
-# The bucket hand-off: the communication thread waits for the mark of the stream that wrote it.
+# The bucket hand-off: the communication thread waits for the marks of the streams that wrote it.
 
 
-class _FakeMarks:
-    """``StreamMarks`` as a log: the thread each record and wait ran on, in order."""
+class _FakeStreams:
+    """``StreamMarks`` over fake streams whose writes land only when someone waits for them.
 
-    def __init__(self, log: list[tuple[str, int, str]]) -> None:
-        self.log = log
-        self.count = 0
+    A parameter's gradient is "written on stream s" by ``write_later`` (run in a hook before the
+    reducer's): its values are taken out of the buffer and queued on s, as a kernel queued
+    there but not run yet. ``record`` marks what is queued on the ``current`` stream (as a CUDA
+    event does); ``wait`` lands what a mark covers. Whatever reads a bucket before waiting for
+    the marks of every stream that wrote it reads zeros where those writes belong."""
+
+    def __init__(self) -> None:
+        self.current = "main"
+        self._queued: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._covered: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.recorded: list[tuple[int, str]] = []  # (mark, stream)
+        self.log: list[tuple[str, int, str]] = []  # (what, mark or bucket offset, thread)
+
+    def write_later(self, stream: str, grad: torch.Tensor) -> None:
+        self.current = stream
+        self._queued.setdefault(stream, []).append((grad, grad.clone()))
+        grad.zero_()
+
+    def end_backward(self) -> None:
+        """What autograd does as backward returns: the calling stream waits for every other."""
+        self.current = "main"
+        for stream in list(self._queued):
+            self._queued.setdefault("main", []).extend(self._queued.pop(stream))
 
     def record(self) -> int:
-        self.count += 1
-        self.log.append(("record", self.count, threading.current_thread().name))
-        return self.count
+        mark = len(self.recorded) + 1
+        self.recorded.append((mark, self.current))
+        self._covered[mark] = self._queued.pop(self.current, [])
+        self.log.append(("record", mark, threading.current_thread().name))
+        return mark
 
     def wait(self, mark: object) -> None:
         assert isinstance(mark, int)
+        for grad, values in self._covered.pop(mark):
+            grad.copy_(values)
         self.log.append(("wait", mark, threading.current_thread().name))
 
 
 class _ReadingComm:
-    """A communicator whose sum reads its bucket on the group's communication thread."""
+    """A communicator that, on the group's communication thread, logs that it read its tensor
+    and keeps what it read."""
 
     def __init__(self, group: CommGroup, log: list[tuple[str, int, str]]) -> None:
         self.group = group
         self.log = log
+        self.read: list[torch.Tensor] = []
 
     def start_sum(self, tensor: torch.Tensor) -> PendingOp:
-        offset = tensor.storage_offset()
-        return self.group.submit(lambda: self.log.append(("read", offset, threading.current_thread().name)), "read")
+        def read() -> None:
+            self.read.append(tensor.clone())
+            self.log.append(("read", len(self.read), threading.current_thread().name))
+
+        return self.group.submit(read, "read")
 
 
 class _Net(torch.nn.Module):
@@ -282,30 +314,54 @@ class _Net(torch.nn.Module):
         return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
 
 
+def _gradient(net: torch.nn.Module, flat: FlatParameters) -> torch.Tensor:
+    flat.zero()
+    torch.manual_seed(1)
+    net(torch.randn(3, 6)).pow(2).sum().backward()
+    return flat.buffer.clone()
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16"])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_each_bucket_is_read_only_after_the_comm_thread_waited_for_its_mark(overlap):
-    log: list[tuple[str, int, str]] = []
-    group = CommGroup(None, 0, 1, 10.0, threading.Event())  # type: ignore[arg-type]  # only its thread is used
+def test_each_bucket_is_read_only_after_the_marks_of_every_stream_that_wrote_it(overlap, compression):
+    """Parameters' gradients written on two streams (alternately): a bucket holding both waits
+    for both streams' marks before anything reads it, the bf16 cast included."""
     torch.manual_seed(0)
     net = _Net()
     flat = FlatParameters(net.parameters(), extra=2)
-    exact = _ReadingComm(group, log)
-    reducer = GradientReducer(flat, exact, 400, overlap, extra_comm=_ReadingComm(group, log), group=group, marks=_FakeMarks(log))
-    assert len(reducer.buckets) > 3
+    want = _gradient(net, flat)
+    streams = _FakeStreams()
+    for index, param in enumerate(flat.params):  # registered before the reducer's hooks: they run first
+        param.register_post_accumulate_grad_hook(lambda p, s=f"s{index % 2}": streams.write_later(s, p.grad))
+    group = CommGroup(None, 0, 1, 10.0, threading.Event())  # type: ignore[arg-type]  # only its thread is used
+    exact = _ReadingComm(group, streams.log)
+    comm = exact if compression == "none" else CastCompressed(exact, torch.bfloat16, group)
+    # Buckets of 300 elements: c's and b.bias together, b.weight alone, a's together.
+    reducer = GradientReducer(flat, comm, 1200, overlap, extra_comm=exact, group=group, marks=streams)
+    assert [b.params for b in reducer.buckets] == [(5, 4, 3), (2,), (1, 0)]
+    flat.zero()
     reducer.arm()
+    torch.manual_seed(1)
     net(torch.randn(3, 6)).pow(2).sum().backward()
+    streams.end_backward()
     reducer.finish()
     group.close()
+    rounded = want if compression == "none" else want.bfloat16()
+    read = [rounded[b.start : b.end] for b in reducer.buckets] + [want[:2]]  # the extra slots last, exactly
+    assert len(exact.read) == len(read)
+    for got, expected in zip(exact.read, read):
+        assert torch.equal(got, expected)
     me = threading.current_thread().name
-    records = [(mark, thread) for kind, mark, thread in log if kind == "record"]
-    assert records == [(n, me) for n in range(1, len(reducer.buckets) + 2)]  # every bucket, then the bookkeeping
-    comm = [entry for entry in log if entry[0] != "record"]
-    assert all(thread.startswith("ringleader-comm") for _, _, thread in comm)
-    starts = [b.start for b in reducer.buckets] + [0]  # the extra slots (at offset 0) go last
-    # On the communication thread: the wait for bucket i's mark, then bucket i's read; in launch order.
-    assert [(kind, value) for kind, value, _ in comm] == [e for n, s in enumerate(starts, 1) for e in (("wait", n), ("read", s))]
-    for n in range(1, len(starts) + 1):  # recorded (on the compute thread) before it was waited for
-        assert log.index(("record", n, me)) < log.index(comm[2 * (n - 1)])
+    assert all(thread == me for kind, _, thread in streams.log if kind == "record")
+    assert all(thread.startswith("ringleader-comm") for kind, _, thread in streams.log if kind != "record")
+    first_read = streams.log.index(next(e for e in streams.log if e[0] == "read"))
+    waited = {mark for kind, mark, _ in streams.log[:first_read] if kind == "wait"}
+    if overlap:  # the first bucket's parameters wrote on both streams, and it waited for both
+        assert {stream for mark, stream in streams.recorded if mark in waited} == {"s0", "s1"}
+        assert len(streams.recorded) == len(flat.params) + 1  # a mark per parameter, one in finish
+    else:  # launched after backward: marked on the stream backward returned to
+        assert waited and all(stream == "main" for _, stream in streams.recorded)
+    torch.testing.assert_close(flat.buffer, want if compression == "none" else want.bfloat16().float(), rtol=0, atol=0)
 
 
 def test_on_the_cpu_nothing_is_handed_over_but_the_sums():
@@ -317,3 +373,46 @@ def test_on_the_cpu_nothing_is_handed_over_but_the_sums():
     reducer.finish()
     group.close()
     assert [kind for kind, _, _ in log] == ["read"] * len(reducer.buckets)
+
+
+# The worker's device on every thread that touches CUDA.
+
+
+def _fake_cuda(monkeypatch, current: int) -> list[tuple[str, object]]:
+    """CUDA initialized with device ``current`` current, ``set_device`` recorded (thread, device)."""
+    chosen: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: chosen.append((threading.current_thread().name, device)))
+    return chosen
+
+
+def test_our_threads_start_with_the_device_current_where_they_were_made(monkeypatch):
+    chosen = _fake_cuda(monkeypatch, current=1)
+    prefetch = BatchPrefetch(lambda indices: indices * 2)
+    prefetch.start(np.arange(3))
+    assert prefetch.wait(lambda: False)
+    assert list(prefetch.take(np.arange(3))) == [0, 2, 4]
+    assert chosen and all(thread.startswith("ringleader-fetch") and device == 1 for thread, device in chosen)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a CPU worker
+    inherit_device()()
+    assert len(chosen) == 1
+
+
+def test_every_compute_method_of_the_worker_runs_with_its_device_current(monkeypatch):
+    from workers.actor import TrainWorker
+
+    chosen = _fake_cuda(monkeypatch, current=0)
+
+    class Worker:
+        device = torch.device("cuda", 1)
+        leave_group = vars(TrainWorker)["leave_group"]
+        link = type("NoGroup", (), {"leave": lambda self: None})()
+
+    thread = threading.Thread(target=Worker().leave_group, name="ray-compute")  # as one of Ray's group threads
+    thread.start()
+    thread.join(timeout=10)
+    assert chosen == [("ray-compute", torch.device("cuda", 1))]
+    compute = [name for name, f in vars(TrainWorker).items() if getattr(f, "__ray_concurrency_group__", None) == "compute"]
+    assert {"join_group", "train_step", "train_steps", "snapshot", "restore", "model_state"} <= set(compute)
+    assert all(hasattr(vars(TrainWorker)[name], "__wrapped__") for name in compute)  # each through on_worker_device

@@ -1,7 +1,7 @@
 """The GPU suite's worker parts, without Ray (the lent GPU machine has none): a process group of
 one rank on the device (NCCL on CUDA: it forms, runs every algorithm and compression, is
 aborted and forms again, leaving no thread behind), a gradient reduced bucket by bucket during
-a real backward, checkpoints written on one device and restored on another, the fused
+a real backward whose branches run on streams of their own, checkpoints written on one device and restored on another, the fused
 optimizer, the fp16 loss scaler and forward seeding on the device.
 
 Every test runs on ``cpu`` (CI: the logic) and ``cuda`` (``pytest -m gpu``: skipped, saying
@@ -28,10 +28,12 @@ from tests.helpers.devices import DEVICES
 from workers.chaos import ChaosSchedule
 from workers.checkpoint_manifest import verify_checkpoint, write_manifest
 from workers.checkpoint_storage import CheckpointStorage
-from workers.compression import TopKAllReduce
+from workers.comm_group import CommGroup, PendingOp
+from workers.compression import CastCompressed, TopKAllReduce
 from workers.generic_optimizer import decay_groups, make_optimizer
 from workers.group_link import GroupLink
 from workers.loss_scaler import LossScaler
+from workers.overlap import GradientReducer
 from workers.replica_checkpoint import CheckpointWriter, restore_state
 from workers.seeding import seed_forward
 from workers.training import FlatParameters, finish_gradient
@@ -49,6 +51,8 @@ COLLECTIVES = [
 ]
 THREAD_PREFIXES = ("ringleader-comm", "ringleader-abortable")
 THREADS_GONE_S = 10.0
+# About 10 ms of a GPU's clock: far longer than the branches' backward itself.
+SLOW_CYCLES = 20_000_000
 
 
 @dataclass
@@ -150,28 +154,95 @@ def test_a_group_of_one_forms_runs_every_algorithm_is_aborted_and_forms_again(de
     assert _ringleader_threads() == before  # no formation or abort left a thread behind
 
 
+class _Slowed(torch.autograd.Function):
+    """The identity, whose backward (on CUDA) holds its stream for ``SLOW_CYCLES`` first: the
+    gradients computed after it on that stream land late."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        if grad.is_cuda:
+            torch.cuda._sleep(SLOW_CYCLES)
+        return grad
+
+
+class _Branches(torch.nn.Module):
+    """Two branches summed into a head; on CUDA each branch runs on a stream of its own, as a
+    model may, and ``slowed``'s backward lands late on its stream. On the CPU, one after the
+    other."""
+
+    def __init__(self, device: torch.device, slowed: str) -> None:
+        super().__init__()
+        self.a, self.b, self.head = torch.nn.Linear(16, 64), torch.nn.Linear(16, 64), torch.nn.Linear(64, 4)
+        self.slowed = slowed
+        self.streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)] if device.type == "cuda" else None
+        self.to(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        branches = [(self.a, "a"), (self.b, "b")]
+        if self.streams is None:
+            outs = [_Slowed.apply(layer(x)) if name == self.slowed else layer(x) for layer, name in branches]
+            return self.head(outs[0] + outs[1])
+        main, outs = torch.cuda.current_stream(x.device), []
+        for (layer, name), stream in zip(branches, self.streams):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                out = layer(x)
+                outs.append(_Slowed.apply(out) if name == self.slowed else out)
+        for stream in self.streams:
+            main.wait_stream(stream)
+        return self.head(outs[0] + outs[1])
+
+
+class _Doubling:
+    """A communicator whose result depends on what it read: it doubles its tensor on the
+    group's communication thread (on that thread's stream). A bucket read before its
+    gradient landed ends up not doubled (or half of it)."""
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group = group
+
+    def start_sum(self, tensor: torch.Tensor) -> PendingOp:
+        return self.group.submit(lambda: tensor.mul_(2), "doubling")
+
+
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slowed", ["a", "b"])
+@pytest.mark.parametrize("compression", ["none", "bf16"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after-backward"])
-def test_buckets_reduced_during_a_real_backward_hold_its_gradient(device, overlap):
-    """The reducer's hand-off on the device: buckets launched from the gradient hooks while
-    backward still runs must read each bucket's finished gradient (on CUDA: ordered by the
-    stream that produced it, not by luck)."""
+def test_buckets_reduced_during_a_real_backward_hold_its_gradient(device, slowed, compression, overlap):
+    """The reducer's hand-off on the device: a bucket holding both branches' parameters goes
+    out from the hook of whichever is ready last, while (CUDA) the slowed branch's stream may
+    still be writing its gradient; the communication thread must read it only after every
+    stream that wrote it (and bf16's cast must come after that too). Either branch is slowed
+    in turn, so the one not covered by the last hook's stream is slowed in one of them."""
     device = torch.device(device)
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-    replica = DeviceReplica(device)
-    replica.flat.zero()
-    replica.backward(0)
-    want = replica.flat.grads.clone()
-    # Small buckets: several go out during backward.
-    link = GroupLink(CollectiveConfig(algorithm="native", overlap=overlap, bucket_mb=0.001), 30.0, threading.Event())
-    _join(link, store.port, 1, replica)
-    assert link.reducer is not None and len(link.reducer.buckets) > 2
-    replica.flat.zero()
-    link.reducer.arm()
-    replica.backward(0)
-    link.reducer.finish()
-    link.leave()
-    assert torch.equal(replica.flat.grads, want)
+    torch.manual_seed(0)
+    model = _Branches(device, slowed)
+    flat = FlatParameters(model.parameters(), extra=2)
+    batch = torch.randn(32, 16, generator=torch.Generator().manual_seed(100)).to(device)
+
+    def backward() -> None:
+        flat.zero()
+        flat.extra[0] = 1.0
+        model(batch).square().mean().backward()
+
+    backward()
+    want = flat.buffer.clone()
+    group = CommGroup(None, 0, 1, 30.0, threading.Event())  # type: ignore[arg-type]  # only its thread is used
+    doubling = _Doubling(group)
+    comm = doubling if compression == "none" else CastCompressed(doubling, torch.bfloat16, group)
+    reducer = GradientReducer(flat, comm, 1 << 20, overlap, extra_comm=doubling, group=group)
+    assert len(reducer.buckets) == 1 and (reducer.marks is None) == (device.type == "cpu")  # one bucket: both branches
+    reducer.arm()
+    backward()
+    reducer.finish()
+    group.close()
+    grads = want[2:] if compression == "none" else want[2:].bfloat16().float()  # doubling is exact in bf16
+    torch.testing.assert_close(flat.buffer, torch.cat([2 * want[:2], 2 * grads]), rtol=0, atol=0)
 
 
 def _write_checkpoint(root: str, source: DeviceReplica) -> CheckpointStorage:

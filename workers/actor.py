@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch
@@ -44,7 +44,7 @@ from workers.checkpoint_storage import CheckpointStorage
 from workers.checkpointing import load_residuals
 from workers.claims import ShardClaims
 from workers.communicator import pick_backend
-from workers.devices import worker_device
+from workers.devices import on_worker_device, worker_device
 from workers.generic_optimizer import make_optimizer
 from workers.group_link import GroupLink
 from workers.loss_scaler import LossScaler
@@ -61,6 +61,12 @@ from workers.training import FlatParameters, autocast, evaluate_job, fetch_batch
 IMPORTED_AT = time.time()
 # Reports kept for recovery: more than the steps the driver keeps in flight (two batches).
 KEPT_REPORTS = 64
+
+
+def compute_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A method of the ``compute`` group, run with the worker's device current on Ray's thread
+    for it (``devices.on_worker_device``): every method that touches CUDA is one."""
+    return ray.method(concurrency_group="compute")(on_worker_device(method))
 
 
 def process_started_at() -> float | None:
@@ -85,7 +91,7 @@ class TrainWorker:
         self.job = job
         self.worker_id = worker_id
         # The GPU Ray assigned (cuda:0 here, as Ray narrows CUDA_VISIBLE_DEVICES to it), made
-        # current before any CUDA or NCCL work (workers/devices.py).
+        # current on this thread before any CUDA work; compute methods make it current on theirs.
         self.device = worker_device(ray.get_gpu_ids() if ray.is_initialized() else [])
         pick_backend(self.device, job.collective.backend)  # nccl without CUDA fails here, not at the first join
         torch.manual_seed(job.seed)
@@ -160,7 +166,7 @@ class TrainWorker:
             built_at=self._built_at,
         )
 
-    @ray.method(concurrency_group="compute")
+    @compute_method
     def join_group(self, request: JoinRequest) -> Joined:
         """Form generation ``request.generation``'s process group through the driver's TCPStore,
         then take rank 0's training state: parameters, optimizer state and step. An abort for
@@ -210,12 +216,12 @@ class TrainWorker:
         if generation >= self.generation:
             self.abort_flag.set()
 
-    @ray.method(concurrency_group="compute")
+    @compute_method
     def leave_group(self) -> None:
         """Close this worker's comm group and reducer (``GroupLink.leave``)."""
         self.link.leave()
 
-    @ray.method(concurrency_group="compute")
+    @compute_method
     def train_steps(self, first: int, plans: list[StepPlan]) -> list[StepTelemetry]:
         """Run steps ``first``, ``first + 1``... with ``plans[i]`` for step ``first + i`` (the
         driver's run-ahead: one call for several steps while its plan holds); returns their
@@ -229,7 +235,7 @@ class TrainWorker:
         of the last ``KEPT_REPORTS``."""
         return [r for r in list(self._kept) if first <= r.step < end]
 
-    @ray.method(concurrency_group="compute")
+    @compute_method
     def train_step(self, step: int, plan: StepPlan) -> StepTelemetry:
         """Compute this rank's share of the step's gradient, all-reduce it, take the optimizer step.
 
@@ -346,7 +352,7 @@ class TrainWorker:
         self._kept.append(report)
         return report
 
-    @ray.method(concurrency_group="compute")
+    @compute_method
     def snapshot(self, request: SnapshotRequest) -> float:
         """Copy part ``request.index`` of ``request.count`` of the state after ``request.step``
         steps to memory and start writing it in the background (see ``checkpoint_written``).
@@ -372,7 +378,7 @@ class TrainWorker:
         TimeoutError."""
         return self.checkpoints.written(name, tag, timeout_s)
 
-    @ray.method(concurrency_group="compute")
+    @compute_method
     def restore(self, root: str, name: str, manifest: dict[str, Any], rank: int, state: bool) -> None:
         """Take checkpoint ``name`` (already verified against ``manifest``): the training state
         if ``state`` (one worker loads it; the others take it from it when the group forms),
@@ -384,13 +390,13 @@ class TrainWorker:
         if state:
             restore_state(self, storage, name, manifest)
 
-    @ray.method(concurrency_group="compute")
+    @compute_method
     def evaluate(self) -> dict[str, float]:
         """The loss on the eval dataset (its loss sum over its weight), accuracy (built-in
         cross_entropy and causal_lm) and ``eval.metrics``; {} without an eval dataset."""
         return evaluate_job(self.model, self.job, self.objective)
 
-    @ray.method(concurrency_group="compute")
+    @compute_method
     def model_state(self) -> dict[str, torch.Tensor]:
         """The replica's parameters and buffers, on the CPU."""
         # Copies: the parameters are views into one flat buffer, which must not travel whole.

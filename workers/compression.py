@@ -16,7 +16,6 @@ never goes through them: the reducer sums it separately, exactly.
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 
@@ -30,31 +29,48 @@ OWN_TRANSPORT = ("int8", "topk")
 INT8_BLOCK = 256
 
 
-class _Then:
-    """A pending sum followed by a step on the caller's thread once it is done."""
+class _InOrder:
+    """Operations queued one after another on a group's thread, as one pending sum: done once
+    all are, and ``wait`` raises the first one's error (the sum's, not the write-back's)."""
 
-    def __init__(self, pending: PendingReduce, then: Callable[[], None]) -> None:
-        self._pending = pending
-        self._then = then
+    def __init__(self, *ops: PendingReduce) -> None:
+        self._ops = ops
 
     def done(self) -> bool:
-        return self._pending.done()
+        return all(op.done() for op in self._ops)
 
     def wait(self) -> None:
-        self._pending.wait()
-        self._then()
+        for op in self._ops:
+            op.wait()
 
 
 class CastCompressed:
-    """Sums through ``inner`` in ``dtype`` (bf16 or fp16), then writes back in full precision."""
+    """Sums through ``inner`` in ``dtype`` (bf16 or fp16), then writes back in full precision.
 
-    def __init__(self, inner: Communicator, dtype: torch.dtype) -> None:
+    The cast and the write-back run on ``group``'s communication thread (``inner`` must run
+    there too), queued around the sum: a bucket handed over by the gradient reducer is read
+    only after the thread's stream waited for the streams that wrote it (``workers/overlap.py``),
+    and the cast must come after that wait, not before it on the caller's thread."""
+
+    def __init__(self, inner: Communicator, dtype: torch.dtype, group: CommGroup) -> None:
         self.inner = inner
         self.dtype = dtype
+        self.group = group
 
     def start_sum(self, tensor: torch.Tensor) -> PendingReduce:
-        low = tensor.to(self.dtype)
-        return _Then(self.inner.start_sum(low), lambda: tensor.copy_(low))
+        # Allocated here, written only on the communication thread: the sum takes the tensor now.
+        low = torch.empty(tensor.shape, dtype=self.dtype, device=tensor.device)
+
+        def cast() -> None:
+            if low.is_cuda:
+                # Allocated on the caller's stream, used on this thread's: its memory must not
+                # go back to the caller's stream before this thread's work with it is done.
+                low.record_stream(torch.cuda.current_stream(low.device))
+            low.copy_(tensor)
+
+        casting = self.group.submit(cast, f"{self.dtype} cast")
+        summing = self.inner.start_sum(low)
+        return _InOrder(casting, summing, self.group.submit(lambda: tensor.copy_(low), "write-back"))
 
 
 def quantize_int8(values: torch.Tensor, block: int = INT8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +188,7 @@ def compress(
     if compression == "none":
         return inner
     if compression in ("bf16", "fp16"):
-        return CastCompressed(inner, torch.bfloat16 if compression == "bf16" else torch.float16)
+        return CastCompressed(inner, torch.bfloat16 if compression == "bf16" else torch.float16, group)
     if compression == "int8":
         return Int8RingAllReduce(group)
     if compression == "topk":

@@ -13,6 +13,16 @@ node numbers them), the id itself. One rule covers both (``cuda_index``): the id
 this process's ``CUDA_VISIBLE_DEVICES``, else the id. Workers sharing a GPU (a fraction of one,
 over gloo) get the same id, so the same device.
 
+**On every thread.** The current CUDA device is a thread's own, and every thread starts at
+device 0: making the worker's current once, in the actor's constructor, would leave ``cuda:0``
+current on the threads Ray runs the actor's methods on (one per concurrency group) and on our
+own (communication, formation, prefetch), where allocations without an explicit device,
+pinned memory and NCCL's setup would land on device 0, another worker's GPU, whenever the
+worker's index is not 0 (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``). So the actor's
+methods that touch CUDA make it current as they start (``on_worker_device``), and our
+executors make it current on each of their threads (``inherit_device``: the device current
+where the executor is made, which is one of those methods or the constructor).
+
 **Batches.** For a CUDA device a batch is pinned where it is read (on the prefetch thread for a
 step's first piece), so its ``non_blocking`` copy to the device is truly asynchronous and
 overlaps with compute; a copy from pageable memory is staged through the driver and may hold
@@ -22,15 +32,18 @@ the host until the stream catches up.
 backward ran that parameter's ops on (a model may use streams of its own), while collectives run
 on the communication thread's stream: relying on both being CUDA's legacy default stream is
 luck. ``StreamMarks`` orders them: the compute thread records a mark (a CUDA event) on its
-current stream when it hands a bucket over, and the communication thread makes its own stream
-wait on that mark before it reads the bucket. On the CPU there is nothing to order (no marks).
+current stream in each parameter's gradient hook (the stream that accumulated that gradient),
+and before it reads a bucket the communication thread makes its own stream wait on the marks
+of all of the bucket's parameters (``workers/overlap.py``). On the CPU there is nothing to order
+(no marks).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -84,15 +97,49 @@ def choose_device(gpu_ids: Sequence[int | str], visible: str | None, cuda_availa
 
 def worker_device(gpu_ids: Sequence[int | str]) -> torch.device:
     """``choose_device`` for this process (its ``CUDA_VISIBLE_DEVICES`` and CUDA), made the
-    current CUDA device so that NCCL, CUDA events and every allocation without an explicit
-    device use it. ``gpu_ids``: ``ray.get_gpu_ids()`` in an actor, [] elsewhere."""
+    current CUDA device of the calling thread (the actor's constructor: the model, the
+    optimizer and the loss scaler are made there). ``gpu_ids``: ``ray.get_gpu_ids()`` in an
+    actor, [] elsewhere."""
     available = torch.cuda.is_available()
     device = choose_device(
         gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"), available, torch.cuda.device_count() if available else 0
     )
+    make_current(device)
+    return device
+
+
+def make_current(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (nothing for another device)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return device
+
+
+def inherit_device() -> Callable[[], None]:
+    """An executor's ``initializer``: makes the CUDA device current on the calling thread (the
+    one making the executor) current on each of the executor's threads; does nothing where
+    this process has not initialized CUDA (a CPU worker never does)."""
+    if not torch.cuda.is_initialized():
+        return _on_the_cpu
+    return functools.partial(torch.cuda.set_device, torch.cuda.current_device())
+
+
+def _on_the_cpu() -> None:
+    """``inherit_device``'s initializer without CUDA: nothing to make current."""
+
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def on_worker_device(method: Method) -> Method:
+    """Decorates an actor method that touches CUDA: its ``self.device`` is made current on the
+    thread Ray runs it on (one per concurrency group, each started at device 0) first."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        make_current(self.device)
+        return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -11,10 +11,15 @@ whose backward skipped some parameters, launches the rest in ``finish`` in that 
 
 A bucket is launched from the compute thread (in a gradient hook, or in ``finish``) and read on
 the communication thread. On a GPU its gradients may still be being written when it is
-launched, on the stream backward ran that parameter's ops on: every launch records a mark (a
-CUDA event) on the compute thread's current stream, and queues, right before the bucket's
-collective, a step on the communication thread that makes that thread's stream wait for it
-(``workers/devices.py``, ``StreamMarks``). On the CPU there are no marks.
+launched, on the streams backward ran its parameters' ops on (a model may use streams of its
+own, one per branch): every parameter's hook records a mark (a CUDA event) on its current
+stream, the stream that accumulated that parameter's gradient, and a bucket's launch queues,
+right before its collective, a step on the communication thread that makes that thread's
+stream wait for all of its parameters' marks (``workers/devices.py``, ``StreamMarks``). What
+``finish`` launches waits for one mark it records on its own thread's stream: backward has
+returned, and autograd ordered that stream after every stream that wrote a gradient. All that
+reads or rewrites a bucket (a compression's cast too) runs on the communication thread after
+that wait. On the CPU there are no marks, and nothing is recorded.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ class GradientReducer:
     communication.
 
     ``group`` is the process group ``comm`` runs on: each bucket's hand-off (the wait on its
-    mark) is queued on its communication thread. ``marks``: how the hand-off is ordered,
+    marks) is queued on its communication thread. ``marks``: how the hand-off is ordered,
     by default ``stream_marks`` of the buffer's device (CUDA events on a GPU, none on the CPU).
     """
 
@@ -109,6 +114,8 @@ class GradientReducer:
         )
         self._bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         self._missing: list[int] = []
+        # Per bucket, the marks its parameters' hooks recorded this backward (GPU only).
+        self._marks: list[list[object]] = []
         self._pending: list[PendingReduce] = []
         self._armed = False
         self._hooks = (
@@ -128,6 +135,8 @@ class GradientReducer:
         def on_ready(_: torch.Tensor) -> None:
             if self._armed:
                 bucket = self._bucket_of[index]
+                if self.marks is not None:  # this hook runs on the stream that accumulated the gradient
+                    self._marks[bucket].append(self.marks.record())
                 self._missing[bucket] -= 1
                 self._launch_ready()
 
@@ -135,27 +144,36 @@ class GradientReducer:
 
     def _launch_ready(self) -> None:
         while len(self._pending) < len(self.buckets) and self._missing[len(self._pending)] == 0:
-            self._launch(len(self._pending))
+            index = len(self._pending)
+            self._launch(index, self._marks[index])
 
-    def _launch(self, index: int) -> None:
+    def _launch(self, index: int, marks: list[object]) -> None:
         bucket = self.buckets[index]
-        self._pending.append(self._start(self.comm, self.grads.buffer[bucket.start : bucket.end]))
+        self._pending.append(self._start(self.comm, self.grads.buffer[bucket.start : bucket.end], marks))
 
-    def _start(self, comm: Communicator, tensor: torch.Tensor) -> PendingReduce:
-        """Hand ``tensor`` to ``comm`` from the compute thread: with marks, the communication
-        thread first waits for everything queued so far on this thread's current stream (in a
-        gradient hook, the stream that wrote those gradients), then sums it."""
-        marks, group = self.marks, self.group
-        if marks is not None and group is not None:
-            mark = marks.record()
+    def _mark_here(self) -> list[object]:
+        """A mark on this thread's current stream, as a hand-off's list ([] on the CPU)."""
+        return [] if self.marks is None else [self.marks.record()]
+
+    def _start(self, comm: Communicator, tensor: torch.Tensor, marks: list[object]) -> PendingReduce:
+        """Hand ``tensor`` to ``comm`` from the compute thread: the communication thread first
+        waits for ``marks`` (those of the streams that wrote it), then sums it."""
+        handoff, group = self.marks, self.group
+        if handoff is not None and group is not None and marks:
+
+            def wait_for_writers() -> None:
+                for mark in marks:
+                    handoff.wait(mark)
+
             # Queued before the sum (the thread runs in order), so nothing of it reads the
             # bucket before the wait. Its PendingOp is not waited for: the sum's is.
-            group.submit(lambda: marks.wait(mark), "bucket hand-off")
+            group.submit(wait_for_writers, "bucket hand-off")
         return comm.start_sum(tensor)
 
     def arm(self) -> None:
         """Call right before the step's final backward: buckets go out as their grads are ready."""
         self._missing = [len(b.params) for b in self.buckets]
+        self._marks = [[] for _ in self.buckets]
         self._pending = []
         self._armed = self.overlap
 
@@ -170,10 +188,12 @@ class GradientReducer:
         if not self._armed:
             self._pending = []
         self._armed = False
+        # After backward: this stream is ordered after every stream that wrote a gradient.
+        after = self._mark_here()
         for index in range(len(self._pending), len(self.buckets)):
-            self._launch(index)
+            self._launch(index, after)
         if self.extra_comm is not None and self.grads.extra.numel():
-            self._pending.append(self._start(self.extra_comm, self.grads.extra))
+            self._pending.append(self._start(self.extra_comm, self.grads.extra, after))
         try:
             if watch is not None:
                 while not all(p.done() for p in self._pending) and watch():
@@ -189,5 +209,5 @@ class GradientReducer:
         collective after backward; returns seconds waited. The rescue pass of a step uses it:
         it is rare, and its shards' gradient then counts the same whoever computed it."""
         started = time.perf_counter()
-        self._start(self.extra_comm or self.comm, self.grads.buffer).wait()
+        self._start(self.extra_comm or self.comm, self.grads.buffer, self._mark_here()).wait()
         return time.perf_counter() - started

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from workers.devices import inherit_device
+
 # Reads in flight at once: a stuck one keeps its thread, the next steps read beside it.
 FETCH_THREADS = 4
 # How often a worker waiting for its data looks whether its peers took its shards (a store
@@ -26,11 +28,13 @@ WATCH_S = 0.002
 
 class BatchPrefetch:
     """Reads ``indices`` with ``read(indices)`` on a pool, holds the batch until a pass with
-    exactly those indices takes it."""
+    exactly those indices takes it. Made on a thread with the worker's device current (its
+    threads inherit it, ``devices.inherit_device``)."""
 
     def __init__(self, read: Callable[[np.ndarray], Any]) -> None:
         self.read = read
-        self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="ringleader-fetch")
+        # The worker's device current there too: a batch for a GPU is pinned on these threads.
+        self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="ringleader-fetch", initializer=inherit_device())
         self._indices: np.ndarray | None = None
         self._future: Future[Any] | None = None
 
