@@ -106,6 +106,29 @@ def test_the_fake_blocks_a_pairs_first_exchange_until_the_peer_arrives():
     assert 0.25 < time.monotonic() - started < 2.0
 
 
+@pytest.mark.parametrize(
+    "received", [torch.empty(3, dtype=torch.float64), torch.empty(2), torch.empty(1)], ids=["dtype", "fewer", "one"]
+)
+def test_the_fake_fails_a_receive_that_does_not_match_its_send(received):
+    """``copy_`` would convert a dtype or broadcast one element: the fake fails both sides instead."""
+    world = FakeNcclWorld(2)
+    pgs = [FakeProcessGroupNCCL(world, r, 2, fake_options(2.0)) for r in range(2)]
+
+    def exchange(rank: int) -> object:
+        pgs[rank]._start_coalescing()
+        if rank == 0:
+            pgs[0].send([torch.ones(3)], 1, 0)
+        else:
+            pgs[1].recv([received], 0, 0)
+        return pgs[rank]._end_coalescing()
+
+    works = on_ranks(2, exchange)
+    for work in works:
+        assert work.is_completed()
+        with pytest.raises(RuntimeError, match=r"mismatched message: rank 0 sent 3 x torch.float32 to rank 1"):
+            work.wait()
+
+
 # Every algorithm, at 2 to 5 ranks: today's single sends and receives deadlock here.
 
 

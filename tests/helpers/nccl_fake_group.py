@@ -11,16 +11,18 @@ the code under test drives it exactly as it drives a real one. What it models:
   (NCCL gives each pair of ranks its own communicator and stream for single p2p ops).
 - **Matching.** Between an ordered pair of ranks the k-th send posted matches the k-th
   receive posted, whatever the tags (NCCL ignores them). A send and its receive complete
-  together, once both of their launches have started; the data is copied then. A collective
-  completes once every rank's launch of it has started. So two ranks that both send before
-  they receive, ungrouped, deadlock; the ops of one group start together and do not.
+  together, once both of their launches have started; the data is copied then, and a send
+  and receive that differ in dtype or element count fail both launches instead (NCCL would
+  hang or corrupt memory). A collective completes once every rank's launch of it has
+  started. So two ranks that both send before they receive, ungrouped, deadlock; the ops of
+  one group start together and do not.
 - **Communicators form lazily and blockingly.** The main communicator is created by
   ``eager_connect_single_device`` or else by the first collective or group, and blocks the
   calling thread until every rank has arrived there; a pair's communicator (single p2p) blocks
   both sides' threads until both have posted on that pair. Each of these waits ends, at the
   latest, after the group's timeout (RuntimeError), or at this rank's ``abort()``.
 - **Work.** ``is_completed()`` and ``wait()`` as NCCL's: ``wait()`` never blocks the CPU and
-  raises if the work ended in an error (its rank was aborted).
+  raises if the work ended in an error (its rank was aborted, a mismatched message).
 
 A deadlock therefore never hangs a test: it shows as work that never completes, which
 ``CommGroup``'s polling turns into CollectiveTimeout, or as a blocked rendezvous that ends in
@@ -117,7 +119,7 @@ class FakeNcclWorld:
         ops = [self.collectives[r][op.index] for r in range(self.size) if len(self.collectives[r]) > op.index]
         if len(ops) < self.size or not all(self._running(o) for o in ops):
             return None
-        if any(o.kind != op.kind or o.tensor.shape != op.tensor.shape for o in ops):
+        if any(o.kind != op.kind or o.tensor.shape != op.tensor.shape or o.tensor.dtype != op.tensor.dtype for o in ops):
             raise AssertionError(f"ranks disagree on collective #{op.index}: {[o.kind for o in ops]}")
         return ops
 
@@ -137,8 +139,12 @@ class FakeNcclWorld:
                         if partner is None or not self._running(partner):
                             continue
                         send, receive = (op, partner) if op.kind == "send" else (partner, op)
-                        receive.tensor.copy_(send.tensor)
-                        op.done = partner.done = True
+                        mismatch = _mismatch(send, receive)
+                        if mismatch is not None:
+                            send.launch.work.error = receive.launch.work.error = mismatch  # type: ignore[union-attr]
+                        else:
+                            receive.tensor.copy_(send.tensor)
+                            op.done = partner.done = True
                     else:
                         ops = self._collective_peers(op)
                         if ops is None:
@@ -152,6 +158,18 @@ class FakeNcclWorld:
                     queue.popleft().work.completed = True
                     changed = True
         self.cond.notify_all()
+
+
+def _mismatch(send: _Op, receive: _Op) -> str | None:
+    """Why ``receive`` cannot take ``send``'s message (``copy_`` would broadcast or convert it),
+    or None."""
+    sent, taken = send.tensor, receive.tensor
+    if sent.dtype == taken.dtype and sent.numel() == taken.numel():
+        return None
+    return (
+        f"mismatched message: rank {send.rank} sent {sent.numel()} x {sent.dtype} to rank {receive.rank}, "
+        f"whose matching receive takes {taken.numel()} x {taken.dtype}"
+    )
 
 
 def _reduce(ops: list[_Op]) -> None:
