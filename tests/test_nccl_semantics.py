@@ -5,6 +5,7 @@ exactly as a real ``ProcessGroupNCCL`` is."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import timedelta
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
+from workers import comm_group
 from workers.comm_group import CommGroup, form_process_group, new_process_group
 from workers.communicator import NativeAllReduce, make_communicator
 from workers.compression import compress
@@ -23,6 +25,13 @@ from workers.ring import RingAllReduce
 
 # Long enough for a loaded 2-core machine, short enough that a deadlock fails in seconds.
 TIMEOUT_S = 8.0
+# The collective timeout of formations that a dead peer stalls: it becomes the communicator's
+# creation bound (TORCH_NCCL_NONBLOCKING_TIMEOUT), after which their threads and aborts end.
+STALLED_TIMEOUT_S = 2.0
+# comm_group.RELEASE_WAIT_S in these tests: how long a give-up or close waits for an abort.
+RELEASE_WAIT_S = 0.3
+# Slack for a loaded machine on top of a bound a test checks.
+SLACK_S = 1.0
 
 
 def _groups(size: int, timeout_s: float = TIMEOUT_S) -> tuple[FakeNcclWorld, list[CommGroup]]:
@@ -104,6 +113,29 @@ def test_the_fake_blocks_a_pairs_first_exchange_until_the_peer_arrives():
     with pytest.raises(RuntimeError, match="pair communicator with 1 timed out"):
         pg.send([torch.ones(1)], 1, 0)  # rank 1 never posts on the pair: the thread blocks
     assert 0.25 < time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize(
+    "received", [torch.empty(3, dtype=torch.float64), torch.empty(2), torch.empty(1)], ids=["dtype", "fewer", "one"]
+)
+def test_the_fake_fails_a_receive_that_does_not_match_its_send(received):
+    """``copy_`` would convert a dtype or broadcast one element: the fake fails both sides instead."""
+    world = FakeNcclWorld(2)
+    pgs = [FakeProcessGroupNCCL(world, r, 2, fake_options(2.0)) for r in range(2)]
+
+    def exchange(rank: int) -> object:
+        pgs[rank]._start_coalescing()
+        if rank == 0:
+            pgs[0].send([torch.ones(3)], 1, 0)
+        else:
+            pgs[1].recv([received], 0, 0)
+        return pgs[rank]._end_coalescing()
+
+    works = on_ranks(2, exchange)
+    for work in works:
+        assert work.is_completed()
+        with pytest.raises(RuntimeError, match=r"mismatched message: rank 0 sent 3 x torch.float32 to rank 1"):
+            work.wait()
 
 
 # Every algorithm, at 2 to 5 ranks: today's single sends and receives deadlock here.
@@ -223,7 +255,8 @@ class _FailedWork:
 
 
 def test_a_completed_op_that_failed_raises_instead_of_passing_half_reduced_values():
-    group = CommGroup(object(), rank=0, size=2, timeout_s=5.0, abort_flag=threading.Event(), poll_completion=True)  # type: ignore[arg-type]
+    _, groups = _groups(1)
+    group = groups[0]
     with pytest.raises(RuntimeError, match="aborted"):
         group.complete(_FailedWork())  # type: ignore[arg-type]
     group.close()
@@ -247,22 +280,25 @@ def test_without_polling_wait_would_have_reported_a_dead_op_as_done():
 
 @pytest.fixture
 def fake_nccl(monkeypatch):
-    """``dist.ProcessGroupNCCL`` is the fake (this build has none), the NCCL environment unset."""
+    """``dist.ProcessGroupNCCL`` is the fake (this build has none), the NCCL environment unset,
+    releases waited for ``RELEASE_WAIT_S``."""
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeProcessGroupNCCL, raising=False)
-    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ENABLE_MONITORING"):
+    monkeypatch.setattr(comm_group, "RELEASE_WAIT_S", RELEASE_WAIT_S)
+    for name in (*comm_group.NCCL_ENVIRONMENT, comm_group.NONBLOCKING_TIMEOUT_VARIABLE):
         monkeypatch.delenv(name, raising=False)
 
 
-def _form(world: FakeNcclWorld, rank: int, flag: threading.Event, deadline_s: float = TIMEOUT_S) -> dist.ProcessGroup:
+def _form(
+    world: FakeNcclWorld, rank: int, flag: threading.Event, deadline_s: float = TIMEOUT_S, timeout_s: float = TIMEOUT_S,
+    device: torch.device = torch.device("cpu"),
+) -> dist.ProcessGroup:
     return form_process_group(
-        "nccl", world, rank, world.size, timeout_s=TIMEOUT_S, deadline_s=deadline_s, abort_flag=flag,  # type: ignore[arg-type]
-        device=torch.device("cpu"),
+        "nccl", world, rank, world.size, timeout_s=timeout_s, deadline_s=deadline_s, abort_flag=flag,  # type: ignore[arg-type]
+        device=device,
     )
 
 
 def test_formation_connects_eagerly_and_chooses_the_recovery_environment(fake_nccl, monkeypatch):
-    import os
-
     monkeypatch.setenv("TORCH_NCCL_ENABLE_MONITORING", "1")  # a user's own choice is kept
     world = FakeNcclWorld(3)
     pgs = on_ranks(3, lambda rank: _form(world, rank, threading.Event()))
@@ -271,12 +307,12 @@ def test_formation_connects_eagerly_and_chooses_the_recovery_environment(fake_nc
     assert pgs[0].options._timeout == timedelta(seconds=TIMEOUT_S)  # type: ignore[attr-defined]
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # torch's default (3) kills survivors
     assert os.environ["TORCH_NCCL_ENABLE_MONITORING"] == "1"
+    # torch's wait for a non-blocking communicator (30 min by default) bounded by the timeout
+    assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "8" and pgs[0].creation_wait_s == 8.0  # type: ignore[attr-defined]
     assert all(world.pending(r) == 0 for r in range(3))
 
 
 def test_formation_turns_the_monitor_off_unless_the_user_chose(fake_nccl):
-    import os
-
     new_process_group("nccl", FakeNcclWorld(1), 0, 1, 1.0)  # type: ignore[arg-type]
     assert os.environ["TORCH_NCCL_ENABLE_MONITORING"] == "0"
 
@@ -285,12 +321,18 @@ def _formation_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("ringleader-abortable")}
 
 
-def _assert_nothing_left(world: FakeNcclWorld, ranks: list[int], before: set[threading.Thread]) -> None:
-    """Every formation thread ended, every communicator made aborted, no launch or wait left."""
+def _assert_nothing_left(
+    world: FakeNcclWorld, ranks: list[int], before: set[threading.Thread], stalled_s: float = STALLED_TIMEOUT_S
+) -> None:
+    """Every formation thread ended, every communicator made aborted, no launch or wait left,
+    once a stalled communicator's creation has given up (after ``stalled_s``)."""
+    deadline = time.monotonic() + stalled_s + 5.0
     for thread in _formation_threads() - before:
-        thread.join(5.0)
-        assert not thread.is_alive(), "a formation thread was left behind"
+        thread.join(max(0.0, deadline - time.monotonic()))
+        assert not thread.is_alive(), f"{thread.name} was left behind"
     for rank in ranks:
+        while not world.groups[rank].aborted and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert world.groups[rank].aborted, f"rank {rank}'s communicator was not aborted"
         assert world.pending(rank) == 0, f"rank {rank} left work behind"
 
@@ -315,11 +357,11 @@ def test_a_peer_dying_during_formation_ends_it_in_bounded_time_leaving_nothing(f
     if ending == "abort":
         threading.Timer(0.4, flag.set).start()
     started = time.monotonic()
-    outcomes = on_ranks(size - 1, lambda rank: _form(world, rank, flag, deadline_s))
+    outcomes = on_ranks(size - 1, lambda rank: _form(world, rank, flag, deadline_s, STALLED_TIMEOUT_S))
     elapsed = time.monotonic() - started
     expected = CollectiveAborted if ending == "abort" else CollectiveTimeout
     assert all(isinstance(o, expected) for o in outcomes), outcomes
-    assert elapsed < 3.0
+    assert elapsed < 0.6 + RELEASE_WAIT_S + SLACK_S  # the give-up never waits for a stalled abort
     _assert_nothing_left(world, list(range(size - 1)), before)
 
 
@@ -334,3 +376,86 @@ def test_an_abort_during_construction_aborts_the_group_made_after_it(fake_nccl):
     assert 0 not in world.groups
     world.construction_gate.set()  # construction finishes after the formation was given up
     _assert_nothing_left(world, [0], before)
+
+
+def test_giving_up_a_formation_returns_while_its_communicator_still_waits_for_a_dead_peer(fake_nccl):
+    """torch's abort waits behind a non-blocking communicator's creation (both hold its mutex):
+    the join must not. Its abort ends once the creation gives up, bounded by the timeout."""
+    before, stalled_s = _formation_threads(), 4.0
+    world = FakeNcclWorld(2)
+    FakeProcessGroupNCCL(world, 1, 2, fake_options(TIMEOUT_S))  # rank 1 made its group, then died
+    started = time.monotonic()
+    [outcome] = on_ranks(1, lambda rank: _form(world, rank, threading.Event(), deadline_s=0.5, timeout_s=stalled_s), 30.0)
+    assert isinstance(outcome, CollectiveTimeout) and "rendezvous did not finish" in str(outcome), outcome
+    assert time.monotonic() - started < 0.5 + RELEASE_WAIT_S + SLACK_S
+    assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "4"
+    assert not world.groups[0].aborted  # its abort still waits for the creation...
+    _assert_nothing_left(world, [0], before, stalled_s)  # ...which gives up after stalled_s
+
+
+def test_closing_a_broken_group_returns_while_its_communicator_still_waits_for_a_dead_peer(monkeypatch):
+    monkeypatch.setattr(comm_group, "RELEASE_WAIT_S", RELEASE_WAIT_S)
+    monkeypatch.setenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", "4")
+    options = fake_options(0.5)
+    options.config.blocking = False
+    pg = FakeProcessGroupNCCL(FakeNcclWorld(2), 0, 2, options)
+    pg.eager_connect_single_device(None)  # rank 1 never connects: it died
+    group = CommGroup(pg, 0, 2, 0.5, threading.Event(), poll_completion=True)  # type: ignore[arg-type]
+    with pytest.raises(CollectiveTimeout):
+        group.broadcast(torch.ones(4), root=0)  # its thread waits in the communicator's creation
+    started = time.monotonic()
+    group.close()
+    assert time.monotonic() - started < RELEASE_WAIT_S + SLACK_S
+    assert not pg.aborted  # its abort waits for the creation, which gives up at 4 s
+    deadline = time.monotonic() + 4.0 + 5.0
+    while not pg.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pg.aborted and pg.world.pending(0) == 0
+
+
+def test_closing_a_healthy_group_shuts_its_communicators_down():
+    """Not left to the garbage collector after a re-form: shut down (flushed, then ended)."""
+    _, groups = _groups(2)
+
+    def run(rank: int) -> float:
+        NativeAllReduce(groups[rank]).start_sum(torch.ones(4)).wait()
+        started = time.monotonic()
+        groups[rank].close()
+        return time.monotonic() - started
+
+    outcomes = on_ranks(2, run)
+    _raise_first(outcomes)
+    assert all(group.pg.shut_down and not group.pg.aborted for group in groups)
+    assert all(elapsed < 2.0 for elapsed in outcomes)  # type: ignore[operator]
+
+
+def test_closing_a_healthy_group_whose_flush_stalls_returns_and_aborts_it_later(monkeypatch):
+    """A send its peer never receives: the shutdown's flush fails at its bound, then the abort."""
+    monkeypatch.setattr(comm_group, "RELEASE_WAIT_S", RELEASE_WAIT_S)
+    world, groups = _groups(2, timeout_s=2.0)
+    group = groups[0]
+    world.connected.add(1)
+    group.submit(lambda: group.exchange([(torch.ones(4), 1)]), "a send left in flight").wait()
+    started = time.monotonic()
+    group.close()
+    assert time.monotonic() - started < RELEASE_WAIT_S + SLACK_S
+    deadline = time.monotonic() + 2.0 + 5.0
+    while not group.pg.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert group.pg.aborted and not group.pg.shut_down and world.pending(0) == 0
+
+
+def test_formation_on_a_cuda_device_without_an_index_connects_the_current_one(fake_nccl, monkeypatch):
+    """torch keys the eager communicator by the device's index: ``cuda`` alone would connect
+    nothing then, and lazily ``cuda:0`` later, whatever the current device."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    seen: list[torch.device | None] = []
+
+    def connect(pg: FakeProcessGroupNCCL, device: torch.device | None) -> None:
+        seen.append(device)
+        raise RuntimeError("no CUDA device here")  # before the first collective's CUDA tensor
+
+    monkeypatch.setattr(FakeProcessGroupNCCL, "eager_connect_single_device", connect)
+    with pytest.raises(RuntimeError, match="no CUDA device here"):
+        _form(FakeNcclWorld(1), 0, threading.Event(), device=torch.device("cuda"))
+    assert seen == [torch.device("cuda", 3)]

@@ -22,11 +22,15 @@ given the same single tag, so both backends match messages in posting order alon
 Formation (``form_process_group``) runs in ``call_abortable``: with NCCL the communicator is
 created eagerly on the worker's device and proven by a first one-element all-reduce, so the
 whole rendezvous is inside the abortable, deadline-bounded wait, and a formation that fails
-or is given up aborts what it made.
+or is given up aborts what it made. Every NCCL group is released when it ends (``release``:
+a failed formation's and a broken group's aborted, a healthy closed one's shut down) on a
+thread of its own that nobody waits for past ``RELEASE_WAIT_S``: torch's abort can itself
+wait (see ``release``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -58,6 +62,15 @@ COMPLETION_POLL_S = 0.0002
 #   deadline and the driver's abort, and a worker truly wedged in CUDA stops answering
 #   progress probes and is replaced as lost (docs/architecture.md, Recovery).
 NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
+# TORCH_NCCL_NONBLOCKING_TIMEOUT (set to the collective timeout, where the user has not chosen,
+# by ``new_process_group``): how long torch waits, holding the communicator's mutex, for a
+# non-blocking communicator to become ready (NCCLComm::getNcclComm -> waitReady) before it
+# raises; torch's default is 30 min. An abort takes that mutex, so it waits that long behind a
+# formation stuck on a dead peer (``release``). Torch reads it once per process, at its first
+# NCCL communicator: a job's groups all have the same collective timeout.
+NONBLOCKING_TIMEOUT_VARIABLE = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+# How long a caller waits for an NCCL group's release (``release``) before going on without it.
+RELEASE_WAIT_S = 5.0
 
 T = TypeVar("T")
 
@@ -162,14 +175,17 @@ def new_process_group(
 
     Gloo's constructor is the whole rendezvous (it connects every pair). NCCL's only makes the
     object: ``form_process_group`` connects it. Its communicators are created non-blocking
-    (as torchft does), so ``abort()`` can end one still being set up with a dead peer; the
-    NCCL environment (``NCCL_ENVIRONMENT``) is set first, where the user has not chosen."""
+    (as torchft does), so ``abort()`` can end one still being set up with a dead peer (once
+    torch's wait for it, bounded by the non-blocking timeout, lets go: ``release``); the NCCL
+    environment (``NCCL_ENVIRONMENT``, and the non-blocking timeout: ``timeout_s``) is set
+    first, where the user has not chosen."""
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if backend == "nccl":
-        for name, value in NCCL_ENVIRONMENT.items():
-            os.environ.setdefault(name, value)  # read when the process group is constructed
+        # Read when the process group (or, the timeout, its first communicator) is made.
+        for name, value in {**NCCL_ENVIRONMENT, NONBLOCKING_TIMEOUT_VARIABLE: str(max(1, math.ceil(timeout_s)))}.items():
+            os.environ.setdefault(name, value)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         options.config.blocking = False
@@ -203,7 +219,7 @@ class _Formation:
             if not given_up:
                 self._pg = pg
         if given_up:  # given up while it was being constructed
-            _abort(pg)
+            release(pg, graceful=False, name="ringleader-abortable-release")
             raise CollectiveAborted("the process group was formed after its formation was given up")
         if backend == "nccl":
             pg.eager_connect_single_device(device)
@@ -212,20 +228,46 @@ class _Formation:
         return pg
 
     def give_up(self) -> None:
-        """Abort what was made (a formation thread blocked in NCCL's rendezvous then ends)."""
+        """Abort what was made, without waiting past ``RELEASE_WAIT_S`` (``release``): a
+        formation thread waiting for NCCL's communicator then ends, at the latest once torch's
+        wait for the communicator (TORCH_NCCL_NONBLOCKING_TIMEOUT) gives up."""
         with self._lock:
             self._given_up.set()
             pg, self._pg = self._pg, None
         if pg is not None:
-            _abort(pg)
+            release(pg, graceful=False, name="ringleader-abortable-release")
 
 
-def _abort(pg: dist.ProcessGroup) -> None:
-    """Abort ``pg``'s communicators; one whose abort itself fails is dropped all the same."""
-    try:
-        pg.abort()
-    except RuntimeError:
-        pass  # nothing more can be done for it: the group is dropped either way
+def release(pg: dist.ProcessGroup, *, graceful: bool, name: str) -> bool:
+    """Free ``pg``'s communicators on a daemon thread named ``name``, waiting for it at most
+    ``RELEASE_WAIT_S``; returns whether it finished by then. ``graceful``: ``shutdown()``,
+    which lets the group's last sends reach their peers before destroying it (a healthy
+    group: its queued work done), falling back to ``abort()`` if that fails; otherwise
+    ``abort()``, which ends kernels still waiting on a dead peer. An error of either is
+    dropped: the group is dropped all the same.
+
+    Never waited for past the bound, because torch's abort may wait itself: ``NCCLComm::abort``
+    takes the communicator's mutex, which ``NCCLComm::getNcclComm`` holds while it waits for a
+    non-blocking communicator to become ready (``waitReady``, until TORCH_NCCL_NONBLOCKING_TIMEOUT),
+    so aborting a group whose first collective still waits on a dead peer returns only then.
+    The thread ends on its own by that time."""
+
+    def free() -> None:
+        if graceful:
+            try:
+                pg.shutdown()
+                return
+            except RuntimeError:
+                pass  # a peer gone mid-flush, a timeout: abort instead
+        try:
+            pg.abort()
+        except RuntimeError:
+            pass  # nothing more can be done for it: the group is dropped either way
+
+    thread = threading.Thread(target=free, name=name, daemon=True)
+    thread.start()
+    thread.join(RELEASE_WAIT_S)
+    return not thread.is_alive()
 
 
 def form_process_group(
@@ -241,9 +283,20 @@ def form_process_group(
 ) -> dist.ProcessGroup:
     """Form and connect a process group (``new_process_group``; NCCL: its communicator made
     eagerly on ``device`` and proven by a first collective) inside ``call_abortable``, so an
-    abort or ``deadline_s`` ends it wherever it is. ``timeout_s``: the group's collective
-    timeout. Raises CollectiveAborted, CollectiveTimeout or the formation's own error; on any
-    of them the group made so far is aborted, and with NCCL the formation thread ends too."""
+    abort or ``deadline_s`` ends the wait wherever the formation is. ``timeout_s``: the
+    group's collective timeout. A CUDA ``device`` without an index means the current device.
+
+    Raises CollectiveAborted, CollectiveTimeout or the formation's own error; on any of them
+    the group made so far is aborted (``release``: never waited for past ``RELEASE_WAIT_S``)
+    and the formation thread, abandoned, ends by itself: with NCCL once the abort has ended its
+    wait for the communicator, at the latest at TORCH_NCCL_NONBLOCKING_TIMEOUT. One wait no
+    abort can end: NCCL's unique id goes from rank 0 to the others through ``store``, so if
+    rank 0 died before publishing it, the others' formation threads wait in ``store.get``
+    until the store's own timeout (``JoinRequest.timeout_s``) and then end."""
+    if device.type == "cuda" and device.index is None:
+        # torch keys the eager communicator by the device's index: without one it would make
+        # none now, and the real one later, lazily, on cuda:0 whatever the current device.
+        device = torch.device("cuda", torch.cuda.current_device())
     formation = _Formation(abort_flag)
     try:
         return call_abortable(
@@ -276,7 +329,7 @@ class CommGroup:
     exchange tensors with ``exchange`` and wait for each torch ``Work`` with ``complete``.
     ``poll_completion`` (NCCL): ``Work.wait()`` does not block the CPU there (it only orders the
     current CUDA stream), so completion is polled with ``is_completed()`` against the abort
-    flag and the deadline, and a broken group's communicators are aborted when it closes.
+    flag and the deadline, and its communicators are released when it closes.
     """
 
     def __init__(
@@ -360,8 +413,11 @@ class CommGroup:
     def close(self) -> None:
         """Stop taking work. A healthy group's thread finishes what is queued; a broken group's
         thread may stay blocked in gloo until the process-group timeout or the peer's death,
-        so it is abandoned rather than joined. A broken polled (NCCL) group's communicators are
-        aborted, which ends its kernels still waiting on a dead peer."""
-        self._thread.shutdown(wait=self.broken is None, cancel_futures=self.broken is not None)
-        if self.broken is not None and self.poll_completion and hasattr(self.pg, "abort"):
-            self.pg.abort()
+        so it is abandoned rather than joined. A polled (NCCL) group's communicators are then
+        released (``release``, waited for at most ``RELEASE_WAIT_S``): a healthy group's shut
+        down, freeing them now rather than whenever the object is collected after a re-form;
+        a broken group's aborted, which ends its kernels still waiting on a dead peer."""
+        healthy = self.broken is None
+        self._thread.shutdown(wait=healthy, cancel_futures=not healthy)
+        if self.poll_completion:
+            release(self.pg, graceful=healthy, name=f"ringleader-comm-r{self.rank}-release")

@@ -2,8 +2,8 @@
 
 ``FakeProcessGroupNCCL`` stands where ``torch.distributed.ProcessGroupNCCL`` does (same
 constructor, ``Options``, ``supports_coalescing``, ``_start_coalescing``/``_end_coalescing``,
-``send``/``recv``/``allreduce``/``broadcast``, ``eager_connect_single_device``, ``abort``), so
-the code under test drives it exactly as it drives a real one. What it models:
+``send``/``recv``/``allreduce``/``broadcast``, ``eager_connect_single_device``, ``abort``,
+``shutdown``), so the code under test drives it exactly as it drives a real one. What it models:
 
 - **Streams.** Every launch (one op, or one coalesced group) is queued on a stream of its rank
   and starts only when everything before it there has completed: collectives and groups on
@@ -11,24 +11,38 @@ the code under test drives it exactly as it drives a real one. What it models:
   (NCCL gives each pair of ranks its own communicator and stream for single p2p ops).
 - **Matching.** Between an ordered pair of ranks the k-th send posted matches the k-th
   receive posted, whatever the tags (NCCL ignores them). A send and its receive complete
-  together, once both of their launches have started; the data is copied then. A collective
-  completes once every rank's launch of it has started. So two ranks that both send before
-  they receive, ungrouped, deadlock; the ops of one group start together and do not.
+  together, once both of their launches have started; the data is copied then, and a send
+  and receive that differ in dtype or element count fail both launches instead (NCCL would
+  hang or corrupt memory). A collective completes once every rank's launch of it has
+  started. So two ranks that both send before they receive, ungrouped, deadlock; the ops of
+  one group start together and do not.
 - **Communicators form lazily and blockingly.** The main communicator is created by
-  ``eager_connect_single_device`` or else by the first collective or group, and blocks the
-  calling thread until every rank has arrived there; a pair's communicator (single p2p) blocks
-  both sides' threads until both have posted on that pair. Each of these waits ends, at the
-  latest, after the group's timeout (RuntimeError), or at this rank's ``abort()``.
+  ``eager_connect_single_device`` or else by the first collective or group; a pair's
+  communicator (single p2p) by the pair's first ungrouped send or receive. Creating one
+  blocks the calling thread until every rank (both of the pair) has arrived, at most the
+  creation's wait bound (then RuntimeError): the group's timeout, or with a non-blocking
+  config (``config.blocking = False``, as ours) TORCH_NCCL_NONBLOCKING_TIMEOUT (read when the
+  group is made; torch's default 30 min), and then ``eager_connect_single_device`` only
+  arrives: the wait comes at the first collective or group, as torch's ``getNcclComm`` waits
+  for a non-blocking communicator to become ready.
+- **Abort waits for a creation.** Each rank has one communicator lock (torch: each
+  ``NCCLComm``'s mutex), held for the whole of a creation's wait (torch: ``getNcclComm`` ->
+  ``waitReady``) and taken first by ``abort()`` and ``shutdown()`` (``NCCLComm::abort``
+  takes the mutex): an abort during a creation returns only once the creation's wait ended.
+  Otherwise ``abort()`` fails every launch of its rank at once; ``shutdown()`` waits (bounded
+  like a creation) until they have completed, then ends the communicators, raising
+  RuntimeError if they did not.
 - **Work.** ``is_completed()`` and ``wait()`` as NCCL's: ``wait()`` never blocks the CPU and
-  raises if the work ended in an error (its rank was aborted).
+  raises if the work ended in an error (its rank was aborted, a mismatched message).
 
 A deadlock therefore never hangs a test: it shows as work that never completes, which
 ``CommGroup``'s polling turns into CollectiveTimeout, or as a blocked rendezvous that ends in
-RuntimeError at the timeout. ``FakeNcclWorld`` is the shared state of one generation.
+RuntimeError at its wait bound. ``FakeNcclWorld`` is the shared state of one generation.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -40,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 MAIN = "main"  # the key of a rank's main stream (its other streams are keyed by peer rank)
+NONBLOCKING_TIMEOUT_DEFAULT_S = 30 * 60  # torch's, where TORCH_NCCL_NONBLOCKING_TIMEOUT is unset
 
 
 class FakeWork:
@@ -117,7 +132,7 @@ class FakeNcclWorld:
         ops = [self.collectives[r][op.index] for r in range(self.size) if len(self.collectives[r]) > op.index]
         if len(ops) < self.size or not all(self._running(o) for o in ops):
             return None
-        if any(o.kind != op.kind or o.tensor.shape != op.tensor.shape for o in ops):
+        if any(o.kind != op.kind or o.tensor.shape != op.tensor.shape or o.tensor.dtype != op.tensor.dtype for o in ops):
             raise AssertionError(f"ranks disagree on collective #{op.index}: {[o.kind for o in ops]}")
         return ops
 
@@ -137,8 +152,12 @@ class FakeNcclWorld:
                         if partner is None or not self._running(partner):
                             continue
                         send, receive = (op, partner) if op.kind == "send" else (partner, op)
-                        receive.tensor.copy_(send.tensor)
-                        op.done = partner.done = True
+                        mismatch = _mismatch(send, receive)
+                        if mismatch is not None:
+                            send.launch.work.error = receive.launch.work.error = mismatch  # type: ignore[union-attr]
+                        else:
+                            receive.tensor.copy_(send.tensor)
+                            op.done = partner.done = True
                     else:
                         ops = self._collective_peers(op)
                         if ops is None:
@@ -152,6 +171,18 @@ class FakeNcclWorld:
                     queue.popleft().work.completed = True
                     changed = True
         self.cond.notify_all()
+
+
+def _mismatch(send: _Op, receive: _Op) -> str | None:
+    """Why ``receive`` cannot take ``send``'s message (``copy_`` would broadcast or convert it),
+    or None."""
+    sent, taken = send.tensor, receive.tensor
+    if sent.dtype == taken.dtype and sent.numel() == taken.numel():
+        return None
+    return (
+        f"mismatched message: rank {send.rank} sent {sent.numel()} x {sent.dtype} to rank {receive.rank}, "
+        f"whose matching receive takes {taken.numel()} x {taken.dtype}"
+    )
 
 
 def _reduce(ops: list[_Op]) -> None:
@@ -183,7 +214,15 @@ class FakeProcessGroupNCCL:
         self.world, self.rank, self.size = world, rank, size
         self.options = options
         self.timeout_s = options._timeout.total_seconds()
+        nonblocking = not options.config.blocking
+        #: How long a communicator's creation waits for the others (then RuntimeError).
+        nonblocking_s = float(os.environ.get("TORCH_NCCL_NONBLOCKING_TIMEOUT") or NONBLOCKING_TIMEOUT_DEFAULT_S)
+        self.creation_wait_s = nonblocking_s if nonblocking else self.timeout_s
         self.aborted = False
+        self.shut_down = False  # by shutdown(): its launches done, its communicators ended
+        self.device: torch.device | None = None  # as passed to eager_connect_single_device
+        # torch's NCCLComm mutex: held during a creation's wait, taken first by abort/shutdown.
+        self.comm_lock = threading.RLock()
         self.main_connected = False
         self.pairs_connected: set[int] = set()
         self._coalescing: list[_Op] | None = None
@@ -196,20 +235,18 @@ class FakeProcessGroupNCCL:
 
     def _rendezvous(self, arrive: Callable[[], None], ready: Callable[[], bool], what: str) -> None:
         world = self.world
-        with world.cond:
-            if self.aborted:
+        with self.comm_lock, world.cond:  # held throughout: abort() waits for this to end
+            if self.aborted or self.shut_down:
                 raise RuntimeError(f"rank {self.rank}: NCCL communicator was aborted")
             arrive()
             world.cond.notify_all()
             world.blocked.add(self.rank)
             try:
-                world.cond.wait_for(lambda: ready() or self.aborted, timeout=self.timeout_s)
+                world.cond.wait_for(ready, timeout=self.creation_wait_s)
             finally:
                 world.blocked.discard(self.rank)
-            if self.aborted:
-                raise RuntimeError(f"rank {self.rank}: NCCL communicator was aborted while creating {what}")
             if not ready():
-                raise RuntimeError(f"rank {self.rank}: creating {what} timed out after {self.timeout_s:.0f}s")
+                raise RuntimeError(f"rank {self.rank}: creating {what} timed out after {self.creation_wait_s:.0f}s")
 
     def _connect_main(self) -> None:
         if not self.main_connected:
@@ -224,7 +261,13 @@ class FakeProcessGroupNCCL:
             self.pairs_connected.add(peer)
 
     def eager_connect_single_device(self, device: torch.device | None) -> None:
-        self._connect_main()
+        self.device = device
+        if self.options.config.blocking:
+            self._connect_main()
+            return
+        with self.world.cond:  # non-blocking: arrive now; the first collective or group waits
+            self.world.connected.add(self.rank)
+            self.world.cond.notify_all()
 
     # Launches
 
@@ -232,7 +275,7 @@ class FakeProcessGroupNCCL:
         world = self.world
         with world.cond:
             launch = _Launch((self.rank, stream), ops)
-            if self.aborted:
+            if self.aborted or self.shut_down:
                 launch.work.error = f"rank {self.rank}: NCCL communicator was aborted"
                 return launch.work
             for op in ops:
@@ -281,17 +324,31 @@ class FakeProcessGroupNCCL:
         self._connect_main()
         return self._launch(MAIN, [_Op("broadcast", self.rank, tensors[0], root=options.rootRank)])
 
+    def _queues(self) -> list[deque[_Launch]]:
+        return [queue for (rank, _), queue in self.world.streams.items() if rank == self.rank]
+
     def abort(self) -> None:
-        """End this rank's communicators: its launches fail, its rendezvous waits end."""
+        """End this rank's communicators: its launches fail. Waits for a creation under way."""
         world = self.world
-        with world.cond:
+        with self.comm_lock, world.cond:
             self.aborted = True
-            for (rank, _), queue in world.streams.items():
-                if rank == self.rank:
-                    for launch in queue:
-                        launch.work.error = f"rank {self.rank}: NCCL communicator was aborted"
-                    queue.clear()
+            for queue in self._queues():
+                for launch in queue:
+                    launch.work.error = f"rank {self.rank}: NCCL communicator was aborted"
+                queue.clear()
             world.progress()
+
+    def shutdown(self) -> None:
+        """Flush, then end this rank's communicators: waits (at most a creation's wait bound)
+        until its launches have completed; RuntimeError if they did not. Waits for a creation
+        under way."""
+        world = self.world
+        with self.comm_lock, world.cond:
+            if self.aborted:
+                return
+            if not world.cond.wait_for(lambda: not any(self._queues()), timeout=self.creation_wait_s):
+                raise RuntimeError(f"rank {self.rank}: shutdown timed out flushing its NCCL operations")
+            self.shut_down = True
 
 
 def fake_options(timeout_s: float) -> FakeProcessGroupNCCL.Options:
