@@ -394,9 +394,15 @@ def test_our_threads_start_with_the_device_current_where_they_were_made(monkeypa
     assert prefetch.wait(lambda: False)
     assert list(prefetch.take(np.arange(3))) == [0, 2, 4]
     assert chosen and all(thread.startswith("ringleader-fetch") and device == 1 for thread, device in chosen)
+    chosen.clear()
+    group = CommGroup(object(), rank=0, size=1, timeout_s=5.0, abort_flag=threading.Event())  # type: ignore[arg-type]
+    group.submit(lambda: None, "nothing").wait()
+    group.close()
+    assert chosen == [("ringleader-comm-r0_0", 1)]  # the communication thread too
+    chosen.clear()
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a CPU worker
     inherit_device()()
-    assert len(chosen) == 1
+    assert chosen == []
 
 
 def test_every_compute_method_of_the_worker_runs_with_its_device_current(monkeypatch):

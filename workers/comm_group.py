@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
+from workers.devices import inherit_device
 
 # How often a waiting caller looks at the abort flag: the bound on how late an abort is seen.
 ABORT_POLL_S = 0.02
@@ -354,7 +355,8 @@ class CommGroup:
         # NCCL coalesces (torch's batch_isend_irecv asks the same property); gloo cannot, and
         # needs not: its sends never wait for the peer's receive.
         self._coalesce = bool(getattr(pg, "supports_coalescing", False))
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"ringleader-comm-r{rank}")
+        # Made on join_group's thread, where the worker's device is current: so is it on this one.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"ringleader-comm-r{rank}", initializer=inherit_device())
 
     def submit(self, operation: Callable[[], None], what: str) -> PendingOp:
         """Queue ``operation`` (blocking torch.distributed calls on ``pg``) after those before it."""
