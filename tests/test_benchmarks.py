@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import pytest
 import torch
 
 from benchmarks.collectives import MB, allreduce_rows, format_allreduce, overlap_result
-from benchmarks.ray_head import start_head
+from benchmarks.ray_head import STOP_TIMEOUT_S, start_head
 from benchmarks.straggler import VARIANTS as STRAGGLER_VARIANTS
 from benchmarks.straggler import StragglerChaos
 from benchmarks.straggler import run_benchmark as run_straggler
@@ -28,6 +29,10 @@ def test_each_runner_gives_a_row_and_all_reach_the_same_loss(tmp_path):
     job = job.model_copy(update={"scaling": job.scaling.model_copy(update={"resources_per_worker": {"CPU": 0.5}})})
     with contextlib.contextmanager(start_head)(tmp_path / "head") as head:  # what the attached run joins
         rows = [run_once(framework, job, tmp_path / framework, head) for framework in FRAMEWORKS]
+        stopping = time.monotonic()
+    # The head stops when told (it used to wait out Ray's 30 s drain on SIGTERM for a GCS that
+    # the same signal had just stopped).
+    assert time.monotonic() - stopping < STOP_TIMEOUT_S / 2
     for row in rows:
         assert row.first_step_s > 0 and row.step_s > 0 and row.samples_per_s > 0 and row.wall_s > row.first_step_s
         assert row.eval_loss is not None and math.isfinite(row.eval_loss)
