@@ -48,10 +48,11 @@ def private_ray_home(tmp_path, monkeypatch):
         yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory, ray_cluster):
     """Parameters of the clean single-worker run of ``tests.helpers.jobs.run``'s job, which
-    every run of it must match whatever happened to its workers."""
+    every run of it must match whatever happened to its workers. One run for the session (the
+    run is deterministic, and tests only read the tensors): four modules compare against it."""
     from tests.helpers.jobs import params, run
 
     return params(run(tmp_path_factory.mktemp("ref"), "w1", "scaling.workers=1").run_dir)
