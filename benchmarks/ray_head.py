@@ -66,6 +66,10 @@ def _run_head(scratch: Path, home: Path, ray_tmp: Path, num_cpus: int) -> Iterat
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
     env.update(HOME=str(home), RAY_TMPDIR=str(ray_tmp), RAY_AUTH_MODE="token", PATH=f"{bin_dir}:{env.get('PATH', '')}")
     env["RAY_metrics_report_interval_ms"] = "1000"  # metrics reach the endpoint within a second
+    # No drain on SIGTERM: Ray would ask the GCS to drain the node and wait up to 30 s for its
+    # answer, but ``_stop`` signals the whole group, so the GCS is gone at once and that wait
+    # always ran out (30 s per head stopped). There is nothing here a drain would let finish.
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
     # The token, as a cluster admin makes it (Ray writes it to $HOME/.ray/auth_token).
     subprocess.run([f"{bin_dir}/ray", "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
     port, dashboard, metrics = free_port(), free_port(), free_port()

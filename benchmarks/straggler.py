@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.throughput import run_once
+from benchmarks.throughput import RunRow, run_once
 from benchmarks.torchft_loop import torchft_refusal
 from benchmarks.workloads import workload_job
 from jobspec.durable import read_jsonl
@@ -101,10 +101,13 @@ def calibrate(base: JobConfig, workdir: Path) -> tuple[float, float]:
 
 def run_benchmark(
     workload: str, workers: int, steps: int, chaos: StragglerChaos, repeats: int, log: Callable[[str], None] = print
-) -> tuple[float, dict[str, list[float]]]:
-    """(the clean step time the chaos was scaled by, samples/s of every variant in every repeat)."""
+) -> tuple[float, dict[str, list[float]], dict[str, list[RunRow]]]:
+    """(the clean step time the chaos was scaled by, samples/s of every variant in every repeat,
+    and those runs' rows: their eval losses too, which the chaos, a matter of time, leaves as
+    in a clean run)."""
     base = workload_job(workload, workers, steps)
     rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    rows: dict[str, list[RunRow]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="rl-straggler-") as scratch:
         step_s, shard_s = calibrate(base, Path(scratch) / "calibration")
         log(f"  calibration: clean step {step_s * 1000:.1f} ms, compute {shard_s * 1000:.2f} ms per shard")
@@ -114,8 +117,9 @@ def run_benchmark(
                 framework, job = variant_job(base, variant, entries)
                 row = run_once(framework, job, Path(scratch) / f"{repeat}-{variant}")
                 rates[variant].append(row.samples_per_s)
+                rows[variant].append(row)
                 log(f"  [{repeat + 1}/{repeats}] {variant:18s} {row.samples_per_s:9.0f} samples/s")
-    return step_s, rates
+    return step_s, rates, rows
 
 
 def summarize(rates: dict[str, list[float]], workers: int, chaos: StragglerChaos) -> dict[str, object]:
@@ -152,7 +156,7 @@ def main(
         print(f"ringleader: {refusal}", file=sys.stderr)
         return 2
     print(f"straggler: {workload}, {workers} workers, {chaos.describe(workers)}, {steps} steps, {repeats} repeats")
-    step_s, rates = run_benchmark(workload, workers, steps, chaos, repeats)
+    step_s, rates, _ = run_benchmark(workload, workers, steps, chaos, repeats)
     result = summarize(rates, workers, chaos)
     result["clean_step_s"] = step_s
     print(f"{'variant':18s} {'samples/s':>10s}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -41,25 +40,19 @@ def ray_cluster() -> Iterator[None]:
 
 @pytest.fixture
 def private_ray_home(tmp_path, monkeypatch):
-    """For tests whose subprocesses start their own Ray: keep their token and sockets out of ~
-    and /tmp/ray (in a short directory: Ray's socket paths must fit in 107 bytes), and as from a
-    fresh shell: the session's ``ray.init`` exported ``RAY_AUTH_MODE=token``, which makes a new
-    head node insist on a token that the private HOME does not have yet."""
-    for key in ("RAY_AUTH_MODE", "RAY_ADDRESS"):
-        monkeypatch.delenv(key, raising=False)
-    home = tmp_path / "home"
-    home.mkdir()
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rlb-", dir="/tmp"))
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
-    yield
-    shutil.rmtree(ray_tmp, ignore_errors=True)
+    """For tests whose subprocesses start their own Ray: ``tests.helpers.ray_home.private_ray_home``
+    for the test (HOME ``tmp_path / "home"``)."""
+    from tests.helpers.ray_home import private_ray_home as isolated
+
+    with isolated(tmp_path / "home", monkeypatch):
+        yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory, ray_cluster):
     """Parameters of the clean single-worker run of ``tests.helpers.jobs.run``'s job, which
-    every run of it must match whatever happened to its workers."""
+    every run of it must match whatever happened to its workers. One run for the session (the
+    run is deterministic, and tests only read the tensors): four modules compare against it."""
     from tests.helpers.jobs import params, run
 
     return params(run(tmp_path_factory.mktemp("ref"), "w1", "scaling.workers=1").run_dir)

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import pytest
 import torch
 
 from benchmarks.collectives import MB, allreduce_rows, format_allreduce, overlap_result
-from benchmarks.ray_head import start_head
+from benchmarks.ray_head import STOP_TIMEOUT_S, start_head
 from benchmarks.straggler import VARIANTS as STRAGGLER_VARIANTS
 from benchmarks.straggler import StragglerChaos
 from benchmarks.straggler import run_benchmark as run_straggler
@@ -19,15 +20,39 @@ from benchmarks.straggler import summarize as summarize_straggler
 from benchmarks.straggler import variant_job as straggler_variant_job
 from benchmarks.throughput import FRAMEWORKS, format_table, medians, run_once
 from benchmarks.workloads import workload_job
+from tests.helpers.ray_home import private_ray_home
+
+#: The straggler benchmark's chaos below: every step of every worker stalls (for 4 clean steps).
+ALL_STALL = StragglerChaos("stall", probability=1.0, stall_steps=4)
+
+
+@pytest.fixture(scope="module")
+def stalled_straggler_runs(tmp_path_factory):
+    """The straggler benchmark under ``ALL_STALL`` (digits, 2 workers, 5 steps, one repeat):
+    (clean step seconds, samples/s and rows by variant). Run once for the two tests below: it
+    runs ringleader, Ray Train and torchft (each ~20 s of startup), which the runner test
+    needs too."""
+    home = tmp_path_factory.mktemp("straggler") / "home"
+    with pytest.MonkeyPatch.context() as monkeypatch, private_ray_home(home, monkeypatch):
+        return run_straggler(workload="digits", workers=2, steps=5, chaos=ALL_STALL, repeats=1, log=lambda line: None)
 
 
 @pytest.mark.usefixtures("private_ray_home")
-def test_each_runner_gives_a_row_and_all_reach_the_same_loss(tmp_path):
-    job = workload_job("digits", workers=2, steps=4)
-    # Half a CPU each: the test suite's machine has two cores for everything.
-    job = job.model_copy(update={"scaling": job.scaling.model_copy(update={"resources_per_worker": {"CPU": 0.5}})})
+def test_each_runner_gives_a_row_and_all_reach_the_same_loss(stalled_straggler_runs, tmp_path):
+    # ringleader cold, Ray Train and torchft ran in the straggler benchmark, on its job: ours
+    # clean, the peers with every step stalled (a stall delays a step and changes no number, so
+    # they still reach our loss). The runners it does not use run here on the same job.
+    ran = stalled_straggler_runs[2]
+    job = straggler_variant_job(workload_job("digits", workers=2, steps=5), "clean", {})[1]
     with contextlib.contextmanager(start_head)(tmp_path / "head") as head:  # what the attached run joins
-        rows = [run_once(framework, job, tmp_path / framework, head) for framework in FRAMEWORKS]
+        attached = run_once("ringleader_attached", job, tmp_path / "ringleader_attached", head)
+        torchrun = run_once("torchrun", job, tmp_path / "torchrun")
+        stopping = time.monotonic()
+    # The head stops when told (it used to wait out Ray's 30 s drain on SIGTERM for a GCS that
+    # the same signal had just stopped).
+    assert time.monotonic() - stopping < STOP_TIMEOUT_S / 2
+    rows = [ran["clean"][0], attached, ran["ray_train"][0], ran["torchft"][0], torchrun]
+    assert [row.framework for row in rows] == list(FRAMEWORKS)
     for row in rows:
         assert row.first_step_s > 0 and row.step_s > 0 and row.samples_per_s > 0 and row.wall_s > row.first_step_s
         assert row.eval_loss is not None and math.isfinite(row.eval_loss)
@@ -79,12 +104,11 @@ def test_straggler_benchmark_injects_the_same_chaos_into_every_variant_that_has_
     assert stalls.seconds == pytest.approx(1.0) and stalls.probability == 0.02
 
 
-@pytest.mark.usefixtures("private_ray_home")
-def test_straggler_benchmark_runs_every_variant_with_the_stalls_in_both_frameworks():
-    # Every step of every worker stalls (for 4 clean steps): nobody is left to rescue anyone,
-    # so each chaotic variant, Ray Train's and torchft's included, must run far below clean.
-    chaos = StragglerChaos("stall", probability=1.0, stall_steps=4)
-    step_s, rates = run_straggler(workload="digits", workers=2, steps=5, chaos=chaos, repeats=1, log=lambda line: None)
+def test_straggler_benchmark_runs_every_variant_with_the_stalls_in_both_frameworks(stalled_straggler_runs):
+    # Every step of every worker stalls (ALL_STALL): nobody is left to rescue anyone, so each
+    # chaotic variant, Ray Train's and torchft's included, must run far below clean.
+    chaos = ALL_STALL
+    step_s, rates, _ = stalled_straggler_runs
     assert step_s > 0
     assert set(rates) == set(STRAGGLER_VARIANTS) and all(len(r) == 1 and r[0] > 0 for r in rates.values())
     result = summarize_straggler(rates, workers=2, chaos=chaos)
