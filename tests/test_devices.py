@@ -6,6 +6,7 @@ and the worker's device current on every thread that touches CUDA (a fake of CUD
 from __future__ import annotations
 
 import threading
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from jobspec.job import JobConfig
 from orchestrator.job_file import load_job
 from workers.census import LOSS_SLOT, census_slots
 from workers.chaos import ChaosSchedule
-from workers.comm_group import CommGroup, PendingOp
+from workers.comm_group import CommGroup, PendingOp, call_abortable
 from workers.communicator import pick_backend
 from workers.compression import CastCompressed
 from workers.devices import choose_device, cuda_index, host_batch, inherit_device, worker_device
@@ -321,6 +322,32 @@ def _gradient(net: torch.nn.Module, flat: FlatParameters) -> torch.Tensor:
     return flat.buffer.clone()
 
 
+def test_a_cast_sum_writes_back_on_the_callers_thread_and_not_at_all_when_the_sum_failed():
+    group = CommGroup(None, 0, 1, 10.0, threading.Event())  # type: ignore[arg-type]  # only its thread is used
+
+    class Doubling:
+        def start_sum(self, tensor: torch.Tensor) -> PendingOp:
+            return group.submit(lambda: tensor.mul_(2), "doubling")
+
+    class Failing:
+        def start_sum(self, tensor: torch.Tensor) -> PendingOp:
+            return group.submit(lambda: (tensor.fill_(7), 1 / 0), "failing")
+
+    bucket = torch.tensor([1.5, -2.0, 3.0])
+    pending = CastCompressed(Doubling(), torch.bfloat16, group).start_sum(bucket)
+    written = []
+    original = torch.Tensor.copy_
+    with patch.object(torch.Tensor, "copy_", lambda t, *a, **k: (written.append(threading.current_thread().name), original(t, *a, **k))[1]):
+        pending.wait()
+    assert torch.equal(bucket, torch.tensor([3.0, -4.0, 6.0]))
+    assert written[-1] == threading.current_thread().name  # the write-back: the caller's, who reads the bucket next
+    pending = CastCompressed(Failing(), torch.bfloat16, group).start_sum(bucket)
+    with pytest.raises(ZeroDivisionError):
+        pending.wait()
+    assert torch.equal(bucket, torch.tensor([3.0, -4.0, 6.0]))  # a failed sum's partial values never reach it
+    group.close()
+
+
 @pytest.mark.parametrize("compression", ["none", "bf16"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_each_bucket_is_read_only_after_the_marks_of_every_stream_that_wrote_it(overlap, compression):
@@ -399,6 +426,9 @@ def test_our_threads_start_with_the_device_current_where_they_were_made(monkeypa
     group.submit(lambda: None, "nothing").wait()
     group.close()
     assert chosen == [("ringleader-comm-r0_0", 1)]  # the communication thread too
+    chosen.clear()
+    assert call_abortable(lambda: 5, threading.Event(), 5.0, "forming") == 5
+    assert [device for thread, device in chosen if thread.startswith("ringleader-abortable")] == [1]  # and formation's
     chosen.clear()
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a CPU worker
     inherit_device()()

@@ -28,7 +28,8 @@ def _group_of_one(device: str, monkeypatch: pytest.MonkeyPatch) -> CommGroup:
     """A formed NCCL ``CommGroup`` of one rank on ``device`` (the NCCL environment it sets is
     undone after the test)."""
     for name in (*NCCL_ENVIRONMENT, NONBLOCKING_TIMEOUT_VARIABLE):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "unset")  # recorded, so what the code under test sets is undone
+        monkeypatch.delenv(name)
     if device == "cpu":
         monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeProcessGroupNCCL, raising=False)
         store: object = FakeNcclWorld(1)

@@ -285,7 +285,8 @@ def fake_nccl(monkeypatch):
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeProcessGroupNCCL, raising=False)
     monkeypatch.setattr(comm_group, "RELEASE_WAIT_S", RELEASE_WAIT_S)
     for name in (*comm_group.NCCL_ENVIRONMENT, comm_group.NONBLOCKING_TIMEOUT_VARIABLE):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "unset")  # recorded, so what the code under test sets is undone
+        monkeypatch.delenv(name)
 
 
 def _form(

@@ -146,7 +146,7 @@ def call_abortable(operation: Callable[[], T], abort_flag: threading.Event, time
     during a re-forming would otherwise hold the others until the rendezvous timeout. On abort
     or timeout the thread is abandoned (it ends at its own timeout) and CollectiveAborted or
     CollectiveTimeout is raised; the operation's own error is re-raised."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="ringleader-abortable")
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ringleader-abortable", initializer=inherit_device())
     future = pool.submit(operation)
     pool.shutdown(wait=False)
     return wait_abortable(future, abort_flag, timeout_s, what)

@@ -16,6 +16,7 @@ never goes through them: the reducer sums it separately, exactly.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -30,11 +31,13 @@ INT8_BLOCK = 256
 
 
 class _InOrder:
-    """Operations queued one after another on a group's thread, as one pending sum: done once
-    all are, and ``wait`` raises the first one's error (the sum's, not the write-back's)."""
+    """Operations queued one after another on a group's thread, as one pending sum, then
+    ``then`` on the caller's thread: done once all are; ``wait`` raises the first one's error
+    (then ``then`` never runs), else runs ``then``."""
 
-    def __init__(self, *ops: PendingReduce) -> None:
+    def __init__(self, *ops: PendingReduce, then: Callable[[], None]) -> None:
         self._ops = ops
+        self._then = then
 
     def done(self) -> bool:
         return all(op.done() for op in self._ops)
@@ -42,15 +45,19 @@ class _InOrder:
     def wait(self) -> None:
         for op in self._ops:
             op.wait()
+        self._then()
 
 
 class CastCompressed:
     """Sums through ``inner`` in ``dtype`` (bf16 or fp16), then writes back in full precision.
 
-    The cast and the write-back run on ``group``'s communication thread (``inner`` must run
-    there too), queued around the sum: a bucket handed over by the gradient reducer is read
-    only after the thread's stream waited for the streams that wrote it (``workers/overlap.py``),
-    and the cast must come after that wait, not before it on the caller's thread."""
+    The cast runs on ``group``'s communication thread (``inner`` must run there too), queued
+    before the sum: a bucket handed over by the gradient reducer is read only after the
+    thread's stream waited for the streams that wrote it (``workers/overlap.py``), and the cast
+    must come after that wait, not before it on the caller's thread. The write-back runs in
+    ``wait``, on the caller's thread and stream, once the sum has completed (an NCCL sum is
+    polled until its kernel is done): the caller, who reads the bucket next, writes it; a failed
+    sum writes nothing back."""
 
     def __init__(self, inner: Communicator, dtype: torch.dtype, group: CommGroup) -> None:
         self.inner = inner
@@ -70,7 +77,7 @@ class CastCompressed:
 
         casting = self.group.submit(cast, f"{self.dtype} cast")
         summing = self.inner.start_sum(low)
-        return _InOrder(casting, summing, self.group.submit(lambda: tensor.copy_(low), "write-back"))
+        return _InOrder(casting, summing, then=lambda: tensor.copy_(low))
 
 
 def quantize_int8(values: torch.Tensor, block: int = INT8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
