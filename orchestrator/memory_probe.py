@@ -20,10 +20,17 @@ How memory is measured (``PeakMemory``):
   their running sum in time order is the bytes in live tensors, and its maximum the peak.
   Memory a kernel library allocates on its own (MKL's and oneDNN's scratch) is not in it,
   nor numpy's (a dataset built from numpy arrays: host memory, which the plan leaves out).
+  The profiler records only the thread that measures (with ``profile_all_threads`` it records
+  no memory at all, torch 2.13): what other threads allocate is missed, and a tensor of this
+  thread whose last reference another thread drops is never seen freed. In a step the comm
+  thread allocates only the ring's scratch (none in a group of one) and frees nothing of the
+  step's; at a join, a generic optimizer's packed state may be dropped last by the comm
+  thread, which then reads as held until the block ends (the step is measured apart).
 """
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -45,18 +52,23 @@ JOIN_TIMEOUT_S = 60.0
 
 
 class PeakMemory:
-    """Bytes in live tensors on ``device`` while the ``with`` block runs: ``peak``, the most
-    above the level at entry, and ``net``, what is still allocated at exit above that level
-    (both 0 or more; frees of older tensors count against the level)."""
+    """``peak``: the most bytes in live tensors on ``device`` (cpu or cuda) above the level at
+    entry while the ``with`` block runs (0 or more; frees of older tensors count against the
+    level). Raises ValueError for another device type."""
 
     def __init__(self, device: torch.device) -> None:
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"memory of a {device.type} device cannot be measured here: cpu or cuda")
         self.device = device
         self.peak = 0
-        self.net = 0
         self._start = 0
         self._profile: torch.profiler.profile | None = None
 
     def __enter__(self) -> PeakMemory:
+        # Garbage (a worker is a reference cycle) is freed now, not by a collection inside the
+        # block: the CPU meter sees the frees of what an earlier block allocated, and they would
+        # lower the level this block's peak counts from.
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
@@ -70,7 +82,6 @@ class PeakMemory:
         if self._profile is None:
             torch.cuda.synchronize(self.device)
             self.peak = max(0, torch.cuda.max_memory_allocated(self.device) - self._start)
-            self.net = max(0, torch.cuda.memory_allocated(self.device) - self._start)
             return
         self._profile.__exit__(kind, error, tb)
         if kind is not None:
@@ -81,10 +92,9 @@ class PeakMemory:
             if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
         )
         level = 0
-        for _, change in changes:
+        for _, change in changes:  # the running sum of allocations (+) and frees (-), in time order
             level += change
             self.peak = max(self.peak, level)
-        self.net = max(0, level)
 
 
 @dataclass(frozen=True)
@@ -106,7 +116,8 @@ class Probe:
         return {
             "params": self.model.params, "extra_slots": self.model.extra_slots, "buffer_bytes": self.model.buffer_bytes,
             "dtype": self.dtype, "optimizer": self.optimizer.kind, "optimizer_state_bytes": self.optimizer_state_bytes,
-            "optimizer_bytes_per_param": self.optimizer.per_param, "device": self.device, "probe_samples": list(self.sizes), "probe_peaks": list(self.peaks),
+            "optimizer_bytes_per_param": self.optimizer.per_param, "device": self.device,
+            "probe_samples": list(self.sizes), "probe_peaks": list(self.peaks),
             "activation_fixed": self.model.activation_fixed, "activation_per_sample": self.model.activation_per_sample,
         }
 

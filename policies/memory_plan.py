@@ -61,6 +61,7 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+_NUMBER = r"[0-9]+(?:\.[0-9]*)?(?:[eE][0-9]+)?"
 _COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
 
@@ -257,7 +258,7 @@ def smallest_group(
 def parse_bytes(text: str) -> int:
     """``80GiB``, ``80 GB``, ``512MiB``, ``1e9`` as bytes (KiB, MiB, GiB, TiB: powers of 1024;
     KB, MB, GB, TB: of 1000). Raises ValueError naming what was expected."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    match = re.fullmatch(rf"\s*({_NUMBER})\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
         raise ValueError(f"memory size {text!r}: expected a number with an optional unit such as 80GiB or 512MB")
@@ -266,7 +267,7 @@ def parse_bytes(text: str) -> int:
 
 def parse_count(text: str) -> int:
     """``7e9``, ``7B``, ``125M``, ``350k`` as a parameter count. Raises ValueError naming what was expected."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]?)\s*", text)
+    match = re.fullmatch(rf"\s*({_NUMBER})\s*([a-zA-Z]?)\s*", text)
     suffix = match.group(2).lower() if match else ""
     if match is None or suffix not in _COUNT_SUFFIXES or not float(match.group(1)) >= 1:
         raise ValueError(f"parameter count {text!r}: expected a number >= 1 such as 7e9 or 7B")
