@@ -214,3 +214,9 @@ def test_ringleader_plan_refuses_bad_options_in_one_line(capsys):
     err = capsys.readouterr().err
     assert "memory size '80 parsecs'" in err and "--target-params needs --device-memory" in err
     assert "--group-sizes [0]: expected integers >= 1" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the probe would measure on this CUDA device")
+def test_ringleader_plan_of_a_gpu_job_without_cuda_says_where_to_run_it(capsys):
+    assert main(["plan", "--set", "scaling.resources_per_worker={CPU: 1, GPU: 1}"]) == 2
+    assert "--device cuda: torch here sees no CUDA device" in capsys.readouterr().err
