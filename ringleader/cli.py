@@ -61,6 +61,21 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--plot", dest="plot_path", metavar="FILE", help="write a PNG: progress over time, recovery times")
     _add_overrides(simulate, "e.g. --set workers=1024")
 
+    plan = commands.add_parser(
+        "plan", help="memory per rank (parameters, gradients, optimizer state, activations) under each sharding setting"
+    )
+    plan.add_argument("job", nargs="?", help="job file (YAML); omit for the built-in example")
+    plan.add_argument("--device-memory", metavar="SIZE", help="one device's memory, e.g. 80GiB: what fits, the largest pass")
+    plan.add_argument("--group-sizes", type=int, nargs="+", default=[1, 2, 4], help="sharding group sizes (default: 1 2 4)")
+    plan.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="overrides the job's precision")
+    plan.add_argument("--samples-per-pass", type=int, help="samples in one pass (default: the job's own)")
+    plan.add_argument("--device", choices=["cpu", "cuda"], help="where the probe measures (default: where workers train)")
+    plan.add_argument("--probe-samples", type=int, nargs=2, metavar=("B1", "B2"), help="the probe's two pass sizes")
+    plan.add_argument("--target-params", metavar="COUNT", help="a model size to place, e.g. 7e9 or 7B (needs --device-memory)")
+    plan.add_argument("--reserve", default="0", metavar="SIZE", help="with --target-params: memory kept for activations")
+    plan.add_argument("--json", dest="json_path", metavar="FILE", help="write the plan as JSON (- for stdout, table omitted)")
+    _add_overrides(plan)
+
     bench = commands.add_parser("bench", help="benchmarks (side by side, one run)")
     benches = bench.add_subparsers(dest="bench", required=True)
     throughput = benches.add_parser(
@@ -259,6 +274,28 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     return 0 if ranked and ranked[0]["status"] == "ok" else EXIT_FAILED
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from jobspec.fields import ConfigError
+    from orchestrator.job_file import load_job
+    from orchestrator.memory_report import PlanRequest, main
+    from policies.memory_plan import parse_bytes, parse_count
+
+    sys.path.insert(0, os.getcwd())
+    overrides = list(args.overrides) + ([f"precision={args.precision}"] if args.precision else [])
+    try:
+        job = load_job(args.job, overrides)
+        request = PlanRequest(
+            device_bytes=parse_bytes(args.device_memory) if args.device_memory else None,
+            group_sizes=tuple(args.group_sizes), samples_per_pass=args.samples_per_pass,
+            target_params=parse_count(args.target_params) if args.target_params else None,
+            reserve_bytes=parse_bytes(args.reserve), probe_sizes=tuple(args.probe_samples) if args.probe_samples else None, device=args.device,
+        )
+        return main(job, request, args.json_path)
+    except (ConfigError, ValueError) as err:
+        _err(str(err))
+        return EXIT_BAD_INPUT
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -268,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_cluster_command(args, _err)
     if args.command == "tune":
         return _cmd_tune(args)
+    if args.command == "plan":
+        return _cmd_plan(args)
     if args.command == "report":
         from orchestrator.report import ReportError, write_report
 

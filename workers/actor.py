@@ -44,7 +44,7 @@ from workers.checkpoint_storage import CheckpointStorage
 from workers.checkpointing import load_residuals
 from workers.claims import ShardClaims
 from workers.communicator import pick_backend
-from workers.devices import on_worker_device, worker_device
+from workers.devices import make_current, on_worker_device, worker_device
 from workers.generic_optimizer import make_optimizer
 from workers.group_link import GroupLink
 from workers.loss_scaler import LossScaler
@@ -85,14 +85,20 @@ class TrainWorker:
 
     ``job`` is the validated job (the same for every rank); ``worker_id`` names the worker for
     its whole life (ranks change when the group re-forms); chaos settings refer to it.
+    ``device``: where a worker built outside Ray trains (the memory probe,
+    ``orchestrator/memory_probe.py``); by default the GPU Ray assigned, or the CPU.
     """
 
-    def __init__(self, job: JobConfig, worker_id: int = 0) -> None:
+    def __init__(self, job: JobConfig, worker_id: int = 0, device: torch.device | None = None) -> None:
         self.job = job
         self.worker_id = worker_id
         # The GPU Ray assigned (cuda:0 here, as Ray narrows CUDA_VISIBLE_DEVICES to it), made
         # current on this thread before any CUDA work; compute methods make it current on theirs.
-        self.device = worker_device(ray.get_gpu_ids() if ray.is_initialized() else [])
+        if device is None:
+            device = worker_device(ray.get_gpu_ids() if ray.is_initialized() else [])
+        else:
+            make_current(device)
+        self.device = device
         pick_backend(self.device, job.collective.backend)  # nccl without CUDA fails here, not at the first join
         torch.manual_seed(job.seed)
         self.dataset = factories.build(job.dataset.factory, job.dataset.kwargs)
