@@ -19,6 +19,7 @@ from jobspec.runtime import (
     CheckpointConfig,
     CollectiveConfig,
     ScalingConfig,
+    ShardingConfig,
     TimeoutConfig,
     TrackingConfig,
     WorkerConfig,
@@ -49,6 +50,7 @@ class JobConfig(StrictModel):
     epochs: float | None = Field(None, gt=0, description="alternative to steps")
     scaling: ScalingConfig = ScalingConfig()
     collective: CollectiveConfig = CollectiveConfig()
+    sharding: ShardingConfig = ShardingConfig()
     worker: WorkerConfig = WorkerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     stragglers: StragglerConfig = StragglerConfig()
@@ -78,6 +80,7 @@ class JobConfig(StrictModel):
                         f"(the job has at most {self.scaling.max_workers})"
                     )
         self._devices_fit_backend()
+        self._sharding_supported()
         if self.shards < self.scaling.max_workers:
             raise ValueError(
                 f"shards ({self.shards}) must be >= the most workers the job may have "
@@ -110,6 +113,26 @@ class JobConfig(StrictModel):
             raise ValueError(
                 "collective.backend nccl needs a GPU per worker, and scaling.resources_per_worker asks for none: "
                 "set GPU: 1 there, or collective.backend: auto or gloo"
+            )
+
+    def _sharding_supported(self) -> None:
+        """What sharded optimizer state does not do yet is refused, naming the field."""
+        if not self.sharding.enabled:
+            return
+        if not self.optimizer.is_fused:
+            raise ValueError(
+                f"sharding.group_size {self.sharding.group_size} with optimizer.name {self.optimizer.name!r}: "
+                "sharded state is stepped by sgd, adam or adamw; set sharding.group_size: 1 for another optimizer"
+            )
+        if self.collective.algorithm not in ("auto", "ring"):
+            raise ValueError(
+                f"sharding.group_size {self.sharding.group_size} reduce-scatters with our ring: "
+                f"collective.algorithm must be auto or ring, got {self.collective.algorithm}"
+            )
+        if self.collective.compression != "none":
+            raise ValueError(
+                f"sharding.group_size {self.sharding.group_size} with collective.compression "
+                f"{self.collective.compression}: sharded state is reduced exactly; set compression: none"
             )
 
     @property

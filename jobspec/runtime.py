@@ -93,6 +93,24 @@ class CollectiveConfig(StrictModel):
     topk_ratio: float = Field(0.01, gt=0, le=1)
 
 
+class ShardingConfig(StrictModel):
+    """Optimizer state sharded across ranks (docs/architecture.md, "Sharded optimizer state").
+
+    ``group_size``: ranks form groups of this many; each rank of a group owns one slice of the
+    flat parameters and holds only that slice's optimizer state (ZeRO stage 1 on the flat
+    buffer); the groups are replicas of one another. 1 (the default): every rank holds the
+    whole state. A size that does not divide the number of workers is raised to the smallest
+    one that does (at most every worker in one group), so no rank ever holds more than planned.
+    Sharding steps sgd, adam and adamw, reduces with our ring (``collective.algorithm`` auto or
+    ring) and compresses nothing."""
+
+    group_size: int = Field(1, ge=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.group_size > 1
+
+
 class WorkerConfig(StrictModel):
     """How a worker runs its shards.
 

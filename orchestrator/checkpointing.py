@@ -29,6 +29,7 @@ from orchestrator.group import Call, CallFailed, WorkerGroup
 from orchestrator.namespace_lease import NamespaceLease
 from orchestrator.run_dir import RunDirectory
 from policies.checkpoint_interval import CheckpointInterval
+from policies.sharding import effective_group_size
 from workers.checkpoint_manifest import MANIFEST, CheckpointCorrupt, latest_valid, prune, verify_checkpoint, write_manifest
 from workers.checkpoint_storage import CheckpointStorage, checkpoint_name
 
@@ -184,8 +185,10 @@ class CheckpointCoordinator:
 
     def start(self, group: WorkerGroup, step: int, meta: dict[str, Any], why: str = "periodic", ranks: int | None = None) -> None:
         """Queue the snapshot of the state after ``step`` steps on the first ``ranks`` members
-        (all by default), each writing a slice; ``meta`` goes into the manifest."""
-        count = ranks or group.size
+        (all by default; with sharded optimizer state, the first sharding group, each rank
+        writing the slice it owns), each writing a slice; ``meta`` goes into the manifest."""
+        sharding = self.job.sharding.group_size
+        count = ranks or (effective_group_size(group.size, sharding) if sharding > 1 else group.size)
         name = checkpoint_name(step)
         self.attempts += 1
         tag = f"{self.driver}-a{self.attempts}"

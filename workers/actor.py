@@ -45,7 +45,8 @@ from workers.checkpointing import load_residuals
 from workers.claims import ShardClaims
 from workers.communicator import pick_backend
 from workers.devices import make_current, on_worker_device, worker_device
-from workers.generic_optimizer import make_optimizer
+from workers.flat_optimizer import FlatOptimizer
+from workers.generic_optimizer import GenericOptimizer, make_optimizer
 from workers.group_link import GroupLink
 from workers.loss_scaler import LossScaler
 from workers.objective import Objective
@@ -55,6 +56,8 @@ from workers.sampler import ShardSampler
 from workers.step import StepRunner
 from workers.step_buffers import StepBuffers
 from workers.step_work import ClaimedStep, RescuePass
+from workers.sharded_optimizer import ShardedOptimizer
+from workers.sharded_reduce import gather_slices, group_sum
 from workers.training import FlatParameters, autocast, evaluate_job, fetch_batch, finish_gradient, move_to
 
 #: When this module (and with it torch and the worker's code) had loaded: the launch's breakdown.
@@ -120,7 +123,12 @@ class TrainWorker:
                 f"field 'model.factory': the model's parameters are {self.flat.values.dtype}; keep them float32 "
                 "(the master weights) and set precision: bf16 or fp16 to compute in half precision"
             )
-        self.optimizer = make_optimizer(job.optimizer, self.flat)
+        self.optimizer: FlatOptimizer | GenericOptimizer | ShardedOptimizer
+        if job.sharding.enabled:  # its slice is known when a group forms
+            no_decay = None if job.optimizer.decay_biases_and_norms else self.flat.no_decay_ranges()
+            self.optimizer = ShardedOptimizer(str(job.optimizer.name), job.optimizer.kwargs, self.flat, no_decay)
+        else:
+            self.optimizer = make_optimizer(job.optimizer, self.flat)
         self.schedule = job.schedule.policy()
         scaling = job.loss_scaling
         self.scaler = LossScaler(
@@ -129,7 +137,7 @@ class TrainWorker:
         self.abort_flag = threading.Event()
         self.aborted_through = 0  # the latest generation the driver aborted
         self.generation = 0  # the generation this worker last joined
-        self.link = GroupLink(job.collective, job.timeouts.collective_s, self.abort_flag)
+        self.link = GroupLink(job.collective, job.timeouts.collective_s, self.abort_flag, job.sharding.group_size)
         #: The next step this replica will apply: the optimizer steps it holds, in job steps.
         self.next_step = 0
         # The reports of the last steps applied: a batch whose call failed part-way (aborted
@@ -301,9 +309,15 @@ class TrainWorker:
         census = check_census(self.flat.extra, plan.num_shards, step)
         link.commit_residuals()
         reduced = time.perf_counter()
+        layout, group = link.layout, link.group
+        grads, sum_squares = self.flat.grads, None
+        if layout is not None and group is not None:  # sharded: this rank's slice, the norm from every slice
+            lo, hi = layout.slice_of(link.rank)
+            grads = grads[lo:hi]
+            sum_squares = lambda local: group_sum(group, layout, local, self.device)  # noqa: E731
         update = finish_gradient(
-            self.flat.grads, census.weight, self.runner.loss_scale / self.sampler.step_batch_size(step),
-            self.job.optimizer.clip_grad_norm,
+            grads, census.weight, self.runner.loss_scale / self.sampler.step_batch_size(step),
+            self.job.optimizer.clip_grad_norm, sum_squares,
         )
         lr = self.optimizer.base_lr * self.schedule.factor(step, self.job.schedule.total_steps or self.num_steps)
         skipped = self.scaler.update(update.grad_norm)
@@ -316,6 +330,10 @@ class TrainWorker:
             )
         if not skipped:
             self.optimizer.step(lr=lr)
+        if isinstance(self.optimizer, ShardedOptimizer) and layout is not None and group is not None:
+            self.optimizer.state_step = step + 1  # its slice is stepped; the others' arrive next
+            if not skipped:
+                gather_slices(group, layout, self.flat.values)
         self.buffers.apply(self.flat.extra[census_slots(plan.num_shards) :])  # as DDP, a skipped step's too
         self.next_step = step + 1
         self._enter(step, Phase.DONE)

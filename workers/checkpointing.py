@@ -75,18 +75,32 @@ class PartSnapshot:
 class FlatPieces:
     """A flat tensor held as its ``pieces`` back to back (any shapes, one dtype): a generic
     optimizer's per-parameter state laid out like the flat parameters
-    (``workers/optimizer_state.py``), sliced without building it whole."""
+    (``workers/optimizer_state.py``), sliced without building it whole. ``offset`` and
+    ``total``: the pieces are entries ``[offset, offset + their size)`` of a flat tensor of
+    ``total`` entries of which this worker holds no more (a sharded optimizer's slice,
+    ``workers/sharded_optimizer.py``); by default they are all of it."""
 
     pieces: tuple[torch.Tensor, ...]
+    offset: int = 0
+    total: int | None = None
+
+    def held(self) -> int:
+        return sum(piece.numel() for piece in self.pieces)
 
     def numel(self) -> int:
-        return sum(piece.numel() for piece in self.pieces)
+        return self.held() if self.total is None else self.total
 
     def cpu_range(self, lo: int, hi: int) -> torch.Tensor:
         """A CPU copy of entries ``[lo, hi)``: each piece's share copied straight into its place
-        in the output (no gathering on the pieces' device first: no device memory taken)."""
-        out = torch.empty(max(0, min(hi, self.numel()) - lo), dtype=self.pieces[0].dtype)
-        start = 0
+        in the output (no gathering on the pieces' device first: no device memory taken).
+        Raises ValueError if some of those entries are not held here."""
+        hi = min(hi, self.numel())
+        if lo < hi and (lo < self.offset or hi > self.offset + self.held()):
+            raise ValueError(
+                f"entries [{lo}, {hi}) are wanted, this worker holds [{self.offset}, {self.offset + self.held()})"
+            )
+        out = torch.empty(max(0, hi - lo), dtype=self.pieces[0].dtype)
+        start = self.offset
         for piece in self.pieces:
             end = start + piece.numel()
             if start < hi and lo < end:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from jobspec.runtime import CollectiveConfig
 from jobspec.wire import Joined, JoinRequest
 from policies.collective_choice import CollectiveChoice
+from policies.sharding import ShardingLayout
 from workers.claims import CountingStore
 from workers.comm_group import CommGroup, form_process_group
 from workers.communicator import Communicator, make_communicator, pick_backend
@@ -27,6 +28,9 @@ from workers.compression import OWN_TRANSPORT, TopKAllReduce, compress
 from workers.link_probe import auto_communicator
 from workers.overlap import DEFAULT_BUCKET_BYTES, GradientReducer
 from workers.replica import Replica
+from workers.ring import RingAllReduce
+from workers.sharded_optimizer import ShardedOptimizer
+from workers.sharded_reduce import ShardedSum
 from workers.training import FlatParameters
 
 
@@ -38,10 +42,16 @@ class GroupLink:
 
     ``collective`` are the job's all-reduce settings, ``timeout_s`` one collective's limit and
     ``abort_flag`` the driver's abort, which fails a pending rendezvous or collective at once.
+    ``group_size``: the job's ``sharding.group_size`` (1: every rank holds the whole state).
     """
 
-    def __init__(self, collective: CollectiveConfig, timeout_s: float, abort_flag: threading.Event) -> None:
+    def __init__(
+        self, collective: CollectiveConfig, timeout_s: float, abort_flag: threading.Event, group_size: int = 1
+    ) -> None:
         self.collective = collective
+        self.group_size = group_size
+        #: Who owns which slice of the state in this generation (None: not sharded).
+        self.layout: ShardingLayout | None = None
         self.timeout_s = timeout_s
         self.abort_flag = abort_flag
         self.rank = -1
@@ -88,7 +98,12 @@ class GroupLink:
             pg, request.rank, request.world_size, self.timeout_s, self.abort_flag, poll_completion=backend == "nccl"
         )
         self.rank, self.world_size = request.rank, request.world_size
-        choice = self._build_reducer(self.group, request.nodes, replica.flat, residuals)
+        if isinstance(replica.optimizer, ShardedOptimizer):
+            self.layout = ShardingLayout.plan(request.world_size, self.group_size, replica.flat.numel)
+            choice = self._build_sharded_reducer(self.group, self.layout, replica.flat)
+        else:
+            self.layout = None
+            choice = self._build_reducer(self.group, request.nodes, replica.flat, residuals)
         started = time.perf_counter()
         self._take_root_state(self.group, replica, previous)
         return Joined(transfer_s=time.perf_counter() - started, next_step=replica.next_step, collective=choice)
@@ -129,6 +144,22 @@ class GroupLink:
         )
         return choice
 
+    def _build_sharded_reducer(self, group: CommGroup, layout: ShardingLayout, flat: FlatParameters) -> None:
+        """The reducer for sharded state: buckets reduce-scattered in the sharding group and
+        summed across replicas (``ShardedSum``, our ring: nothing to probe), the extra slots
+        summed whole by the ring over every rank."""
+        exact = RingAllReduce(group)
+        self.reducer_comm = ShardedSum(group, layout, flat.buffer, flat.extra.numel())
+        bucket_mb = self.collective.bucket_mb
+        self.reducer = GradientReducer(
+            flat,
+            self.reducer_comm,
+            int(bucket_mb * 2**20) if bucket_mb else DEFAULT_BUCKET_BYTES,
+            self.collective.overlap,
+            extra_comm=exact,
+            group=group,
+        )
+
     def _take_root_state(self, group: CommGroup, replica: Replica, previous: Communicator | None) -> None:
         """Take rank 0's step, parameters, optimizer state, loss scale and model buffers into
         ``replica`` (rank 0 keeps its own). ``previous`` is the last generation's communicator."""
@@ -145,7 +176,11 @@ class GroupLink:
             # off, the driver must not take it for a survivor with a good state.
             replica.next_step = -1
         group.broadcast(replica.flat.values, root=0)
-        replica.optimizer.sync(lambda tensor: group.broadcast(tensor, root=0), is_root=self.rank == 0)
+        if isinstance(replica.optimizer, ShardedOptimizer):
+            assert self.layout is not None
+            replica.optimizer.reshard(group, self.layout, root_step)
+        else:
+            replica.optimizer.sync(lambda tensor: group.broadcast(tensor, root=0), is_root=self.rank == 0)
         group.broadcast(replica.scaler.state, root=0)
         for buffer in replica.model.buffers():  # running statistics: a checkpoint restores them on one worker
             group.broadcast(buffer, root=0)

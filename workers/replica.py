@@ -12,6 +12,7 @@ import torch
 from workers.flat_optimizer import FlatOptimizer
 from workers.generic_optimizer import GenericOptimizer
 from workers.loss_scaler import LossScaler
+from workers.sharded_optimizer import ShardedOptimizer
 from workers.training import FlatParameters
 
 
@@ -22,7 +23,7 @@ class Replica(Protocol):
 
     model: torch.nn.Module
     flat: FlatParameters
-    optimizer: FlatOptimizer | GenericOptimizer
+    optimizer: FlatOptimizer | GenericOptimizer | ShardedOptimizer
     scaler: LossScaler
     device: torch.device
     next_step: int

@@ -23,6 +23,7 @@ from workers.checkpoint_storage import CheckpointStorage
 from workers.checkpointing import FlatPieces, PartSnapshot, load_state, take_snapshot, write_snapshot
 from workers.named_tensors import check_fit, copy_by_name
 from workers.replica import Replica
+from workers.sharded_optimizer import ShardedOptimizer
 
 
 def checkpointed_tensors(
@@ -63,6 +64,8 @@ def restore_state(replica: Replica, storage: CheckpointStorage, name: str, manif
     replica.scaler.state_restored()
     torch.set_rng_state(whole["rng/torch"])
     replica.next_step = int(manifest["step"])
+    if isinstance(replica.optimizer, ShardedOptimizer):
+        replica.optimizer.restored_at(replica.next_step)
 
 
 def lowest_priority() -> None:

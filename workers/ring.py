@@ -75,15 +75,44 @@ def ring_sum(group: CommGroup, flat: torch.Tensor, ranks: Sequence[int], scratch
     n = len(ranks)
     if n == 1 or flat.numel() == 0:
         return
+    _pipeline(group, flat, ranks, chunk_bounds(flat.numel(), n), 2 * (n - 1), scratch)
+
+
+def ring_reduce_scatter(
+    group: CommGroup, flat: torch.Tensor, ranks: Sequence[int], owned: Sequence[tuple[int, int]], scratch: _Scratch
+) -> None:
+    """Sum ``flat`` over ``ranks`` into the ranges ``owned``: on return ``flat[slice(*owned[k])]``
+    on ``ranks[k]`` holds the sum of every rank's (the rest of ``flat`` is partial sums: garbage).
+    ``owned`` tiles ``flat`` in order (ranges may be empty). Blocking; every rank in ``ranks``
+    makes the same call. The ring's first n - 1 steps (``ring_sum``'s pipeline and its argument
+    against deadlock), its chunks placed so that each rank ends on its own range: after them
+    ring position ``me`` has summed chunk ``me + 1``."""
+    n = len(ranks)
+    if len(owned) != n:
+        raise ValueError(f"need one owned range per rank, got {len(owned)} for {n}")
+    if n == 1 or flat.numel() == 0:
+        return
+    _pipeline(group, flat, ranks, [owned[(c - 1) % n] for c in range(n)], n - 1, scratch)
+
+
+def _pipeline(
+    group: CommGroup,
+    flat: torch.Tensor,
+    ranks: Sequence[int],
+    bounds: Sequence[tuple[int, int]],
+    steps: int,
+    scratch: _Scratch,
+) -> None:
+    """The ring's segment pipeline over chunks ``bounds`` (one per ring position): the first
+    ``steps`` of its 2(n-1) steps (n - 1 of them: the reduce-scatter alone)."""
+    n = len(ranks)
     me = ranks.index(group.rank)
     right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
-    bounds = chunk_bounds(flat.numel(), n)
     longest = max(end - start for start, end in bounds)
     size = flat.element_size()
     segment = max(1, min(MAX_SEGMENT_BYTES, max(MIN_SEGMENT_BYTES, longest * size // SEGMENTS_PER_CHUNK)) // size)
     # Two receive buffers: (t + 1, j) receives while (t, j + 1) is still being received.
     buffers = scratch.get(flat, 2 * longest)
-    steps = 2 * (n - 1)
 
     def sent(t: int) -> list[tuple[int, int]]:  # the segments sent in step t
         return _segments(*bounds[(me - t) % n], segment)

@@ -167,17 +167,28 @@ class GradientUpdate:
     clipped: bool = False
 
 
-def finish_gradient(grads: torch.Tensor, weight: float, scaled_by: float, clip: float | None) -> GradientUpdate:
+def finish_gradient(
+    grads: torch.Tensor,
+    weight: float,
+    scaled_by: float,
+    clip: float | None,
+    sum_squares: Callable[[float], float] | None = None,
+) -> GradientUpdate:
     """Turn the reduced ``grads`` (the sum of every shard's loss-sum gradient, times
     ``scaled_by``: the loss scale over the global batch size) into the step's mean gradient,
     in place: divided by the step's total ``weight``, then clipped to global norm ``clip``.
-    The reduced buffer is the same on every replica, so is the result. A non-finite gradient
-    is left as it is, its norm inf or nan (the caller skips the step or fails). Raises
-    ValueError if the weights sum to 0 or less."""
+    The reduced buffer is the same on every replica, so is the result. ``sum_squares``: where
+    ``grads`` is one slice of the gradient (sharded state), it turns this slice's sum of squares
+    into the whole gradient's (the same on every rank, so are the norm and the clipping). A
+    non-finite gradient is left as it is, its norm inf or nan (the caller skips the step or
+    fails). Raises ValueError if the weights sum to 0 or less."""
     if not weight > 0:
         raise ValueError(f"field 'loss': the step's loss weights sum to {weight}; expected a total > 0")
     factor = 1.0 / (scaled_by * weight)
-    norm = float(torch.linalg.vector_norm(grads)) * factor
+    if sum_squares is None:
+        norm = float(torch.linalg.vector_norm(grads)) * factor
+    else:
+        norm = math.sqrt(sum_squares(float(torch.linalg.vector_norm(grads, dtype=torch.float64)) ** 2)) * factor
     if not math.isfinite(norm):
         return GradientUpdate(norm)
     clipped = clip is not None and norm > clip

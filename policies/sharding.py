@@ -1,0 +1,138 @@
+"""Sharded optimizer state: which rank owns which slice, and how state moves when that changes.
+Pure: no Ray, no torch (docs/architecture.md, "Sharded optimizer state").
+
+Ranks form **sharding groups** of ``group_size`` consecutive ranks; each rank of a group owns
+one contiguous slice of the flat parameter vector (``policies.split.even_bounds``: position
+``i`` of a group owns the ``i``-th slice) and holds the optimizer state of that slice only.
+The groups are **replicas** of one another: rank ``i`` of every group owns the same slice, and
+those ranks (its *peers*) sum that slice's gradient across the groups.
+
+A group size must divide the world. The job asks for a size; ``effective_group_size`` takes the
+smallest divisor of the world that is at least that (capped at the world), so that a rank never
+holds more state than the job planned for, whatever the number of workers left after a death
+or reached by growth.
+
+When the layout changes (a group re-formed with other ranks or another size), ``plan_moves``
+says which bytes go where: every rank names the slice it holds (if any) and the one it must
+hold next; each wanted range not already held by its owner is cut where the holders' slices
+begin and end and taken from one holder, so each byte moves once, from a holder to its owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from policies.split import even_bounds
+
+Span = tuple[int, int]
+
+
+def effective_group_size(world: int, configured: int) -> int:
+    """The sharding group size for ``world`` ranks when the job asks for ``configured``: the
+    smallest divisor of ``world`` that is at least ``min(configured, world)``. Raises ValueError
+    if either is below 1."""
+    if world < 1 or configured < 1:
+        raise ValueError(f"need world >= 1 and group_size >= 1, got {world} and {configured}")
+    wanted = min(configured, world)
+    return next(size for size in range(wanted, world + 1) if world % size == 0)
+
+
+@dataclass(frozen=True)
+class ShardingLayout:
+    """``world`` ranks in groups of ``group_size`` (which divides it) sharing ``numel`` values."""
+
+    world: int
+    group_size: int
+    numel: int
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1 or self.world % self.group_size:
+            raise ValueError(f"group size {self.group_size} does not divide {self.world} ranks")
+        if self.numel < 0:
+            raise ValueError(f"numel must be >= 0, got {self.numel}")
+
+    @classmethod
+    def plan(cls, world: int, configured: int, numel: int) -> "ShardingLayout":
+        """The layout for ``world`` ranks when the job asks for groups of ``configured``."""
+        return cls(world, effective_group_size(world, configured), numel)
+
+    @property
+    def replicas(self) -> int:
+        """How many groups (copies of the whole state) there are."""
+        return self.world // self.group_size
+
+    def position(self, rank: int) -> int:
+        """Which slice ``rank`` owns (its place in its group)."""
+        return rank % self.group_size
+
+    def group(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s sharding group, in slice order."""
+        first = rank - self.position(rank)
+        return list(range(first, first + self.group_size))
+
+    def peers(self, rank: int) -> list[int]:
+        """The ranks owning ``rank``'s slice (itself among them), one per group, in group order."""
+        return list(range(self.position(rank), self.world, self.group_size))
+
+    def slices(self) -> list[Span]:
+        """Each position's ``[lo, hi)`` of the flat vector."""
+        return even_bounds(self.numel, self.group_size)
+
+    def slice_of(self, rank: int) -> Span:
+        """``[lo, hi)`` of the flat vector that ``rank`` owns."""
+        return self.slices()[self.position(rank)]
+
+
+@dataclass(frozen=True)
+class Move:
+    """State entries ``[lo, hi)`` (of the flat vector) sent from rank ``source`` to ``target``."""
+
+    source: int
+    target: int
+    lo: int
+    hi: int
+
+
+class LostState(ValueError):
+    """No rank holds part of the state some rank needs: ``span`` (the first such range)."""
+
+    def __init__(self, span: Span) -> None:
+        super().__init__(f"no rank holds the optimizer state of entries [{span[0]}, {span[1]})")
+        self.span = span
+
+
+def plan_moves(held: Sequence[Span | None], wanted: Sequence[Span]) -> list[Move]:
+    """The transfers that give every rank ``r`` the state of ``wanted[r]`` from what the ranks
+    hold (``held[r]``, None: nothing), sorted by (source, target, lo): the same list on every
+    rank that computes it from the same inputs. A rank keeps what it holds of its own range;
+    the rest is cut at the holders' boundaries, each piece taken from the holder that has
+    been given the fewest entries to send so far (lowest rank on ties), adjacent pieces from
+    one source merged. Raises ValueError if the lists differ in length, LostState if some
+    wanted entry is held by no one."""
+    if len(held) != len(wanted):
+        raise ValueError(f"held names {len(held)} ranks, wanted {len(wanted)}")
+    holders = [(rank, span) for rank, span in enumerate(held) if span is not None and span[0] < span[1]]
+    sending = {rank: 0 for rank, _ in holders}
+    moves: list[Move] = []
+    for target, (lo, hi) in enumerate(wanted):
+        own = held[target]
+        cuts = {lo, hi}
+        for _, (a, b) in holders:
+            cuts.update(x for x in (a, b) if lo < x < hi)
+        points = sorted(cuts)
+        pieces: list[Move] = []
+        for a, b in zip(points, points[1:]):
+            if own is not None and own[0] <= a and b <= own[1]:
+                continue  # already here
+            covering = [rank for rank, (x, y) in holders if x <= a and b <= y]
+            if not covering:
+                raise LostState((a, b))
+            source = min(covering, key=lambda rank: (sending[rank], rank))
+            sending[source] += b - a
+            if pieces and pieces[-1].source == source and pieces[-1].hi == a:
+                pieces[-1] = Move(source, target, pieces[-1].lo, b)
+            else:
+                pieces.append(Move(source, target, a, b))
+        moves += pieces
+    return sorted(moves, key=lambda move: (move.source, move.target, move.lo))

@@ -1,0 +1,212 @@
+"""Sharded optimizer state's collectives and state moves under NCCL's semantics, without Ray or a
+GPU: ranks are threads over ``tests/helpers/nccl_fake_group.py`` (the fake that today's ungrouped
+ring deadlocks on), driven through ``CommGroup`` as the worker drives it."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from policies.sharding import LostState, ShardingLayout
+from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
+from workers.comm_group import CommGroup
+from workers.flat_optimizer import FlatOptimizer
+from workers.overlap import GradientReducer
+from workers.ring import RingAllReduce
+from workers.sharded_optimizer import ShardedOptimizer
+from workers.sharded_reduce import ShardedSum, gather_slices, group_sum
+from workers.training import FlatParameters, finish_gradient
+
+TIMEOUT_S = 8.0
+EXTRA = 5  # census-like slots in front of the gradient
+LAYOUTS = [(2, 2), (3, 3), (4, 2), (6, 3), (6, 2), (3, 1), (5, 5)]  # (world, group size)
+
+
+def _groups(size: int) -> list[CommGroup]:
+    world = FakeNcclWorld(size)
+    return [
+        CommGroup(FakeProcessGroupNCCL(world, r, size, fake_options(TIMEOUT_S)), r, size, TIMEOUT_S, threading.Event(), True)
+        for r in range(size)
+    ]
+
+
+def _raise_first(outcomes: list[object]) -> None:
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    if errors:
+        raise AssertionError(f"{len(errors)} rank(s) failed, first: {type(errors[0]).__name__}: {errors[0]}") from errors[0]
+
+
+def _built() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.Linear(9, 3))  # 72 + 30 = 102 values
+
+
+MODEL = _built()
+
+
+def _model() -> torch.nn.Module:
+    """A copy of one model: built in the rank threads, its initialisation would interleave on
+    torch's global generator and the replicas would differ."""
+    return copy.deepcopy(MODEL)
+
+
+def _gradient(rank: int, step: int, numel: int) -> torch.Tensor:
+    # Small integers: every partial sum is exact in float32, whatever the order of summing.
+    return torch.randint(-8, 9, (EXTRA + numel,), generator=torch.Generator().manual_seed(100 * step + rank)).float()
+
+
+@pytest.mark.parametrize(("world", "group_size"), LAYOUTS)
+def test_buckets_reduce_scatter_in_the_group_and_sum_across_replicas(world, group_size):
+    """Every rank ends with the whole sum over its slice of every bucket, the extras summed
+    whole apart; with buckets that cut across slices."""
+    groups = _groups(world)
+    numel = FlatParameters(_model().parameters()).numel
+
+    def run(rank: int) -> torch.Tensor:
+        try:
+            flat = FlatParameters(_model().parameters(), extra=EXTRA)
+            layout = ShardingLayout(world, group_size, flat.numel)
+            reducer = GradientReducer(
+                flat, ShardedSum(groups[rank], layout, flat.buffer, EXTRA), bucket_bytes=4 * 40, overlap=False,
+                extra_comm=RingAllReduce(groups[rank]), group=groups[rank],
+            )
+            assert len(reducer.buckets) >= 2  # buckets cut across slices
+            flat.buffer.copy_(_gradient(rank, 0, flat.numel))
+            reducer.finish()
+            return flat.buffer.clone()
+        finally:
+            groups[rank].close()
+
+    outcomes = on_ranks(world, run)
+    _raise_first(outcomes)
+    total = torch.stack([_gradient(r, 0, numel) for r in range(world)]).sum(0)
+    layout = ShardingLayout(world, group_size, numel)
+    for rank, got in enumerate(outcomes):
+        lo, hi = layout.slice_of(rank)
+        torch.testing.assert_close(got[:EXTRA], total[:EXTRA], rtol=0, atol=0)
+        torch.testing.assert_close(got[EXTRA + lo : EXTRA + hi], total[EXTRA + lo : EXTRA + hi], rtol=0, atol=0)
+
+
+def _sharded_steps(world: int, group_size: int, steps: int, clip: float | None) -> list[object]:
+    """``steps`` AdamW steps on every rank: reduce, finish the gradient (norm over the slices),
+    step the slice, all-gather; returns each rank's parameters and gradient norms."""
+    groups = _groups(world)
+
+    def run(rank: int) -> tuple[torch.Tensor, list[float]]:
+        try:
+            group = groups[rank]
+            flat = FlatParameters(_model().parameters(), extra=EXTRA)
+            layout = ShardingLayout(world, group_size, flat.numel)
+            optimizer = ShardedOptimizer("adamw", {"lr": 0.05}, flat, no_decay=flat.no_decay_ranges())
+            optimizer.reshard(group, layout, 0)
+            reducer = GradientReducer(
+                flat, ShardedSum(group, layout, flat.buffer, EXTRA), bucket_bytes=4 * 40, overlap=False,
+                extra_comm=RingAllReduce(group), group=group,
+            )
+            lo, hi = layout.slice_of(rank)
+            norms = []
+            for step in range(steps):
+                flat.buffer.copy_(_gradient(rank, step, flat.numel))
+                reducer.finish()
+                update = finish_gradient(flat.grads[lo:hi], 4.0, 1.0, clip, lambda local: group_sum(group, layout, local, flat.grads.device))
+                norms.append(update.grad_norm)
+                optimizer.step()
+                gather_slices(group, layout, flat.values)
+            return flat.values.clone(), norms
+        finally:
+            groups[rank].close()
+
+    outcomes = on_ranks(world, run)
+    _raise_first(outcomes)
+    return outcomes
+
+
+@pytest.mark.parametrize(("world", "group_size"), [(2, 2), (3, 3), (4, 2), (6, 3)])
+def test_sharded_steps_equal_the_whole_optimizer_on_the_summed_gradient(world, group_size):
+    """AdamW with decay groups and clipping by the global norm: stepping slices and gathering
+    them gives the parameters (and norms) the whole optimizer gives, on every rank."""
+    steps, clip = 3, 10.0
+    outcomes = _sharded_steps(world, group_size, steps, clip)
+    flat = FlatParameters(_model().parameters(), extra=EXTRA)
+    whole = FlatOptimizer("adamw", {"lr": 0.05}, flat.values, flat.grads, flat.no_decay_ranges())
+    norms = []
+    for step in range(steps):
+        flat.buffer.copy_(torch.stack([_gradient(r, step, flat.numel) for r in range(world)]).sum(0))
+        norms.append(finish_gradient(flat.grads, 4.0, 1.0, clip).grad_norm)
+        whole.step()
+    assert any(n > clip for n in norms)  # clipping is exercised
+    for values, got_norms in outcomes:
+        torch.testing.assert_close(values, flat.values, rtol=1e-6, atol=1e-6)
+        assert got_norms == pytest.approx(norms, rel=1e-6)
+    assert all(torch.equal(values, outcomes[0][0]) for values, _ in outcomes)  # every replica alike, bit for bit
+
+
+def _held_state(layout: ShardingLayout, rank: int, numel: int) -> dict[str, torch.Tensor]:
+    lo, hi = layout.slice_of(rank)
+    marks = torch.arange(numel, dtype=torch.float32)
+    return {"exp_avg": marks[lo:hi] + 0.25, "exp_avg_sq": marks[lo:hi] * 2}
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "replaced"),
+    [((4, 2), (4, 2), [1]), ((4, 2), (3, 3), []), ((2, 2), (4, 4), [2, 3]), ((4, 2), (2, 1), []), ((6, 3), (4, 2), [3])],
+    ids=["replace-from-replica", "shrink-regroup", "grow", "shrink-unshard", "regroup-and-replace"],
+)
+def test_reshard_moves_each_entry_from_a_holder_to_its_owner(old, new, replaced):
+    """Ranks holding slices under the old layout (those in ``replaced`` hold nothing: fresh
+    replacements) re-form under the new one: every rank ends with exactly its new slice's
+    state and the step count, all from the holders."""
+    numel = FlatParameters(_model().parameters()).numel
+    old_layout = ShardingLayout(old[0], old[1], numel)
+    world = new[0]
+    groups = _groups(world)
+    new_layout = ShardingLayout(world, new[1], numel)
+    expected = torch.arange(numel, dtype=torch.float32)
+
+    def run(rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        try:
+            flat = FlatParameters(_model().parameters())
+            optimizer = ShardedOptimizer("adam", {"lr": 0.1}, flat, no_decay=None)
+            if rank < old[0] and rank not in replaced:
+                old_inner = optimizer._over(*old_layout.slice_of(rank))
+                for key, value in _held_state(old_layout, rank, numel).items():
+                    old_inner.state[key].copy_(value)
+                old_inner.state["step"].fill_(7)
+                optimizer.inner, optimizer.held, optimizer.state_step = old_inner, old_layout.slice_of(rank), 9
+            optimizer.reshard(groups[rank], new_layout, 9)
+            state = optimizer.state_tensors()
+            return state["exp_avg"].clone(), state["exp_avg_sq"].clone(), float(state["step"])
+        finally:
+            groups[rank].close()
+
+    outcomes = on_ranks(world, run)
+    _raise_first(outcomes)
+    for rank, (avg, avg_sq, steps_taken) in enumerate(outcomes):
+        lo, hi = new_layout.slice_of(rank)
+        torch.testing.assert_close(avg, expected[lo:hi] + 0.25, rtol=0, atol=0)
+        torch.testing.assert_close(avg_sq, expected[lo:hi] * 2, rtol=0, atol=0)
+        assert steps_taken == 7
+
+
+def test_reshard_without_a_holder_names_the_lost_entries_and_state_of_another_step_is_no_holder():
+    numel = FlatParameters(_model().parameters()).numel
+    layout = ShardingLayout(2, 2, numel)
+    groups = _groups(2)
+
+    def run(rank: int) -> None:
+        try:
+            flat = FlatParameters(_model().parameters())
+            optimizer = ShardedOptimizer("adam", {"lr": 0.1}, flat, no_decay=None)
+            optimizer.inner, optimizer.held = optimizer._over(*layout.slice_of(rank)), layout.slice_of(rank)
+            # Rank 1 applied step 9's update (its all-gather then failed): good for a group at 10, not at 9.
+            optimizer.state_step = 9 if rank == 0 else 10
+            optimizer.reshard(groups[rank], layout, 9)
+        finally:
+            groups[rank].close()
+
+    outcomes = on_ranks(2, run)
+    assert all(isinstance(o, LostState) for o in outcomes), outcomes
+    assert f"[{layout.slice_of(1)[0]}, {numel})" in str(outcomes[0])

@@ -1,0 +1,89 @@
+"""The collectives of a step with sharded optimizer state (docs/architecture.md, "Sharded
+optimizer state"): each gradient bucket reduce-scattered inside the rank's sharding group and
+its owned part summed across the replica groups; the gradient's norm from the slices; the
+updated parameters all-gathered inside the group.
+
+Traffic per rank, for ``n`` ranks in groups of ``g`` (``r = n / g`` replicas) and a gradient of
+``B`` bytes: the reduce-scatter sends ``(g-1)/g B``, the replicas' ring over one slice
+``2(r-1)/r B/g``, the all-gather ``(g-1)/g B``; together ``2(n-1)/n B``, what a ring
+all-reduce of the whole gradient sends.
+
+Every collective here runs on the group's one communication thread, queued in the same order
+on every rank (each bucket's reduce-scatter, then its replica ring), so the argument of
+``workers/ring.py`` against deadlock holds across them: the earliest collective in that order
+not yet complete has all its ranks posting it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from policies.sharding import ShardingLayout, Span
+from workers.comm_group import CommGroup, PendingOp
+from workers.ring import _Scratch, ring_all_gather, ring_reduce_scatter, ring_sum
+
+
+def _clip(span: Span, lo: int, hi: int) -> Span:
+    """``span`` cut to ``[lo, hi)``, shifted so that ``lo`` is 0 (empty where they miss)."""
+    a, b = max(span[0], lo), min(span[1], hi)
+    return (a - lo, b - lo) if a < b else (0, 0)
+
+
+class ShardedSum:
+    """A ``Communicator`` for the gradient part of a flat buffer under ``layout``: a bucket
+    (a view of ``base``, the ``[extra | gradients]`` buffer, starting at or after ``offset``,
+    the first gradient entry) ends summed over every rank where it overlaps this rank's slice
+    (``layout.slice_of(rank)``, in gradient coordinates); elsewhere it holds partial sums.
+    The extra slots are never given to it: the reducer sums them apart (``extra_comm``)."""
+
+    def __init__(self, group: CommGroup, layout: ShardingLayout, base: torch.Tensor, offset: int) -> None:
+        self.group = group
+        self.layout = layout
+        self._base = base
+        self._offset = offset
+        self._members = layout.group(group.rank)
+        self._peers = layout.peers(group.rank)
+        self._scratch = _Scratch()
+
+    def _where(self, tensor: torch.Tensor) -> int:
+        """Where ``tensor`` (a view of the base buffer) starts, in gradient coordinates."""
+        if tensor.untyped_storage().data_ptr() != self._base.untyped_storage().data_ptr():
+            raise ValueError("a sharded sum takes views of the gradient buffer it was made for")
+        start = tensor.storage_offset() - self._base.storage_offset() - self._offset
+        if start < 0:
+            raise ValueError("a sharded sum does not take the extra slots: sum them apart")
+        return start
+
+    def start_sum(self, tensor: torch.Tensor) -> PendingOp:
+        flat = tensor.view(-1)
+        lo = self._where(flat)
+        hi = lo + flat.numel()
+        owned = [_clip(span, lo, hi) for span in self.layout.slices()]
+        mine = owned[self.layout.position(self.group.rank)]
+
+        def reduce() -> None:
+            ring_reduce_scatter(self.group, flat, self._members, owned, self._scratch)
+            ring_sum(self.group, flat[mine[0] : mine[1]], self._peers, self._scratch)
+
+        return self.group.submit(reduce, "sharded reduce")
+
+
+def gather_slices(group: CommGroup, layout: ShardingLayout, values: torch.Tensor) -> None:
+    """Hand every rank of this rank's sharding group the others' slices of ``values`` (the flat
+    parameters, each slice freshly stepped by its owner). Blocking."""
+    pieces: Sequence[tuple[torch.Tensor, ...]] = [(values[lo:hi],) for lo, hi in layout.slices()]
+    members = layout.group(group.rank)
+    own = layout.position(group.rank)
+    group.submit(lambda: ring_all_gather(group, pieces, members, own), "sharded all-gather").wait()
+
+
+def group_sum(group: CommGroup, layout: ShardingLayout, value: float, device: torch.device) -> float:
+    """``value`` summed over this rank's sharding group (float64 on ``device``, the group's
+    tensors' device; the same bits on every rank of every group whose members hold the same
+    values: one ring, one order). Blocking."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    scratch = _Scratch()
+    group.submit(lambda: ring_sum(group, tensor, layout.group(group.rank), scratch), "sharded norm").wait()
+    return float(tensor.item())
