@@ -41,3 +41,18 @@ def test_growth_regroups_and_reshards_the_state_in_memory(tmp_path, reference):
     (grow,) = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "grow"]
     assert grow["joined"] == [2]
     assert_same_params(params(result.run_dir), reference, "grown")
+
+
+def test_a_sharded_checkpoint_resumes_in_other_groups_and_unsharded(tmp_path, reference):
+    # Written by the first group's owners (its slices: 3 parts in one group of 3, then 2 parts
+    # from 4 workers in groups of 2), resumed in other groups, then unsharded: the checkpoint's
+    # state is one flat layout whoever wrote it.
+    first = run(tmp_path, "run", "steps=8", "scaling.workers=3", "sharding.group_size=3", "checkpoint.every_steps=4")
+    checkpoints = [e for e in jsonl(first.run_dir / "events.jsonl") if e["event"] == "checkpoint"]
+    assert [e["step"] for e in checkpoints] == [4, 8]
+    regrouped = run(tmp_path, "run", "steps=16", "scaling.workers=4", "sharding.group_size=2", "checkpoint.every_steps=4")
+    assert regrouped.summary["workers"]["start"] == 4
+    unsharded = run(tmp_path, "run", "steps=25", "scaling.workers=2", "checkpoint.every_steps=4")
+    resumes = [e["checkpoint"] for e in jsonl(unsharded.run_dir / "events.jsonl") if e["event"] == "resume"]
+    assert resumes[-2:] == ["step-00000008", "step-00000016"]
+    assert_same_params(params(unsharded.run_dir), reference, "sharded, regrouped, then unsharded")
