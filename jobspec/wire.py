@@ -77,7 +77,9 @@ class Progress:
     ``since_snapshot_s``: seconds since its last checkpoint snapshot ended (None: it has taken
     none); a peer's wait that began during that snapshot is not this worker's silence.
     ``last_copy_s``: seconds its last snapshot's copy took (None: none yet), what the driver
-    expects a snapshot to take."""
+    expects a snapshot to take. ``held``: with sharded optimizer state, what it holds of it,
+    ``(lo, hi, numel, state_step)``: entries ``[lo, hi)`` of ``numel``, ready for job step
+    ``state_step`` (None: not sharded, or nothing held)."""
 
     step: int
     phase: Phase
@@ -85,6 +87,7 @@ class Progress:
     next_step: int
     since_snapshot_s: float | None = None
     last_copy_s: float | None = None
+    held: tuple[int, int, int, int] | None = None
 
     @property
     def snapshotting(self) -> bool:
@@ -98,7 +101,7 @@ class Progress:
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step, "phase": self.phase.value, "since_s": self.since_s, "next_step": self.next_step,
-            "since_snapshot_s": self.since_snapshot_s, "last_copy_s": self.last_copy_s,
+            "since_snapshot_s": self.since_snapshot_s, "last_copy_s": self.last_copy_s, "held": self.held,
         }
 
 

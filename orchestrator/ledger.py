@@ -32,12 +32,22 @@ class CommitLedger:
         #: Over committed steps, the time stragglers cost (``straggler_wait``; goodput).
         self.straggler_wait_s = 0.0
         self.last_commit_s: float | None = None  # perf_counter() of the latest commit
+        # Samples of each step committed since the start or the resume: a rewind takes them back.
+        self._samples_of: dict[int, int] = {}
 
     def resume_at(self, step: int) -> None:
         """Go on from a checkpoint after ``step`` steps (a verified checkpoint: its run's census
         counted every shard of them)."""
         self.steps_done = step
         self.shards_committed = step * self.num_shards
+
+    def rewind_to(self, step: int) -> None:
+        """Go back to a checkpoint of this run after ``step`` steps (sharded state lost in place:
+        the steps after it run again and are counted again). Raises ValueError past the steps done."""
+        if step > self.steps_done:
+            raise ValueError(f"cannot rewind to step {step}: only {self.steps_done} are done")
+        self.samples -= sum(self._samples_of.pop(s, 0) for s in range(step, self.steps_done))
+        self.resume_at(step)
 
     def commit(self, step: int, reports: list[StepTelemetry], *, complete: bool) -> None:
         """Account ``step`` as committed from its ``reports`` (every rank's if ``complete``).
@@ -60,6 +70,7 @@ class CommitLedger:
             # The reduced figures, the same on every rank: any report's will do.
             self.shards_committed += reports[0].shards_counted
             self.samples += reports[0].global_samples
+            self._samples_of[step] = reports[0].global_samples
             self.final_loss = reports[0].loss
             self.straggler_wait_s += straggler_wait(reports)
         self.last_commit_s = time.perf_counter()

@@ -23,6 +23,7 @@ from orchestrator.membership import JoinerPool
 from orchestrator.pipeline import InFlight
 from orchestrator.rendezvous import RendezvousStore
 from policies.elasticity import after_failure, pick_root
+from policies.sharding import Span, first_gap
 
 # How long the driver waits for every member's progress() when it looks for the dead: the
 # control group answers in milliseconds even mid-step, so silence this long means a dead
@@ -169,6 +170,27 @@ class GiveUp:
 
 
 @dataclass(frozen=True)
+class StateLost:
+    """Sharded optimizer state that no survivor holds at the step the group would start from:
+    entries ``span`` (None: all of it) for job step ``step``. The group was not formed."""
+
+    step: int
+    span: Span | None
+
+
+def sharded_gap(alive: Mapping[int, Progress], step: int, without_state: frozenset[int] = frozenset()) -> Span | None:
+    """With sharded optimizer state (``Progress.held``), the first entries no survivor in
+    ``alive`` (less ``without_state``) holds for job step ``step``: (0, 0) if nobody holds
+    any; None if the state is whole, at step 0 (nothing to hold yet), or not sharded."""
+    if step == 0:
+        return None
+    held = [p.held for w, p in alive.items() if p.held is not None and w not in without_state]
+    if not held:
+        return (0, 0)
+    return first_gap([(lo, hi) for lo, hi, _, at in held if at == step], held[0][2])
+
+
+@dataclass(frozen=True)
 class Reformer:
     """Forms ``group`` again after its membership changed, meeting at ``store``, with
     ``joiners`` joining; ``scaling`` gives min_workers and how long to wait for them;
@@ -181,14 +203,17 @@ class Reformer:
     scaling: ScalingConfig
     collective_s: float
     on_failed_join: Callable[[list[int], str], None]
+    sharded: bool = False
 
     def reform(
         self, alive: Mapping[int, Progress], steps_done: int, without_state: frozenset[int] = frozenset()
-    ) -> Reformed | GiveUp:
+    ) -> Reformed | GiveUp | StateLost:
         """Bring the group to ``min_workers`` or more (waiting up to ``wait_for_workers_s`` for
         replacements) and form it with the survivor that applied the most steps as rank 0,
         ready joiners joining. A further death meanwhile starts this over, ``MAX_REFORMS``
-        times at most (then raises JobFailed). ``alive``: the members' progress."""
+        times at most (then raises JobFailed). ``alive``: the members' progress. With
+        sharded state (``sharded``) that the survivors no longer hold whole at that step, it
+        forms nothing and returns StateLost."""
         waited_since = time.monotonic()
         lost: list[int] = []
         joined: list[int] = []
@@ -212,6 +237,9 @@ class Reformer:
                 self.joiners.fill()
                 waited_s += time.monotonic() - waiting
             root, next_step = pick_root(holders)
+            gap = sharded_gap(alive, next_step, without_state) if self.sharded else None
+            if gap is not None:
+                return StateLost(next_step, None if gap == (0, 0) else gap)
             self.group.lead_with(root)
             admitted = self.joiners.admit()
             joined += admitted

@@ -16,12 +16,22 @@ from typing import Mapping
 from jobspec.job import JobConfig
 from jobspec.wire import Progress, StepTelemetry
 from orchestrator.chaos_control import ChaosControl
-from orchestrator.checkpointing import CheckpointCoordinator
+from orchestrator.checkpointing import CheckpointCoordinator, find_resume_point
 from orchestrator.errors import JobFailed
 from orchestrator.group import WorkerGroup
 from orchestrator.membership import JoinerPool
 from orchestrator.pipeline import InFlight, StepOutcome, batch_reports
-from orchestrator.recovery import MAX_REFORMS, GiveUp, Recovery, Reformer, first_uncommitted, settle, steps_to_redo
+from orchestrator.recovery import (
+    MAX_REFORMS,
+    PROBE_S,
+    GiveUp,
+    Recovery,
+    Reformer,
+    StateLost,
+    first_uncommitted,
+    settle,
+    steps_to_redo,
+)
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.run_dir import RunDirectory
 from orchestrator.states import CheckpointingBeforeFailure, Recovering, Running, State
@@ -50,7 +60,8 @@ class RecoveryProcedure:
 
     def __post_init__(self, joiners: JoinerPool) -> None:
         self.reformer = Reformer(
-            self.group, self.store, joiners, self.job.scaling, self.job.timeouts.collective_s, self._failed_join
+            self.group, self.store, joiners, self.job.scaling, self.job.timeouts.collective_s, self._failed_join,
+            sharded=self.job.sharding.enabled,
         )
 
     def step_completed(self, step: int, reports: list[StepTelemetry]) -> None:
@@ -97,11 +108,16 @@ class RecoveryProcedure:
         self.checkpoints.abandon(f"worker(s) {dead + evicted} left the group")
         reforming = time.time()
         reformed = self.reformer.reform(alive, steps_done, state.without_state)
+        if isinstance(reformed, StateLost):
+            reformed = self._roll_back(reformed, dead + evicted, state.without_state)
         if isinstance(reformed, GiveUp):
             return CheckpointingBeforeFailure(reformed.holders, reformed.reason, state.in_flight, outcome.reports)
         next_step = reformed.next_step
         self.commit_held(state.in_flight, outcome.reports, next_step)
-        redo = steps_to_redo(state.in_flight, next_step, max((p.step for p in alive.values()), default=next_step))
+        reached = max((p.step for p in alive.values()), default=next_step)
+        redo = steps_to_redo(state.in_flight, next_step, reached)
+        if next_step < steps_done:  # rolled back to a checkpoint: committed steps run again too
+            redo = list(range(next_step, steps_done)) + steps_to_redo(state.in_flight, steps_done, reached)
         recovery.at_step = next_step
         recovery.workers += list(reformed.lost)
         self.accounting.counters["joins"] += len(reformed.joined)
@@ -115,6 +131,32 @@ class RecoveryProcedure:
             self.accounting.recoveries.opened(recovery)
         self.run.event("group_reformed", workers=self.group.workers, redo=redo, transfer_s=recovery.transfer_s)
         return Running(next_step, f"{self.group.size} workers")
+
+    def _roll_back(self, lost: StateLost, gone: list[int], without_state: frozenset[int]) -> Reformed | GiveUp | StateLost:
+        """Sharded optimizer state left with ``gone`` and no survivor holds it (one replica
+        group, or every peer of a slice lost): load the run's newest checkpoint into rank 0,
+        rewind the committed steps to it and re-form from it (the events say so; the steps
+        after it run again, counted as redone). Raises JobFailed if the run has no checkpoint."""
+        what = "all of it" if lost.span is None else f"entries [{lost.span[0]}, {lost.span[1]})"
+        sharding = self.job.sharding.group_size
+        point = find_resume_point(self.job, self.run.path, lambda message: self.run.event("checkpoint_skipped", reason=message))
+        if point is None:
+            raise JobFailed(
+                f"sharded optimizer state ({what}) was lost with worker(s) {gone}: no survivor holds it at step "
+                f"{lost.step}, and this run has no checkpoint to fall back to; keep a replica of every slice "
+                f"(scaling.workers at least 2 x sharding.group_size {sharding}) or set checkpoint.every_steps"
+            )
+        self.run.event(
+            "state_lost", at_step=lost.step, workers=gone, span=lost.span, checkpoint=point.name, step=point.step,
+            steps_lost=self.accounting.ledger.steps_done - point.step,
+        )
+        self.group.restore(point.root, point.name, point.manifest)  # rank 0 holds all of it now
+        alive, _ = self.group.probe(PROBE_S)
+        self.accounting.ledger.rewind_to(point.step)
+        self.checkpoints.resumed(point)
+        restored = self.group.workers[0]
+        others = frozenset(w for w in self.group.workers if w != restored)
+        return self.reformer.reform(alive, point.step, without_state | others)
 
     def _leaving(self, outcome: StepOutcome) -> tuple[dict[int, str], list[int]]:
         """Who leaves by the driver's decision, each counted and recorded (an ``evict`` event):

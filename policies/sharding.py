@@ -136,3 +136,15 @@ def plan_moves(held: Sequence[Span | None], wanted: Sequence[Span]) -> list[Move
                 pieces.append(Move(source, target, a, b))
         moves += pieces
     return sorted(moves, key=lambda move: (move.source, move.target, move.lo))
+
+
+def first_gap(spans: Sequence[Span], numel: int) -> Span | None:
+    """The first range of ``[0, numel)`` that none of ``spans`` covers (None: they cover it)."""
+    cursor = 0
+    for lo, hi in sorted(spans):
+        if lo > cursor:
+            return (cursor, min(lo, numel))
+        cursor = max(cursor, hi)
+        if cursor >= numel:
+            return None
+    return (cursor, numel) if cursor < numel else None

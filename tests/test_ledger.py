@@ -127,3 +127,16 @@ def test_two_ranks_committing_one_shard_raise_the_census_error_and_take_no_optim
         assert results[rank, "bad"] == "step 0: shards not committed exactly once: {1: 2.0, 3: 0.0}"
         assert results[rank, "unchanged"]  # no optimizer step, the replica still at step 0
         assert results[rank, "good"] == (SHARDS, 1, True)  # the same replicas step under a right plan
+
+
+def test_a_rewind_takes_back_the_steps_after_the_checkpoint():
+    ledger = CommitLedger(SHARDS)
+    for step in range(5):
+        ledger.commit(step, [_report(0, (0, 1, 2, 3), step=step)], complete=True)
+    assert (ledger.steps_done, ledger.samples, ledger.shards_committed) == (5, 5 * 2 * SHARDS, 5 * SHARDS)
+    ledger.rewind_to(3)
+    assert (ledger.steps_done, ledger.samples, ledger.shards_committed) == (3, 3 * 2 * SHARDS, 3 * SHARDS)
+    ledger.commit(3, [_report(0, (0, 1, 2, 3), step=3)], complete=True)
+    assert (ledger.steps_done, ledger.samples) == (4, 4 * 2 * SHARDS)
+    with pytest.raises(ValueError, match="only 4 are done"):
+        ledger.rewind_to(5)

@@ -20,7 +20,7 @@ from orchestrator.group import WorkerGroupError
 from orchestrator.job_file import load_job
 from orchestrator.metrics import MetricsListener
 from orchestrator.pipeline import InFlight, StepOutcome
-from orchestrator.recovery import first_uncommitted, state_holders, steps_to_redo
+from orchestrator.recovery import first_uncommitted, sharded_gap, state_holders, steps_to_redo
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.run_dir import RunDirectory
 from orchestrator.states import (
@@ -552,3 +552,17 @@ def test_chaos_at_a_step_cuts_the_batches_around_it():
     # with the victim in step 5 or 6, as with one step per call.
     assert [step for step in range(10) if chaos.acts_at(step)] == [5, 6, 7]
     assert ChaosControl(_job().chaos, None, 0, lambda *a, **k: None).acts_at(5) is False
+
+
+def test_sharded_state_is_whole_only_where_survivors_hold_every_slice_at_the_root_step():
+    def held(lo: int, hi: int, at: int) -> Progress:
+        return Progress(at - 1, Phase.DONE, 0.0, at, held=(lo, hi, 10, at))
+
+    # Groups [0, 1] and [2, 3] over 10 entries; worker 1 died: its peer 3 holds [5, 10).
+    alive = {0: held(0, 5, 7), 2: held(0, 5, 7), 3: held(5, 10, 7)}
+    assert sharded_gap(alive, 7) is None
+    assert sharded_gap(alive, 7, without_state=frozenset({3})) == (5, 10)
+    # A survivor that stepped its slice and lost the all-gather holds it for step 8, not 7.
+    assert sharded_gap({0: held(0, 5, 7), 3: held(5, 10, 8)}, 7) == (5, 10)
+    assert sharded_gap({0: Progress(6, Phase.DONE, 0.0, 7)}, 7) == (0, 0)  # nobody holds any
+    assert sharded_gap({0: held(0, 5, 0)}, 0) is None  # step 0: the state is zero everywhere

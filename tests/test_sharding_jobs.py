@@ -56,3 +56,36 @@ def test_a_sharded_checkpoint_resumes_in_other_groups_and_unsharded(tmp_path, re
     resumes = [e["checkpoint"] for e in jsonl(unsharded.run_dir / "events.jsonl") if e["event"] == "resume"]
     assert resumes[-2:] == ["step-00000008", "step-00000016"]
     assert_same_params(params(unsharded.run_dir), reference, "sharded, regrouped, then unsharded")
+
+
+def test_a_slice_without_a_replica_falls_back_to_the_newest_checkpoint_in_place(tmp_path, reference):
+    # One group of 2 (no replica): the dead rank's slice exists nowhere else. The job rewinds to
+    # its checkpoint at step 8, in place, and runs steps 8.. again.
+    result = run(
+        tmp_path, "rolled-back", "scaling.workers=2", "sharding.group_size=2", "checkpoint.every_steps=4",
+        "collective.overlap=false", "chaos.kill=[{at_step: 10, worker: 1, how: sigkill}]",
+        "chaos.stall=[{worker: 0, at_step: 14, seconds: 15, during: compute}]",
+    )
+    events = jsonl(result.run_dir / "events.jsonl")
+    (lost,) = [e for e in events if e["event"] == "state_lost"]
+    assert lost["checkpoint"] == "step-00000008" and lost["step"] == 8 and lost["workers"] == [1]
+    assert lost["steps_lost"] == 2  # steps 8 and 9 were committed, and run again
+    (reformed,) = [e for e in events if e["event"] == "group_reformed"]
+    assert reformed["redo"][:3] == [8, 9, 10]
+    summary = result.summary
+    assert summary["events"]["steps_redone"] >= 3 and summary["goodput"]["lost_s"]["redone_steps"] > 0
+    assert_same_params(params(result.run_dir), reference, "rolled back")
+
+
+def test_a_lost_slice_with_no_checkpoint_fails_naming_what_to_do(tmp_path):
+    from orchestrator.job_file import load_job
+    from orchestrator.launch import run_job
+
+    job = load_job(None, [
+        "steps=25", "eval=null", "scaling.workers=2", "sharding.group_size=2",
+        "chaos.kill=[{at_step: 5, worker: 1, how: sigkill}]",
+    ])
+    summary = run_job(job, run_dir=tmp_path / "lost").summary
+    assert summary["status"] == "failed"
+    assert "sharded optimizer state" in summary["error"] and "sharding.group_size 2" in summary["error"], summary["error"]
+    assert "checkpoint.every_steps" in summary["error"]

@@ -94,3 +94,14 @@ def test_all_small_reshards_are_complete():
             held = [old.slice_of(r) if r < old_world else None for r in range(max(old_world, new_world))]
             wanted = [new.slice_of(r) for r in range(new_world)] + [(0, 0)] * (len(held) - new_world)
             _apply(held, wanted, plan_moves(held, wanted), numel)
+
+
+def test_first_gap_names_the_first_range_nobody_covers():
+    from policies.sharding import first_gap
+
+    assert first_gap([(0, 5), (5, 10)], 10) is None
+    assert first_gap([(5, 10), (0, 6)], 10) is None
+    assert first_gap([(0, 4), (6, 10)], 10) == (4, 6)
+    assert first_gap([(2, 10)], 10) == (0, 2)
+    assert first_gap([(0, 7)], 10) == (7, 10)
+    assert first_gap([], 10) == (0, 10)

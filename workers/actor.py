@@ -214,6 +214,7 @@ class TrainWorker:
         return Progress(
             step=step, phase=phase, since_s=now - since, next_step=self.next_step,
             since_snapshot_s=None if last is None else now - last[0], last_copy_s=None if last is None else last[1],
+            held=self.optimizer.holding() if isinstance(self.optimizer, ShardedOptimizer) else None,
         )
 
     def _enter(self, step: int, phase: Phase) -> None:

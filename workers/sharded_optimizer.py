@@ -111,6 +111,12 @@ class ShardedOptimizer:
         self.inner.state_restored()
         self.held, self.state_step = (lo, hi), step
 
+    def holding(self) -> tuple[int, int, int, int] | None:
+        """What it holds, for the driver (``Progress.held``): ``(lo, hi, numel, state_step)``."""
+        if self.held is None:
+            return None
+        return (self.held[0], self.held[1], self.numel, self.state_step)
+
     def checkpoint_tensors(self, whole: bool = True) -> tuple[dict[str, FlatPieces], dict[str, torch.Tensor]]:
         """The held slice's state as whole-vector ``FlatPieces`` (a checkpoint part copies the
         entries it covers; one outside the held slice is an error) and the step counter."""
