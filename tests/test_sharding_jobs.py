@@ -18,17 +18,40 @@ def test_a_sharded_run_equals_the_single_worker_run(tmp_path, reference, workers
     assert_same_params(params(result.run_dir), reference, f"{workers} workers in groups of {group_size}")
 
 
+def _formations(run_dir) -> list[tuple[str, int]]:
+    """Each group formation after the first: (event, members)."""
+    return [(e["event"], len(e["workers"])) for e in jsonl(run_dir / "events.jsonl") if e["event"] in ("group_reformed", "grow")]
+
+
 def test_a_sharded_rank_killed_mid_step_is_healed_from_its_replica(tmp_path, reference):
+    # min_workers 4: the group waits for the replacement, so it re-forms in the same groups of 2
+    # and the replacement takes the dead rank's slice from its peer in the other group.
     result = run(
-        tmp_path, "healed", "scaling.workers=4", "sharding.group_size=2", "collective.overlap=false",
-        "chaos.kill=[{at_step: 5, worker: 1, how: sigkill}]",
-        # A pause after the kill, so the replacement has loaded and joins before the end.
-        "chaos.stall=[{worker: 0, at_step: 12, seconds: 15, during: compute}]",
+        tmp_path, "healed", "scaling.workers=4", "scaling.min_workers=4", "sharding.group_size=2",
+        "collective.overlap=false", "chaos.kill=[{at_step: 5, worker: 1, how: sigkill}]",
     )
     summary = result.summary
     assert summary["events"]["failures"] == 1 and summary["events"]["recoveries"] == 1
     assert summary["workers"] == {"start": 4, "end": 4} and summary["events"]["joins"] == 1
+    assert _formations(result.run_dir) == [("group_reformed", 4)]
     assert_same_params(params(result.run_dir), reference, "healed")
+
+
+def test_two_deaths_in_different_groups_replan_the_groups_and_regrow(tmp_path, reference):
+    # Groups [0, 1] and [2, 3]; ranks 0 and 3 die in one step. The 2 survivors re-form at once as
+    # one group of 2 (slice 0 from rank 2, slice 1 from rank 1: resharded in memory), then the
+    # replacements join and the state is cut in groups of 2 again.
+    result = run(
+        tmp_path, "replanned", "scaling.workers=4", "sharding.group_size=2", "collective.overlap=false",
+        "chaos.kill=[{at_step: 5, worker: 0, how: sigkill}, {at_step: 5, worker: 3, how: sigkill}]",
+        "chaos.stall=[{worker: 1, at_step: 12, seconds: 15, during: compute}]",
+    )
+    summary = result.summary
+    assert summary["events"]["failures"] == 2 and summary["workers"] == {"start": 4, "end": 4}
+    formations = _formations(result.run_dir)
+    assert formations[0] == ("group_reformed", 2) and formations[-1][1] == 4, formations
+    assert not [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "state_lost"]
+    assert_same_params(params(result.run_dir), reference, "two deaths, re-planned")
 
 
 def test_growth_regroups_and_reshards_the_state_in_memory(tmp_path, reference):
