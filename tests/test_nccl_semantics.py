@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
+from tests.helpers.devices import DEVICES
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
 from workers import comm_group
 from workers.comm_group import CommGroup, form_process_group, new_process_group
@@ -460,3 +461,55 @@ def test_formation_on_a_cuda_device_without_an_index_connects_the_current_one(fa
     with pytest.raises(RuntimeError, match="no CUDA device here"):
         _form(FakeNcclWorld(1), 0, threading.Event(), device=torch.device("cuda"))
     assert seen == [torch.device("cuda", 3)]
+
+
+def test_a_ring_that_posts_its_send_and_receive_apart_deadlocks_under_the_fake():
+    """The proof has teeth: the ring as it was before every exchange became one group (each
+    rank's send to the right posted alone, then its receive from the left) never completes
+    under the fake's NCCL semantics: it ends in a timeout, on every rank."""
+    size, timeout_s = 3, 1.5
+    _, groups = _groups(size, timeout_s)
+
+    def run(rank: int) -> object:
+        group = groups[rank]
+        outgoing, incoming = torch.ones(4), torch.empty(4)
+
+        def ungrouped() -> None:
+            group.exchange(sends=[(outgoing, (rank + 1) % size)]).complete()
+            group.exchange(receives=[(incoming, (rank - 1) % size)]).complete()
+
+        try:
+            group.submit(ungrouped, "ungrouped ring step").wait()
+            return "completed"
+        finally:
+            group.close()
+
+    outcomes = on_ranks(size, run, limit_s=30.0)
+    assert all(isinstance(o, (CollectiveTimeout, CollectiveAborted)) for o in outcomes), outcomes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_the_ring_sums_device_tensors_under_nccl_semantics(device, compression):
+    """The ring's segment kernels and int8's quantizing on the device (a group of one returns at
+    once: this runs them), over the fake group at 3 ranks."""
+    size, length = 3, 3 * 70_000 + 5
+    _, groups = _groups(size)
+
+    def run(rank: int) -> torch.Tensor:
+        try:
+            ring = RingAllReduce(groups[rank])
+            communicator = ring if compression == "none" else compress(compression, ring, groups[rank], topk_ratio=1.0)
+            tensor = _contribution(rank, length).to(device)
+            communicator.start_sum(tensor).wait()
+            return tensor.cpu()
+        finally:
+            groups[rank].close()
+
+    outcomes = on_ranks(size, run)
+    _raise_first(outcomes)
+    expected = torch.stack([_contribution(r, length) for r in range(size)]).sum(0)
+    for out in outcomes:
+        torch.testing.assert_close(out, outcomes[0], rtol=0, atol=0)  # replicas identical
+    error = (outcomes[0] - expected).abs().max() / expected.abs().max()
+    assert error == 0 if compression == "none" else error < 0.1
