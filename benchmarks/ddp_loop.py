@@ -36,15 +36,24 @@ _STOCK_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
-def stock_optimizer(config: OptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """What a DDP user would write: SGD/Adam/AdamW with torch's fused kernels (the fastest
-    stock choice on CPU, and the kernels ringleader's flat optimizer calls, so both follow the
-    same update rule), any other optimizer class as it is; with the job's decay groups."""
-    groups = decay_groups(params, config.decay_biases_and_norms)
-    groups = [g for g in groups if g["params"]]
+def stock_class(config: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The optimizer class and keyword arguments a DDP user would write: SGD/Adam/AdamW with
+    torch's fused kernels (the fastest stock choice on CPU, and the kernels ringleader's flat
+    optimizer calls, so both follow the same update rule), any other optimizer class as it is."""
     if config.is_fused:
-        return _STOCK_OPTIMIZERS[config.name](groups, **config.kwargs, fused=True)
-    return resolve_optimizer_class(config.name)(groups, **config.kwargs)
+        return _STOCK_OPTIMIZERS[config.name], {**config.kwargs, "fused": True}
+    return resolve_optimizer_class(config.name), dict(config.kwargs)
+
+
+def stock_groups(config: OptimizerConfig, params: Iterable[torch.nn.Parameter]) -> list[dict[str, Any]]:
+    """``params`` in the job's decay groups, empty groups left out."""
+    return [g for g in decay_groups(params, config.decay_biases_and_norms) if g["params"]]
+
+
+def stock_optimizer(config: OptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """What a DDP user would write (``stock_class``), with the job's decay groups."""
+    cls, kwargs = stock_class(config)
+    return cls(stock_groups(config, params), **kwargs)
 
 
 def global_weight(weight: float, world: int, device: torch.device) -> float:
@@ -56,6 +65,9 @@ def global_weight(weight: float, world: int, device: torch.device) -> float:
     torch.distributed.all_reduce(total)
     return float(total.item())
 
+
+#: Makes a loop's optimizer from the job's optimizer section and the (wrapped) model's parameters.
+OptimizerFactory = Callable[[OptimizerConfig, Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 #: Called after a step's optimizer step: (step, model, optimizer, this rank's loss, time.time()).
 StepHook = Callable[[int, torch.nn.Module, torch.optim.Optimizer, torch.Tensor, float], None]
@@ -83,8 +95,12 @@ class PeerRecipe:
         self.collate = optional_callable(job.dataset.collate)
         self.device = next(self.module.parameters()).device
 
-    def optimizer(self, model: torch.nn.Module, state: dict[str, Any] | None = None) -> torch.optim.Optimizer:
-        optimizer = stock_optimizer(self.job.optimizer, model.parameters())
+    def optimizer(
+        self, model: torch.nn.Module, state: dict[str, Any] | None = None, make: OptimizerFactory = stock_optimizer
+    ) -> torch.optim.Optimizer:
+        """The loop's optimizer over ``model``'s parameters, made by ``make`` (default: the
+        stock one), with ``state["optimizer"]`` loaded when given."""
+        optimizer = make(self.job.optimizer, model.parameters())
         if state is not None:
             optimizer.load_state_dict(state["optimizer"])
         return optimizer
@@ -134,18 +150,21 @@ def train_ddp(
     state: dict[str, Any] | None = None,
     after_backward: Callable[[int], None] | None = None,
     after_step: StepHook | None = None,
+    make_optimizer: OptimizerFactory = stock_optimizer,
 ) -> dict[str, Any]:
     """Train steps ``start_step`` to ``job.steps``; ``wrap`` turns the model into its DDP form.
 
     ``state`` (``{"model": ..., "optimizer": ...}`` state dicts) is loaded first (to resume).
     ``after_backward(step)`` runs after a step's backward (gradients all-reduced), before its
     optimizer step; ``after_step`` after the optimizer step, with the step's completion time.
+    ``make_optimizer`` makes the optimizer over the wrapped model's parameters (default: the
+    stock one; ``ZeroRedundancyOptimizer`` for the ZeRO peer).
     Returns the wall-clock (epoch seconds) end time and the loss weight (samples, or tokens) of
     each step, the final model state (``model``) and, on rank 0, the eval metrics.
     """
     recipe = PeerRecipe(job, state)
     model = wrap(recipe.module)
-    optimizer = recipe.optimizer(model, state)
+    optimizer = recipe.optimizer(model, state, make_optimizer)
     my_shards = ShardAssignment.balanced(job.shards, world).shards_by_rank[rank]
     # The job's injected slowness and stalls, exactly as a ringleader worker injects them (rank
     # = worker id: DDP never re-forms its group). A stall is slept in full: nothing here can

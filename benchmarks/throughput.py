@@ -83,12 +83,16 @@ def model_file(framework: str, workdir: Path) -> Path:
     return workdir / ("run" if framework.startswith("ringleader") else "") / "model.pt"
 
 
-def _command_torchrun(job: JobConfig) -> Callable[[Path, Path], list[str]]:
+def torchrun_command(job: JobConfig, *extra: str) -> Callable[[Path, Path], list[str]]:
+    """The command (of the job file and the result path) that runs ``job`` under torchrun
+    (``benchmarks/torchrun_entry.py``, one process per worker), with ``extra`` arguments to the
+    entry (``--variant zero``)."""
+
     def command(job_file: Path, result: Path) -> list[str]:
         return [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={job.scaling.workers}",
-            "-m", "benchmarks.torchrun_entry", "--job", str(job_file), "--result", str(result),
+            "-m", "benchmarks.torchrun_entry", "--job", str(job_file), "--result", str(result), *extra,
         ]
 
     return command
@@ -134,7 +138,9 @@ def run_ringleader(job: JobConfig, workdir: Path, timeout_s: float, what: str) -
     return run_dir, run_command(_command_ringleader(job_file, run_dir), timeout_s, what)
 
 
-def _ringleader_result(run_dir: Path) -> dict[str, Any]:
+def ringleader_result(run_dir: Path) -> dict[str, Any]:
+    """A finished ringleader run's figures in the peers' result format: each committed step's
+    end time and loss weight, and the final eval."""
     summary, events = read_run(run_dir)
     steps = [e for e in events if e["event"] == "step"]
     return {"step_ends": [e["time"] for e in steps], "step_weights": [e["weight"] for e in steps], "eval": summary["eval"]}
@@ -167,7 +173,7 @@ def run_once(
         "ringleader_attached": _command_attached(head),
         "ray_train": _command_ray_train,
         "torchft": _command_torchft,
-        "torchrun": _command_torchrun(job),
+        "torchrun": torchrun_command(job),
     }[framework](job_file, result)
     if keep_model and framework in ("ray_train", "torchft"):
         command += ["--model", str(model_file(framework, workdir))]
@@ -180,7 +186,15 @@ def run_once(
         env.update(HOME=head.env["HOME"], RAY_AUTH_MODE=head.env["RAY_AUTH_MODE"])
     launched = time.time()
     wall_s = run_command(command, RUN_TIMEOUT_S, framework, env)
-    data = _ringleader_result(result) if ours else json.loads(result.read_text())
+    data = ringleader_result(result) if ours else json.loads(result.read_text())
+    return timed_row(framework, job, data, launched, wall_s)
+
+
+def timed_row(framework: str, job: JobConfig, data: dict[str, Any], launched: float, wall_s: float) -> RunRow:
+    """The row of a run of ``job`` launched at ``launched`` (epoch seconds) that took ``wall_s``,
+    from its result ``data`` (``step_ends``, ``step_weights``, ``eval``, optionally
+    ``step_samples``; as ``ringleader_result`` or a peer's entry writes it). Raises
+    BenchmarkError with fewer than 2 steps to time."""
     ends: list[float] = data["step_ends"]
     if len(ends) < 2:
         raise BenchmarkError(f"{framework}: need at least 2 steps to time, got {len(ends)}")
@@ -289,4 +303,7 @@ def main(workloads: list[str], workers: int, steps: int, repeats: int, json_path
     return 0
 
 
-__all__ = ["BenchmarkError", "FRAMEWORKS", "RunRow", "asdict", "main", "medians", "run_once", "step_seconds"]
+__all__ = [
+    "BenchmarkError", "FRAMEWORKS", "RunRow", "asdict", "main", "medians", "ringleader_result", "run_once", "step_seconds",
+    "timed_row", "torchrun_command",
+]

@@ -119,11 +119,6 @@ class JobConfig(StrictModel):
         """What sharded optimizer state does not do yet is refused, naming the field."""
         if not self.sharding.enabled:
             return
-        if not self.optimizer.is_fused:
-            raise ValueError(
-                f"sharding.group_size {self.sharding.group_size} with optimizer.name {self.optimizer.name!r}: "
-                "sharded state is stepped by sgd, adam or adamw; set sharding.group_size: 1 for another optimizer"
-            )
         if self.collective.algorithm not in ("auto", "ring"):
             raise ValueError(
                 f"sharding.group_size {self.sharding.group_size} reduce-scatters with our ring: "

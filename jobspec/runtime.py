@@ -101,8 +101,10 @@ class ShardingConfig(StrictModel):
     buffer); the groups are replicas of one another. 1 (the default): every rank holds the
     whole state. A size that does not divide the number of workers is raised to the smallest
     one that does (at most every worker in one group), so no rank ever holds more than planned.
-    Sharding steps sgd, adam and adamw, reduces with our ring (``collective.algorithm`` auto or
-    ring) and compresses nothing."""
+    A generic ``torch.optim`` optimizer steps the slice as 1-D pieces of the parameters: it must
+    be element-wise (Adam-likes, RAdam, Adagrad, Lion: not Adafactor or Muon, which read a
+    parameter's shape). Sharding reduces with our ring (``collective.algorithm`` auto or ring)
+    and compresses nothing."""
 
     group_size: int = Field(1, ge=1)
 

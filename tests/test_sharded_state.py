@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from jobspec.recipe import OptimizerConfig
 from policies.sharding import LostState, ShardingLayout
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
 from workers.comm_group import CommGroup
@@ -18,6 +19,7 @@ from workers.overlap import GradientReducer
 from workers.ring import RingAllReduce
 from workers.sharded_optimizer import ShardedOptimizer
 from workers.sharded_reduce import ShardedSum, gather_slices, group_sum
+from workers.slice_steppers import GenericSlice
 from workers.training import FlatParameters, finish_gradient
 
 TIMEOUT_S = 8.0
@@ -51,6 +53,10 @@ def _model() -> torch.nn.Module:
     """A copy of one model: built in the rank threads, its initialisation would interleave on
     torch's global generator and the replicas would differ."""
     return copy.deepcopy(MODEL)
+
+
+def _config(name: str, kwargs: dict, **more: object) -> OptimizerConfig:
+    return OptimizerConfig(name=name, kwargs=kwargs, **more)
 
 
 def _gradient(rank: int, step: int, numel: int) -> torch.Tensor:
@@ -100,7 +106,7 @@ def _sharded_steps(world: int, group_size: int, steps: int, clip: float | None) 
             group = groups[rank]
             flat = FlatParameters(_model().parameters(), extra=EXTRA)
             layout = ShardingLayout(world, group_size, flat.numel)
-            optimizer = ShardedOptimizer("adamw", {"lr": 0.05}, flat, no_decay=flat.no_decay_ranges())
+            optimizer = ShardedOptimizer(_config("adamw", {"lr": 0.05}, decay_biases_and_norms=False), flat)
             optimizer.reshard(group, layout, 0)
             reducer = GradientReducer(
                 flat, ShardedSum(group, layout, flat.buffer, EXTRA), bucket_bytes=4 * 40, overlap=False,
@@ -169,13 +175,11 @@ def test_reshard_moves_each_entry_from_a_holder_to_its_owner(old, new, replaced)
     def run(rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         try:
             flat = FlatParameters(_model().parameters())
-            optimizer = ShardedOptimizer("adam", {"lr": 0.1}, flat, no_decay=None)
+            optimizer = ShardedOptimizer(_config("adam", {"lr": 0.1}), flat)
             if rank < old[0] and rank not in replaced:
-                old_inner = optimizer._over(*old_layout.slice_of(rank))
-                for key, value in _held_state(old_layout, rank, numel).items():
-                    old_inner.state[key].copy_(value)
-                old_inner.state["step"].fill_(7)
-                optimizer.inner, optimizer.held, optimizer.state_step = old_inner, old_layout.slice_of(rank), 9
+                held = old_layout.slice_of(rank)
+                optimizer.inner = optimizer._over(*held, (_held_state(old_layout, rank, numel), {"step": 7.0}))
+                optimizer.held, optimizer.state_step = held, 9
             optimizer.reshard(groups[rank], new_layout, 9)
             state = optimizer.state_tensors()
             return state["exp_avg"].clone(), state["exp_avg_sq"].clone(), float(state["step"])
@@ -199,7 +203,7 @@ def test_reshard_without_a_holder_names_the_lost_entries_and_state_of_another_st
     def run(rank: int) -> None:
         try:
             flat = FlatParameters(_model().parameters())
-            optimizer = ShardedOptimizer("adam", {"lr": 0.1}, flat, no_decay=None)
+            optimizer = ShardedOptimizer(_config("adam", {"lr": 0.1}), flat)
             optimizer.inner, optimizer.held = optimizer._over(*layout.slice_of(rank)), layout.slice_of(rank)
             # Rank 1 applied step 9's update (its all-gather then failed): good for a group at 10, not at 9.
             optimizer.state_step = 9 if rank == 0 else 10
@@ -210,3 +214,74 @@ def test_reshard_without_a_holder_names_the_lost_entries_and_state_of_another_st
     outcomes = on_ranks(2, run)
     assert all(isinstance(o, LostState) for o in outcomes), outcomes
     assert f"[{layout.slice_of(1)[0]}, {numel})" in str(outcomes[0])
+
+
+def test_a_generic_optimizer_shards_reshards_and_checkpoints_like_the_whole_one():
+    """RAdam over 1-D pieces of each rank's slice: two steps give the whole optimizer's
+    parameters; its checkpoint parts (each rank its slice, rank 0 the skeleton) restore into an
+    unsharded ``GenericOptimizer`` with the whole one's state; and resharded from groups of 2
+    to whole replicas (every rank needs every entry) each rank holds the whole state."""
+    from workers.checkpointing import part_range
+    from workers.generic_optimizer import GenericOptimizer
+
+    world, steps, config = 2, 2, _config("RAdam", {"lr": 0.01, "weight_decay": 0.1}, decay_biases_and_norms=False)
+    groups = _groups(world)
+
+    def run(rank: int) -> tuple[torch.Tensor, dict, dict, dict[str, torch.Tensor]]:
+        try:
+            group = groups[rank]
+            flat = FlatParameters(_model().parameters(), extra=EXTRA)
+            layout = ShardingLayout(world, 2, flat.numel)
+            optimizer = ShardedOptimizer(config, flat)
+            optimizer.reshard(group, layout, 0)
+            reducer = GradientReducer(
+                flat, ShardedSum(group, layout, flat.buffer, EXTRA), bucket_bytes=4 * 40, overlap=False,
+                extra_comm=RingAllReduce(group), group=group,
+            )
+            lo, hi = layout.slice_of(rank)
+            for step in range(steps):
+                flat.buffer.copy_(_gradient(rank, step, flat.numel))
+                reducer.finish()
+                finish_gradient(flat.grads[lo:hi], 4.0, 1.0, None, lambda local: group_sum(group, layout, local, flat.grads.device))
+                optimizer.step()
+                gather_slices(group, layout, flat.values)
+            optimizer.state_step = steps
+            part_flat, part_whole = optimizer.checkpoint_tensors(whole=rank == 0)
+            a, b = part_range(flat.numel, rank, world)
+            part = {k: v.cpu_range(a, b) for k, v in part_flat.items()}
+            optimizer.reshard(group, ShardingLayout(world, 1, flat.numel), steps)
+            return flat.values.clone(), part, part_whole, optimizer.state_tensors()
+        finally:
+            groups[rank].close()
+
+    outcomes = on_ranks(world, run)
+    _raise_first(outcomes)
+    flat = FlatParameters(_model().parameters(), extra=EXTRA)
+    whole = GenericOptimizer("RAdam", {"lr": 0.01, "weight_decay": 0.1}, flat.params, decay_biases_and_norms=False)
+    for step in range(steps):
+        flat.buffer.copy_(torch.stack([_gradient(r, step, flat.numel) for r in range(world)]).sum(0))
+        finish_gradient(flat.grads, 4.0, 1.0, None)
+        whole.step()
+    want = {k: torch.cat([whole.optimizer.state[p][k].reshape(-1) for p in flat.params]) for k in ("exp_avg", "exp_avg_sq")}
+    for values, _, _, state in outcomes:
+        torch.testing.assert_close(values, flat.values, rtol=1e-6, atol=1e-6)
+        assert sorted(state) == sorted(want)
+        for key in want:  # resharded to whole replicas: every rank holds every entry
+            torch.testing.assert_close(state[key], want[key], rtol=1e-6, atol=1e-7)
+    # The parts, put together, restore into an unsharded optimizer.
+    parts = {k: torch.cat([outcomes[r][1][k] for r in range(world)]) for k in outcomes[0][1]}
+    params = FlatParameters(_model().parameters()).params
+    restored = GenericOptimizer("RAdam", {"lr": 0.01, "weight_decay": 0.1}, params, decay_biases_and_norms=False)
+    restored.restore(parts, outcomes[0][2])
+    for mine, theirs in zip(params, flat.params):
+        for key in want:
+            torch.testing.assert_close(restored.optimizer.state[mine][key], whole.optimizer.state[theirs][key], rtol=1e-6, atol=1e-7)
+        assert float(restored.optimizer.state[mine]["step"]) == steps
+    # ... and into a sharded one's whole-vector holder (what a restore gives the next join).
+    held = GenericSlice.restored(
+        "RAdam", {"lr": 0.01, "weight_decay": 0.1}, FlatParameters(_model().parameters()), False, parts, outcomes[0][2]
+    )
+    flat_state, template = held.export()
+    for key in want:
+        torch.testing.assert_close(flat_state[key], want[key], rtol=1e-6, atol=1e-7)
+    assert float(template["step"]) == steps

@@ -125,8 +125,7 @@ class TrainWorker:
             )
         self.optimizer: FlatOptimizer | GenericOptimizer | ShardedOptimizer
         if job.sharding.enabled:  # its slice is known when a group forms
-            no_decay = None if job.optimizer.decay_biases_and_norms else self.flat.no_decay_ranges()
-            self.optimizer = ShardedOptimizer(str(job.optimizer.name), job.optimizer.kwargs, self.flat, no_decay)
+            self.optimizer = ShardedOptimizer(job.optimizer, self.flat)
         else:
             self.optimizer = make_optimizer(job.optimizer, self.flat)
         self.schedule = job.schedule.policy()

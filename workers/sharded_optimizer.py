@@ -1,14 +1,15 @@
-"""The fused optimizer over one slice of the flat parameters, and its state moved when the
-slices change (docs/architecture.md, "Sharded optimizer state").
+"""The optimizer over one slice of the flat parameters, and its state moved when the slices
+change (docs/architecture.md, "Sharded optimizer state").
 
 With ``sharding.group_size`` above 1 each rank steps only the slice of the flat parameters it
-owns (``policies/sharding.py``) and holds only that slice's optimizer state: a
-``FlatOptimizer`` over views of the slice of the parameters and of the reduced gradient (the
-fp32 parameters are their own master values). The slices are fixed by the group that forms,
-so the optimizer is re-made at every join (``reshard``): the state each rank needs comes from
-the ranks that hold it at the step the group starts from (``plan_moves``: each byte once, from
-a holder to its new owner, in one exchange), and a checkpoint restored on one worker makes that
-worker the holder of all of it, for one join.
+owns (``policies/sharding.py``) and holds only that slice's optimizer state: a stepper over
+views of the slice of the parameters and of the reduced gradient (``workers/slice_steppers.py``:
+the fused sgd/adam/adamw, or an element-wise ``torch.optim`` optimizer; fp32 parameters are
+their own master values). The slices are fixed by the group that forms, so the stepper is
+re-made at every join (``reshard``): the state each rank needs comes from the ranks that hold
+it at the step the group starts from (``plan_moves``: each byte once, from a holder to its new
+owner, in one exchange), and a checkpoint restored on one worker makes that worker the holder
+of all of it, for one join.
 
 What it holds is valid for one step: ``state_step``, the next job step its state is ready for.
 It runs ahead of the replica's ``next_step`` where a step's optimizer update was applied and
@@ -22,41 +23,35 @@ from typing import Any
 
 import torch
 
-from policies.sharding import ShardingLayout, Span, plan_moves
-from workers.checkpointing import FlatPieces
+from jobspec.recipe import OptimizerConfig
+from policies.sharding import LostState, ShardingLayout, Span, plan_moves
 from workers.comm_group import CommGroup
 from workers.communicator import NativeAllReduce
-from workers.flat_optimizer import FlatOptimizer
+from workers.optimizer_state import decode, encode
+from workers.slice_steppers import Exported, FusedSlice, GenericSlice
 from workers.training import FlatParameters
 
 
-def _within(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """``ranges`` cut to ``[lo, hi)`` and shifted to start there (empty ones dropped)."""
-    return [(max(a, lo) - lo, min(b, hi) - lo) for a, b in ranges if max(a, lo) < min(b, hi)]
-
-
 class ShardedOptimizer:
-    """sgd/adam/adamw (``name``, ``kwargs`` as ``FlatOptimizer``'s) over ``flat``'s values
-    ``[lo, hi)``, the slice this rank owns; ``no_decay`` as ``FlatOptimizer``'s, in whole-vector
-    coordinates. Holds nothing until the first ``reshard`` (or ``restore``)."""
+    """The job's optimizer (``config``) over the slice of ``flat`` this rank owns. Holds
+    nothing until the first ``reshard`` (or ``restore``)."""
 
-    def __init__(
-        self, name: str, kwargs: dict[str, Any], flat: FlatParameters, no_decay: list[tuple[int, int]] | None
-    ) -> None:
-        self.name = name
-        self.kwargs = kwargs
+    def __init__(self, config: OptimizerConfig, flat: FlatParameters) -> None:
+        self.config = config
         self.flat = flat
-        self.no_decay = no_decay
         self.numel = flat.numel
         #: The slice whose state this rank holds (None: none) and the next step it is ready for.
         self.held: Span | None = None
         self.state_step = 0
         self.inner = self._over(0, 0)
 
-    def _over(self, lo: int, hi: int) -> FlatOptimizer:
-        """A fresh fused optimizer over values ``[lo, hi)`` (state zero)."""
-        no_decay = None if self.no_decay is None else _within(self.no_decay, lo, hi)
-        return FlatOptimizer(self.name, self.kwargs, self.flat.values[lo:hi], self.flat.grads[lo:hi], no_decay)
+    def _over(self, lo: int, hi: int, state: Exported | None = None) -> FusedSlice | GenericSlice:
+        """A stepper over values ``[lo, hi)`` holding ``state`` (None: zero, or none yet)."""
+        config = self.config
+        if config.is_fused:
+            no_decay = None if config.decay_biases_and_norms else self.flat.no_decay_ranges()
+            return FusedSlice(str(config.name), config.kwargs, self.flat, no_decay, lo, hi, state)
+        return GenericSlice(config.name, config.kwargs, self.flat, config.decay_biases_and_norms, lo, hi, state)
 
     @property
     def base_lr(self) -> float:
@@ -64,52 +59,11 @@ class ShardedOptimizer:
 
     def step(self, lr: float | None = None) -> None:
         """Step the owned slice from its reduced gradient (the caller all-gathers the values)."""
-        self.inner.step(lr=lr)
+        self.inner.step(lr)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The held slice's state (see ``FlatOptimizer.state_tensors``)."""
+        """The held slice's state, by key (one value per entry)."""
         return self.inner.state_tensors()
-
-    def reshard(self, group: CommGroup, layout: ShardingLayout, step: int) -> None:
-        """Hold the state of ``layout.slice_of(group.rank)`` for a group starting at job step
-        ``step``: from what the ranks hold at that step (or zero at step 0), each piece sent by
-        one holder. Every rank of ``group`` makes this call. Raises LostState (naming the
-        entries) if no rank holds some of it, CollectiveAborted/CollectiveTimeout if the
-        transfer breaks off (this rank then holds nothing)."""
-        lo, hi = layout.slice_of(group.rank)
-        found = torch.zeros((group.size, 4), dtype=torch.float64)
-        valid = self.held is not None and self.state_step == step and step > 0
-        if valid:
-            assert self.held is not None
-            found[group.rank] = torch.tensor([1.0, self.held[0], self.held[1], float(self.inner.state["step"])])
-        on_device = found.to(self.flat.values.device)
-        NativeAllReduce(group).start_sum(on_device).wait()  # one row each: the sum is every row
-        table = on_device.cpu().tolist()
-        held: list[Span | None] = [(int(row[1]), int(row[2])) if row[0] else None for row in table]
-        old, old_span = self.inner, self.held
-        self.held, self.inner = None, self._over(lo, hi)
-        if step == 0:
-            self.held, self.state_step = (lo, hi), 0
-            return
-        moves = plan_moves(held, [layout.slice_of(r) for r in range(group.size)])
-        keys = [k for k in old.state_tensors() if k != "step"]
-        new_state = self.inner.state_tensors()
-        if valid and old_span is not None:  # what this rank keeps of its own
-            a, b = max(lo, old_span[0]), min(hi, old_span[1])
-            for key in keys if a < b else ():
-                new_state[key][a - lo : b - lo].copy_(old.state[key][a - old_span[0] : b - old_span[0]])
-        sends, receives = [], []
-        for move in moves:
-            for key in keys:
-                if move.source == group.rank and old_span is not None:
-                    sends.append((old.state[key][move.lo - old_span[0] : move.hi - old_span[0]], move.target))
-                if move.target == group.rank:
-                    receives.append((new_state[key][move.lo - lo : move.hi - lo], move.source))
-        group.submit(lambda: group.exchange(sends, receives).complete(), "reshard optimizer state").wait()
-        steps_taken = next(row[3] for row in table if row[0])
-        new_state["step"].fill_(steps_taken)
-        self.inner.state_restored()
-        self.held, self.state_step = (lo, hi), step
 
     def holding(self) -> tuple[int, int, int, int] | None:
         """What it holds, for the driver (``Progress.held``): ``(lo, hi, numel, state_step)``."""
@@ -117,18 +71,78 @@ class ShardedOptimizer:
             return None
         return (self.held[0], self.held[1], self.numel, self.state_step)
 
-    def checkpoint_tensors(self, whole: bool = True) -> tuple[dict[str, FlatPieces], dict[str, torch.Tensor]]:
+    def reshard(self, group: CommGroup, layout: ShardingLayout, step: int) -> None:
+        """Hold the state of ``layout.slice_of(group.rank)`` for a group starting at job step
+        ``step``: from what the ranks hold at that step (or zero at step 0), each piece sent by
+        one holder, the template (step counts) from the first of them. Every rank of ``group``
+        makes this call. Raises LostState (naming the entries) if no rank holds some of it,
+        ValueError if a holder's state is not element-wise, CollectiveAborted/CollectiveTimeout
+        if the transfer breaks off (this rank then holds nothing)."""
+        lo, hi = layout.slice_of(group.rank)
+        device = self.flat.values.device
+        valid = self.held is not None and self.state_step == step and step > 0
+        found = torch.zeros((group.size, 3), dtype=torch.float64)
+        if valid:
+            assert self.held is not None
+            found[group.rank] = torch.tensor([1.0, self.held[0], self.held[1]])
+        on_device = found.to(device)
+        NativeAllReduce(group).start_sum(on_device).wait()  # one row each: the sum is every row
+        table = on_device.cpu().tolist()
+        old, old_span = self.inner, self.held
+        self.held, self.inner = None, self._over(lo, hi)
+        if step == 0:
+            self.held, self.state_step = (lo, hi), 0
+            return
+        held: list[Span | None] = [(int(row[1]), int(row[2])) if row[0] else None for row in table]
+        moves = plan_moves(held, [layout.slice_of(r) for r in range(group.size)])
+        source = next((rank for rank, span in enumerate(held) if span is not None), None)
+        if source is None:
+            raise LostState((0, self.numel))
+        old_flat, template = old.export() if valid else ({}, {})
+        meta = self._from(group, source, {"dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in old_flat.items()}, "template": template})
+        new_flat = {k: torch.empty(hi - lo, dtype=getattr(torch, name), device=device) for k, name in meta["dtypes"].items()}
+        if valid and old_span is not None:  # what this rank keeps of its own
+            a, b = max(lo, old_span[0]), min(hi, old_span[1])
+            for key in new_flat if a < b else ():
+                new_flat[key][a - lo : b - lo].copy_(old_flat[key][a - old_span[0] : b - old_span[0]])
+        sends, receives = [], []
+        for move in moves:
+            for key in sorted(new_flat):
+                if move.source == group.rank and old_span is not None:
+                    sends.append((old_flat[key][move.lo - old_span[0] : move.hi - old_span[0]], move.target))
+                if move.target == group.rank:
+                    receives.append((new_flat[key][move.lo - lo : move.hi - lo], move.source))
+        group.submit(lambda: group.exchange(sends, receives).complete(), "reshard optimizer state").wait()
+        self.inner = self._over(lo, hi, (new_flat, meta["template"]))
+        self.held, self.state_step = (lo, hi), step
+
+    def _from(self, group: CommGroup, source: int, value: Any) -> Any:
+        """``value`` as rank ``source`` has it (small: encoded and broadcast)."""
+        device = self.flat.values.device
+        blob = encode(value).to(device) if group.rank == source else torch.empty(0, dtype=torch.uint8, device=device)
+        length = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
+        group.broadcast(length, root=source)
+        if group.rank != source:
+            blob = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+        group.broadcast(blob, root=source)
+        return decode(blob)
+
+    def checkpoint_tensors(self, whole: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The held slice's state as whole-vector ``FlatPieces`` (a checkpoint part copies the
-        entries it covers; one outside the held slice is an error) and the step counter."""
-        flat, wholes = self.inner.checkpoint_tensors(whole)
-        lo, hi = self.held if self.held is not None else (0, 0)
-        return {k: FlatPieces((v,), offset=lo, total=self.numel) for k, v in flat.items()}, wholes
+        entries it covers; one outside the held slice is an error) and, with ``whole``, what the
+        whole state shares, in the unsharded optimizer's format."""
+        lo = self.held[0] if self.held is not None else 0
+        return self.inner.checkpoint_tensors(whole, lo, self.numel)
 
     def restore(self, flat: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> None:
         """Hold a checkpoint's whole state (``flat`` entries of the full length): this replica is
         then the holder every rank's slice comes from at the next join (``restored_at``)."""
-        self.inner = self._over(0, self.numel)
-        self.inner.restore(flat, whole)
+        config = self.config
+        if config.is_fused:
+            no_decay = None if config.decay_biases_and_norms else self.flat.no_decay_ranges()
+            self.inner = FusedSlice.restored(str(config.name), config.kwargs, self.flat, no_decay, flat, whole)
+        else:
+            self.inner = GenericSlice.restored(config.name, config.kwargs, self.flat, config.decay_biases_and_norms, flat, whole)
         self.held = (0, self.numel)
 
     def restored_at(self, step: int) -> None:

@@ -1,0 +1,230 @@
+"""What steps one rank's slice of the flat parameters under sharded optimizer state, in the two
+kinds the job may name (docs/architecture.md, "Sharded optimizer state"): the fused sgd/adam/adamw
+(``FusedSlice``) and any element-wise ``torch.optim`` optimizer (``GenericSlice``).
+
+Both hand their state to ``ShardedOptimizer`` the same way, so it can move between ranks when
+the slices change: ``export`` gives the *flat* state (one tensor per key, an entry per entry of
+the slice) and the *template* (what every entry shares: a step count), ``ShardedOptimizer``
+moves the flat state and hands the new slice's to a new stepper. A generic optimizer sees the
+slice as 1-D pieces of the model's parameters (cut where the parameters meet): an element-wise
+rule (Adam-likes, RAdam, NAdam, Adagrad, Adamax, Lion, SGD) steps them exactly as it steps the
+whole parameters; a rule that reads a parameter's shape (Adafactor's factored moments, Muon)
+would not, and its state (a per-parameter entry that is not one value per entry, or that
+differs between parameters) is refused when it is exported.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from workers.checkpointing import FlatPieces
+from workers.flat_optimizer import FlatOptimizer
+from workers.generic_optimizer import FLAT_PREFIX, SKELETON, TENSOR_PREFIX, GenericOptimizer, decay_groups, resolve_optimizer_class
+from workers.optimizer_state import FLAT, TENSOR, encode
+from workers.training import FlatParameters
+
+#: Flat state by key (each the slice's length) and the template every entry shares.
+Exported = tuple[dict[str, torch.Tensor], dict[str, Any]]
+
+
+def _within(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """``ranges`` cut to ``[lo, hi)`` and shifted to start there (empty ones dropped)."""
+    return [(max(a, lo) - lo, min(b, hi) - lo) for a, b in ranges if max(a, lo) < min(b, hi)]
+
+
+class FusedSlice:
+    """``FlatOptimizer`` (sgd/adam/adamw: ``name``, ``kwargs``) over ``flat``'s values and
+    gradients ``[lo, hi)``; ``no_decay`` in whole-vector coordinates; ``state`` (``export``'s
+    flat state and template of this slice) taken as its own, or zero."""
+
+    def __init__(
+        self,
+        name: str,
+        kwargs: dict[str, Any],
+        flat: FlatParameters,
+        no_decay: list[tuple[int, int]] | None,
+        lo: int,
+        hi: int,
+        state: Exported | None = None,
+    ) -> None:
+        mine = None if no_decay is None else _within(no_decay, lo, hi)
+        self.optimizer = FlatOptimizer(name, kwargs, flat.values[lo:hi], flat.grads[lo:hi], mine)
+        if state is not None:
+            tensors, template = state
+            self.optimizer.state.update(tensors)
+            self.optimizer.state["step"].fill_(float(template["step"]))
+            self.optimizer.state_restored()
+
+    @property
+    def base_lr(self) -> float:
+        return self.optimizer.base_lr
+
+    def step(self, lr: float | None) -> None:
+        self.optimizer.step(lr=lr)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.optimizer.state_tensors()
+
+    def export(self) -> Exported:
+        state = self.optimizer.state_tensors()
+        return {k: v for k, v in state.items() if k != "step"}, {"step": float(state["step"])}
+
+    def checkpoint_tensors(self, whole: bool, lo: int, numel: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        flat, wholes = self.optimizer.checkpoint_tensors(whole)
+        return {k: FlatPieces((v,), offset=lo, total=numel) for k, v in flat.items()}, wholes
+
+    @staticmethod
+    def restored(
+        name: str, kwargs: dict[str, Any], flat: FlatParameters, no_decay: list[tuple[int, int]] | None,
+        saved_flat: dict[str, torch.Tensor], saved_whole: dict[str, torch.Tensor],
+    ) -> "FusedSlice":
+        """Over the whole vector, holding a checkpoint's state (``FlatOptimizer.restore``)."""
+        whole = FusedSlice(name, kwargs, flat, no_decay, 0, flat.numel)
+        whole.optimizer.restore(saved_flat, saved_whole)
+        return whole
+
+
+class GenericSlice:
+    """A ``torch.optim`` optimizer (``name``: as ``OptimizerConfig.name``, ``kwargs``) over
+    ``flat``'s values ``[lo, hi)``, as 1-D pieces of the model's parameters (each piece's
+    ``.grad`` a view of the reduced gradient), in the parameter groups the whole parameters
+    would be in (``decay_biases_and_norms``); ``state`` as ``FusedSlice``'s."""
+
+    def __init__(
+        self,
+        name: str | type,
+        kwargs: dict[str, Any],
+        flat: FlatParameters,
+        decay_biases_and_norms: bool,
+        lo: int,
+        hi: int,
+        state: Exported | None = None,
+    ) -> None:
+        self.flat = flat
+        self.lo, self.hi = lo, hi
+        self.cls = resolve_optimizer_class(name)
+        self.kwargs = kwargs
+        self.decay_biases_and_norms = decay_biases_and_norms
+        skip = flat.extra.numel()
+        self.pieces: list[torch.nn.Parameter] = []
+        decayed: list[torch.nn.Parameter] = []
+        exempt: list[torch.nn.Parameter] = []
+        for param, (a, b) in zip(flat.params, flat.ranges):
+            a, b = max(a - skip, lo), min(b - skip, hi)
+            if a >= b:
+                continue
+            piece = torch.nn.Parameter(flat.values[a:b], requires_grad=True)
+            piece.grad = flat.grads[a:b]
+            self.pieces.append(piece)
+            (decayed if decay_biases_and_norms or param.dim() >= 2 else exempt).append(piece)
+        groups = [{"params": decayed}] + ([{"params": exempt, "weight_decay": 0.0}] if exempt else [])
+        self.optimizer = self.cls([g for g in groups if g["params"]] or [{"params": []}], **kwargs)
+        self._base_lr = float(self.optimizer.defaults.get("lr", kwargs.get("lr", 0.0)))
+        if state is not None and state[0]:
+            tensors, template = state
+            start = 0
+            for piece in self.pieces:
+                end = start + piece.numel()
+                entry = {k: v[start:end] for k, v in tensors.items()}
+                self.optimizer.state[piece] = {**copy.deepcopy(template), **entry}
+                start = end
+
+    @property
+    def base_lr(self) -> float:
+        return self._base_lr
+
+    @torch.no_grad()
+    def step(self, lr: float | None) -> None:
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.optimizer.step()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.export()[0]
+
+    def _per_piece(self) -> tuple[list[str], dict[str, Any]]:
+        """The flat keys (a tensor of one value per entry of every piece, one dtype) and the
+        template (every other entry, the same in every piece). Raises ValueError otherwise."""
+        states = [self.optimizer.state.get(piece, {}) for piece in self.pieces]
+        if not states or not states[0]:
+            return [], {}
+        first = states[0]
+        keys = [
+            k for k, v in first.items()
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and all(
+                isinstance(s.get(k), torch.Tensor) and s[k].shape == p.shape and s[k].dtype == v.dtype
+                for s, p in zip(states, self.pieces)
+            )
+        ]
+        template = {k: v for k, v in first.items() if k not in keys}
+        for piece, state in zip(self.pieces, states):
+            rest = {k: v for k, v in state.items() if k not in keys}
+            if rest.keys() != template.keys() or not all(_same(rest[k], template[k]) for k in template):
+                raise ValueError(
+                    f"{self.cls.__name__} keeps per-parameter state that is not one value per entry "
+                    f"({sorted(set(rest) | set(template))}): sharding.group_size above 1 needs an element-wise "
+                    "optimizer; set sharding.group_size: 1"
+                )
+        return keys, template
+
+    def export(self) -> Exported:
+        keys, template = self._per_piece()
+        flat = {k: torch.cat([self.optimizer.state[p][k].reshape(-1) for p in self.pieces]) for k in keys}
+        return flat, template
+
+    def checkpoint_tensors(self, whole: bool, lo: int, numel: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """In the unsharded ``GenericOptimizer``'s format (so it resumes on any layout): the flat
+        keys as ``FlatPieces`` of this slice; with ``whole``, the skeleton of the whole
+        parameters' state, each parameter's entries the template's."""
+        keys, template = self._per_piece()
+        flat = {
+            FLAT_PREFIX + k: FlatPieces(tuple(self.optimizer.state[p][k] for p in self.pieces), offset=lo, total=numel)
+            for k in keys
+        }
+        if not whole:
+            return flat, {}
+        groups = self.cls(decay_groups(self.flat.params, self.decay_biases_and_norms), **self.kwargs).state_dict()["param_groups"]
+        tensors: list[torch.Tensor] = []
+        state: dict[int, dict[str, Any]] = {}
+        for index in (i for g in groups for i in g["params"]):
+            entry: dict[str, Any] = {k: (FLAT, k) for k in keys}
+            for k, v in template.items():
+                if isinstance(v, torch.Tensor):
+                    entry[k] = (TENSOR, len(tensors))
+                    tensors.append(v)
+                else:
+                    entry[k] = copy.deepcopy(v)
+            state[index] = entry
+        skeleton = {"state": state if keys or template else {}, "param_groups": groups}
+        return flat, {SKELETON: encode(skeleton), **{f"{TENSOR_PREFIX}{n}": t for n, t in enumerate(tensors)}}
+
+    @staticmethod
+    def restored(
+        name: str | type, kwargs: dict[str, Any], flat: FlatParameters, decay_biases_and_norms: bool,
+        saved_flat: dict[str, torch.Tensor], saved_whole: dict[str, torch.Tensor],
+    ) -> "GenericSlice":
+        """Over the whole vector, holding a checkpoint's state (written sharded or not):
+        loaded by an unsharded ``GenericOptimizer`` (which checks it), then taken as flat state."""
+        loader = GenericOptimizer(name, kwargs, flat.params, decay_biases_and_norms)
+        loader.restore(saved_flat, saved_whole)
+        slice_ = GenericSlice(name, kwargs, flat, decay_biases_and_norms, 0, flat.numel)
+        states = [loader.optimizer.state.get(param, {}) for param in flat.params]
+        # One value per entry: a tensor of its parameter's shape in every parameter's state.
+        keys = {
+            k for k in states[0]
+            if all(isinstance(s.get(k), torch.Tensor) and s[k].shape == p.shape for s, p in zip(states, flat.params))
+        }
+        for piece, state in zip(slice_.pieces, states):
+            if state:
+                slice_.optimizer.state[piece] = {k: v.detach().reshape(-1) if k in keys else v for k, v in state.items()}
+        return slice_
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    return bool(a == b)
