@@ -18,6 +18,22 @@ def test_a_sharded_run_equals_the_single_worker_run(tmp_path, reference, workers
     assert_same_params(params(result.run_dir), reference, f"{workers} workers in groups of {group_size}")
 
 
+def test_stealing_backups_rescue_and_run_ahead_move_data_shards_not_state_slices(tmp_path, reference):
+    # 4 workers in groups of 2: a slow worker's shards stolen and backed up, a stalled worker's
+    # rescued, batches of steps run ahead; the sharded state stays with its owners throughout.
+    result = run(
+        tmp_path, "stragglers", "scaling.workers=4", "sharding.group_size=2", "stragglers.evict=false",
+        "chaos={slow: [{worker: 2, factor: 8, from_step: 1, to_step: 3}], stall: [{worker: 1, at_step: 10, seconds: 5}]}",
+        "stragglers.late_factor=1.2", "stragglers.min_ratio=1.2", "stragglers.persistent_steps=1", "stragglers.window=2",
+    )
+    events = result.summary["events"]
+    assert events["stolen_shards"] > 0, events
+    telemetry = jsonl(result.run_dir / "telemetry.jsonl")
+    assert any(r["gave_up"] for r in telemetry if r["step"] == 10)
+    assert result.summary["control_plane"]["steps_per_call"] > 1  # batches ran ahead
+    assert_same_params(params(result.run_dir), reference, "sharded, with stragglers")
+
+
 def _formations(run_dir) -> list[tuple[str, int]]:
     """Each group formation after the first: (event, members)."""
     return [(e["event"], len(e["workers"])) for e in jsonl(run_dir / "events.jsonl") if e["event"] in ("group_reformed", "grow")]
