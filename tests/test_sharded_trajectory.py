@@ -1,8 +1,9 @@
 """Sharded optimizer state keeps the trajectory: real workers (``TrainWorker``, no Ray) in
 spawned processes over gloo train a few steps with the optimizer state sharded in groups of 2
 and 3, with 1 and 2 replicas, for sgd with momentum and adamw with clipping and decay groups,
-and a generic optimizer (RAdam with decay groups), in fp32 and bf16, and end with the
-parameters the unsharded workers reach."""
+a generic optimizer (RAdam with decay groups), and adam in fp16 whose first steps overflow,
+in fp32, bf16 and fp16, and end with the parameters (and skip the steps) the unsharded workers
+do."""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ def _train(rank: int, world: int, port: int, results: dict, runs: list[tuple[str
         ])
         worker = TrainWorker(job, worker_id=rank)
         worker.join_group(JoinRequest("127.0.0.1", port, f"gen{generation}/", generation, rank, ("node",) * world, 30.0))
-        norms = [worker.train_step(step, StepPlan(blocks, steal=False, speculate=False)).grad_norm for step in range(STEPS)]
+        reports = [worker.train_step(step, StepPlan(blocks, steal=False, speculate=False)) for step in range(STEPS)]
         state = _state_entries(worker.optimizer)
-        results[name, rank] = (worker.flat.values.clone(), norms, state)
+        results[name, rank] = (worker.flat.values.clone(), [r.grad_norm for r in reports], state, [r.skipped for r in reports])
         worker.leave_group()
     del store  # rank 0 hosted the store until every rank was done with it
 
@@ -59,6 +60,8 @@ RECIPES = {
     "sgd-fp32": ["optimizer.name=sgd", "optimizer.kwargs={lr: 0.1, momentum: 0.9}"],
     # A generic torch.optim optimizer: the slice stepped as 1-D pieces of the parameters.
     "radam-fp32": ["optimizer.name=RAdam", "optimizer.kwargs={lr: 0.01, weight_decay: 0.01}", "optimizer.decay_biases_and_norms=false"],
+    # fp16 with a loss scale that overflows at first: the steps it skips must be the same.
+    "adam-fp16": ["optimizer.name=adam", "optimizer.kwargs={lr: 0.01}", "precision=fp16", "loss_scaling.init=1e12", "loss_scaling.backoff=1e-4"],
     "adamw-bf16": [
         "optimizer.name=adamw", "optimizer.kwargs={lr: 0.01, weight_decay: 0.1}", "optimizer.clip_grad_norm=0.05",
         "optimizer.decay_biases_and_norms=false", "precision=bf16",
@@ -77,14 +80,17 @@ def test_sharded_training_follows_the_unsharded_trajectory(world, group_sizes):
     ]
     results = run_ranks(_train, world, runs)
     for recipe in RECIPES:
-        whole, whole_norms, whole_state = results[f"{recipe}-g1", 0]
+        whole, whole_norms, whole_state, whole_skipped = results[f"{recipe}-g1", 0]
         if recipe == "adamw-bf16":
             assert max(whole_norms) > 0.05  # the clipping is exercised
+        if recipe == "adam-fp16":
+            assert whole_skipped[0] and not all(whole_skipped)  # some steps overflow, some do not
         for g in group_sizes:
             for rank in range(world):
-                values, norms, state = results[f"{recipe}-g{g}", rank]
+                values, norms, state, skipped = results[f"{recipe}-g{g}", rank]
                 torch.testing.assert_close(values, whole, rtol=1e-5, atol=1e-6)
-                assert norms == pytest.approx(whole_norms, rel=1e-5)
+                assert skipped == whole_skipped
+                assert norms == pytest.approx(whole_norms, rel=1e-5, nan_ok=True)
                 # The rank holds its slice's state: a g-th of the whole (slices differ by an entry).
                 assert whole_state > 0 and abs(state - whole_state / g) <= whole_state / whole.numel()
             sharded = [results[f"{recipe}-g{g}", rank][0] for rank in range(world)]
