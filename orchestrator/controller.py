@@ -267,7 +267,13 @@ class JobController:
         return self.recovery.recover(state, self._stragglers())
 
     def _checkpointing_before_failure(self, state: CheckpointingBeforeFailure) -> State:
-        if state.holders:
+        if state.holders and self.job.sharding.enabled:
+            # Each survivor holds its slice of the optimizer state: no one worker can write it all.
+            self.run.event(
+                "checkpoint_skipped", reason="sharded optimizer state is spread over the workers: the newest "
+                "checkpoint written before the failure stands",
+            )
+        elif state.holders:
             root, step = pick_root(dict(state.holders))
             self.group.lead_with(root)
             if self.checkpoints.save_now(self.group, step, self._policy_state(), "before failing", ranks=1, force=True):

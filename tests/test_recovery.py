@@ -566,3 +566,15 @@ def test_sharded_state_is_whole_only_where_survivors_hold_every_slice_at_the_roo
     assert sharded_gap({0: held(0, 5, 7), 3: held(5, 10, 8)}, 7) == (5, 10)
     assert sharded_gap({0: Progress(6, Phase.DONE, 0.0, 7)}, 7) == (0, 0)  # nobody holds any
     assert sharded_gap({0: held(0, 5, 0)}, 0) is None  # step 0: the state is zero everywhere
+
+
+def test_too_few_workers_with_sharded_state_fail_without_a_save_no_worker_could_write(tmp_path):
+    """Each survivor holds only its slice of the optimizer state: no one worker can write a
+    checkpoint before failing; the job says so and fails (the newest checkpoint stands)."""
+    ran = _run(
+        tmp_path, Faults(die_in_step={(1, 5): False}), "scaling.workers=2", "scaling.min_workers=2",
+        "scaling.wait_for_workers_s=0", "sharding.group_size=2", replacements=False,
+    )
+    assert ran.summary["status"] == "failed" and "min_workers" in ran.summary["error"]
+    assert ran.states == ["running", "recovering", "checkpointing_before_failure", "failed"]
+    assert not ran.of("checkpoint") and "sharded" in ran.of("checkpoint_skipped")[0]["reason"]
