@@ -173,7 +173,7 @@ def resolve_job(job: JobConfig, source: str) -> None:
             as_callable(target)
         except ValueError as err:
             problems.append(f"  field '{field}': {err} (got {callable_name(target)!r})")
-    problem = optimizer_problem(job.optimizer)
+    problem = optimizer_problem(job.optimizer) or sharding_problem(job)
     if problem:
         problems.append(problem)
     if problems:
@@ -214,6 +214,21 @@ def check_loss(job: JobConfig, source: str) -> None:
         raise ConfigError(f"invalid job ({source}):\n  {err}") from None
     except Exception:  # noqa: BLE001 - the workers build and call these again, and report it there
         return
+
+
+def sharding_problem(job: JobConfig) -> str | None:
+    """With sharded optimizer state and a generic optimizer: a line naming
+    ``sharding.group_size`` if the optimizer steps a slice of a parameter otherwise than the
+    whole parameter (``workers/slice_steppers.py``, ``check_element_wise``), else None."""
+    if not job.sharding.enabled or job.optimizer.is_fused:
+        return None
+    from workers.slice_steppers import check_element_wise
+
+    try:
+        check_element_wise(job.optimizer.name, job.optimizer.kwargs)
+    except ValueError as err:
+        return f"  {err}"
+    return None
 
 
 def optimizer_problem(config: OptimizerConfig) -> str | None:

@@ -226,3 +226,15 @@ def test_a_local_run_does_not_warn_about_the_token_auth_of_its_own_ray(private_r
     assert done.returncode == 0, done.stderr[-3000:]
     assert "auth mode: token" in done.stdout  # Ray's default, token authentication, is kept
     assert "Token authentication is enabled" not in done.stdout + done.stderr
+
+
+def test_a_generic_optimizer_that_cannot_step_slices_is_refused_before_any_worker_starts():
+    """Sharded state steps 1-D pieces of parameters: Adafactor (which factors a matrix's
+    moments) is refused in one line naming sharding.group_size by the import-heavy checks that
+    run beside Ray's start (``resolve_job``), before any actor starts; RAdam passes."""
+    from orchestrator.job_file import load_job, resolve_job
+
+    job = load_job(None, ["optimizer.name=Adafactor", "sharding.group_size=2"], resolve=False)
+    with pytest.raises(ringleader.ConfigError, match=r"field .sharding.group_size.: Adafactor cannot step slices of parameters"):
+        resolve_job(job, "job")
+    resolve_job(load_job(None, ["optimizer.name=RAdam", "sharding.group_size=2"], resolve=False), "job")

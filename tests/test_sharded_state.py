@@ -19,7 +19,7 @@ from workers.overlap import GradientReducer
 from workers.ring import RingAllReduce
 from workers.sharded_optimizer import ShardedOptimizer
 from workers.sharded_reduce import ShardedSum, gather_slices, group_sum
-from workers.slice_steppers import GenericSlice
+from workers.slice_steppers import GenericSlice, shape_blind
 from workers.training import FlatParameters, finish_gradient
 
 TIMEOUT_S = 8.0
@@ -285,3 +285,47 @@ def test_a_generic_optimizer_shards_reshards_and_checkpoints_like_the_whole_one(
     for key in want:
         torch.testing.assert_close(flat_state[key], want[key], rtol=1e-6, atol=1e-7)
     assert float(template["step"]) == steps
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [("RAdam", {}), ("Adagrad", {}), ("NAdam", {}), ("SGD", {"lr": 0.1, "momentum": 0.9})])
+def test_element_wise_optimizers_step_slices_as_whole_parameters(name, kwargs):
+    assert shape_blind(getattr(torch.optim, name), kwargs) is None
+    ShardedOptimizer(_config(name, kwargs), FlatParameters(_model().parameters()))
+
+
+class _TensorNorm(torch.optim.Optimizer):
+    """Scales each step by its parameter's gradient norm: not one rule per entry."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:  # noqa: ANN001
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad / (p.grad.norm() + 1), alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.Adafactor, _TensorNorm], ids=["Adafactor", "tensor-norm"])
+def test_an_optimizer_that_reads_a_parameters_shape_or_cut_is_refused(optimizer):
+    """Adafactor factors a matrix's second moments; a per-tensor norm sees where a slice cuts a
+    parameter. Over a rank's 1-D pieces both would step otherwise than unsharded."""
+    assert shape_blind(optimizer, {}) is not None
+    with pytest.raises(ValueError, match=r"field 'sharding.group_size': .* cannot step slices of parameters"):
+        ShardedOptimizer(_config(optimizer, {}), FlatParameters(_model().parameters()))
+
+
+def test_state_that_is_not_one_value_per_entry_is_refused_when_it_first_shows():
+    class Kept(torch.optim.SGD):
+        """Element-wise steps, but a state entry per parameter of another size."""
+
+        def step(self, closure=None):  # noqa: ANN001, ANN201
+            super().step(closure)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["seen"] = torch.full((2,), float(p.numel()))  # one per parameter, unlike the others
+
+    flat = FlatParameters(_model().parameters())
+    flat.grads.normal_()
+    stepper = GenericSlice(Kept, {"lr": 0.1}, flat, True, 0, flat.numel)
+    with pytest.raises(ValueError, match="sharding.group_size"):
+        stepper.step(None)

@@ -28,7 +28,7 @@ from policies.sharding import LostState, ShardingLayout, Span, plan_moves
 from workers.comm_group import CommGroup
 from workers.communicator import NativeAllReduce
 from workers.optimizer_state import decode, encode
-from workers.slice_steppers import Exported, FusedSlice, GenericSlice
+from workers.slice_steppers import Exported, FusedSlice, GenericSlice, check_element_wise
 from workers.training import FlatParameters
 
 
@@ -37,6 +37,10 @@ class ShardedOptimizer:
     nothing until the first ``reshard`` (or ``restore``)."""
 
     def __init__(self, config: OptimizerConfig, flat: FlatParameters) -> None:
+        """Raises ValueError (naming ``sharding.group_size``) for a generic optimizer that steps
+        slices of a parameter otherwise than the whole parameter (``shape_blind``)."""
+        if not config.is_fused:
+            check_element_wise(config.name, config.kwargs)
         self.config = config
         self.flat = flat
         self.numel = flat.numel

@@ -123,6 +123,7 @@ class GenericSlice:
         groups = [{"params": decayed}] + ([{"params": exempt, "weight_decay": 0.0}] if exempt else [])
         self.optimizer = self.cls([g for g in groups if g["params"]] or [{"params": []}], **kwargs)
         self._base_lr = float(self.optimizer.defaults.get("lr", kwargs.get("lr", 0.0)))
+        self._checked = False
         if state is not None and state[0]:
             tensors, template = state
             start = 0
@@ -138,10 +139,16 @@ class GenericSlice:
 
     @torch.no_grad()
     def step(self, lr: float | None) -> None:
+        """One step; after the first, its state is checked to be element-wise (``_per_piece``
+        raises ValueError, naming ``sharding.group_size``), so a shape-reading optimizer fails at
+        its first step rather than at its first move or checkpoint."""
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         self.optimizer.step()
+        if not self._checked:
+            self._per_piece()
+            self._checked = True
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return self.export()[0]
@@ -222,6 +229,50 @@ class GenericSlice:
             if state:
                 slice_.optimizer.state[piece] = {k: v.detach().reshape(-1) if k in keys else v for k, v in state.items()}
         return slice_
+
+
+def shape_blind(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> str | None:
+    """Whether ``cls(**kwargs)`` steps a parameter's entries the same whatever the parameter's
+    shape and however it is cut: three steps of a 3x4 matrix, of its 12 entries as one vector
+    and as two pieces (5 and 7) must agree. None if they do, else how they differ (Adafactor
+    factors a matrix's moments, Muon orthogonalises it, a per-tensor trust ratio sees the cut).
+    What it cannot run on a vector also differs."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(3, 4, generator=gen)
+    grads = [torch.randn(3, 4, generator=gen) for _ in range(3)]
+    results = []
+    for cut in ((3, 4), (12,), (5, 7)):
+        whole = start.clone().reshape(-1)
+        params = [torch.nn.Parameter(whole.view(3, 4))] if cut == (3, 4) else [
+            torch.nn.Parameter(piece) for piece in whole.split(list(cut))
+        ]
+        try:
+            optimizer = cls(params, **kwargs)
+            for grad in grads:
+                flat_grad = grad.reshape(-1)
+                for param, piece in zip(params, flat_grad.split([p.numel() for p in params])):
+                    param.grad = piece.view(param.shape).clone()
+                optimizer.step()
+        except Exception as err:  # noqa: BLE001 - any failure on a vector is a difference
+            return f"it fails on a {cut} parameter ({type(err).__name__}: {err})"
+        results.append(torch.cat([p.detach().reshape(-1) for p in params]))
+    if not all(torch.allclose(results[0], other, rtol=1e-6, atol=1e-7) for other in results[1:]):
+        return "it steps a matrix otherwise than its entries as a vector, or as two pieces"
+    return None
+
+
+def check_element_wise(name: str | type, kwargs: dict[str, Any]) -> None:
+    """Raises ValueError (naming ``sharding.group_size``) unless optimizer ``name`` (as
+    ``OptimizerConfig.name``) with ``kwargs`` steps slices of a parameter as it steps the whole
+    parameter (``shape_blind``): what sharded state asks of a generic optimizer."""
+    cls = resolve_optimizer_class(name)
+    differs = shape_blind(cls, kwargs)
+    if differs is not None:
+        raise ValueError(
+            f"field 'sharding.group_size': {cls.__name__} cannot step slices of parameters: {differs}; "
+            "sharded optimizer state needs an element-wise optimizer (Adam-likes, RAdam, Adagrad, Lion, ...); "
+            "set sharding.group_size: 1"
+        )
 
 
 def _same(a: Any, b: Any) -> bool:
