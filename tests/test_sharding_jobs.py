@@ -1,7 +1,8 @@
 """Sharded optimizer state in whole jobs on Ray: clean runs with and without replicas, a worker
-killed mid-step (its slice healed from its replica), growth that re-plans the groups (state
-resharded in memory), and checkpoints written sharded and resumed on other layouts; each ends
-with the parameters of the clean single-worker run, every shard committed once."""
+killed mid-step (its slice healed from its replica), two deaths that re-plan the groups and
+growth back (state resharded in memory), stragglers, checkpoints written sharded and resumed
+on other layouts, and a slice without a replica rolled back to a checkpoint; each ends with the
+parameters of the clean single-worker run, every shard committed once."""
 
 from __future__ import annotations
 
@@ -65,21 +66,10 @@ def test_two_deaths_in_different_groups_replan_the_groups_and_regrow(tmp_path, r
     summary = result.summary
     assert summary["events"]["failures"] == 2 and summary["workers"] == {"start": 4, "end": 4}
     formations = _formations(result.run_dir)
-    assert formations[0] == ("group_reformed", 2) and formations[-1][1] == 4, formations
+    # Re-planned to one group of 2, then grown (one or two joins) back to groups of 2.
+    assert formations[0] == ("group_reformed", 2) and formations[-1] == ("grow", 4), formations
     assert not [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "state_lost"]
     assert_same_params(params(result.run_dir), reference, "two deaths, re-planned")
-
-
-def test_growth_regroups_and_reshards_the_state_in_memory(tmp_path, reference):
-    # 2 workers in one group of 2, then 3 in one group of 3: every slice moves.
-    result = run(
-        tmp_path, "grown", "scaling.workers=2", "scaling.max_workers=3", "sharding.group_size=2",
-        "chaos.stall=[{worker: 0, at_step: 3, seconds: 15, during: compute}, {worker: 1, at_step: 3, seconds: 15, during: compute}]",
-    )
-    assert result.summary["workers"] == {"start": 2, "end": 3} and result.summary["events"]["joins"] == 1
-    (grow,) = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "grow"]
-    assert grow["joined"] == [2]
-    assert_same_params(params(result.run_dir), reference, "grown")
 
 
 def test_a_sharded_checkpoint_resumes_in_other_groups_and_unsharded(tmp_path, reference):
