@@ -18,7 +18,7 @@ from jobspec.wire import Progress, StepTelemetry
 from orchestrator.chaos_control import ChaosControl
 from orchestrator.checkpointing import CheckpointCoordinator, find_resume_point
 from orchestrator.errors import JobFailed
-from orchestrator.group import WorkerGroup
+from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.membership import JoinerPool
 from orchestrator.pipeline import InFlight, StepOutcome, batch_reports
 from orchestrator.recovery import (
@@ -132,11 +132,13 @@ class RecoveryProcedure:
         self.run.event("group_reformed", workers=self.group.workers, redo=redo, transfer_s=recovery.transfer_s)
         return Running(next_step, f"{self.group.size} workers")
 
-    def _roll_back(self, lost: StateLost, gone: list[int], without_state: frozenset[int]) -> Reformed | GiveUp | StateLost:
+    def _roll_back(self, lost: StateLost, gone: list[int], without_state: frozenset[int]) -> Reformed | GiveUp:
         """Sharded optimizer state left with ``gone`` and no survivor holds it (one replica
         group, or every peer of a slice lost): load the run's newest checkpoint into rank 0,
         rewind the committed steps to it and re-form from it (the events say so; the steps
-        after it run again, counted as redone). Raises JobFailed if the run has no checkpoint."""
+        after it run again, counted as redone). A death meanwhile (loading, or joining: the
+        restored worker may be the one lost) starts it over, ``MAX_REFORMS`` times at most.
+        Raises JobFailed if the run has no checkpoint, or after those attempts."""
         what = "all of it" if lost.span is None else f"entries [{lost.span[0]}, {lost.span[1]})"
         sharding = self.job.sharding.group_size
         point = find_resume_point(self.job, self.run.path, lambda message: self.run.event("checkpoint_skipped", reason=message))
@@ -150,13 +152,24 @@ class RecoveryProcedure:
             "state_lost", at_step=lost.step, workers=gone, span=lost.span, checkpoint=point.name, step=point.step,
             steps_lost=self.accounting.ledger.steps_done - point.step,
         )
-        self.group.restore(point.root, point.name, point.manifest)  # rank 0 holds all of it now
-        alive, _ = self.group.probe(PROBE_S)
         self.accounting.ledger.rewind_to(point.step)
         self.checkpoints.resumed(point)
-        restored = self.group.workers[0]
-        others = frozenset(w for w in self.group.workers if w != restored)
-        return self.reformer.reform(alive, point.step, without_state | others)
+        for _ in range(MAX_REFORMS):
+            try:
+                self.group.restore(point.root, point.name, point.manifest)  # rank 0 holds all of it now
+            except (CallFailed, WorkerGroupError) as err:
+                self.reformer.after_failed_join(err)  # the dead removed: restore into another
+                continue
+            alive, silent = self.group.probe(PROBE_S)
+            self.group.remove(silent)
+            restored = self.group.workers[0]
+            others = frozenset(w for w in self.group.workers if w != restored)
+            reformed = self.reformer.reform(alive, point.step, without_state | others)
+            if isinstance(reformed, GiveUp) and restored not in self.group.workers:
+                continue  # the restored worker died joining: the others can load it again
+            if not isinstance(reformed, StateLost):
+                return reformed
+        raise JobFailed(f"could not go back to checkpoint {point.name} after {MAX_REFORMS} attempts: workers kept dying")
 
     def _leaving(self, outcome: StepOutcome) -> tuple[dict[int, str], list[int]]:
         """Who leaves by the driver's decision, each counted and recorded (an ``evict`` event):

@@ -10,6 +10,7 @@ from jobspec.job import JobConfig
 from jobspec.wire import StepTelemetry
 from policies.assignment import ShardAssignment
 from policies.eviction import Evict
+from policies.sharding import slices_kept
 from policies.straggler_policies import StepColumns, StragglerPolicies
 from policies.work_stealing import StepPlan
 
@@ -39,6 +40,15 @@ class StragglerControl:
     @property
     def evicting(self) -> bool:
         return self.config.mitigation and self.config.evict
+
+    def _state_stays(self, evict: list[Evict]) -> bool:
+        """With sharded optimizer state, whether the workers left after ``evict`` still hold a
+        copy of every slice (an evicted worker's slice is not handed over before it goes)."""
+        sharding = self.job.sharding
+        if not sharding.enabled:
+            return True
+        leaving = [self.workers.index(e.worker) for e in evict if e.worker in self.workers]
+        return slices_kept(len(self.workers), sharding.group_size, leaving)
 
     def set_workers(self, workers: list[int]) -> None:
         """The group changed (re-formed or grown): start the split and the estimates over."""
@@ -111,7 +121,13 @@ class StragglerControl:
             self.counters["rebalances"] += 1
             self.event("rebalance", step=step, **decided.rebalance.evidence())
         if decided.evict and len(self.workers) - len(decided.evict) >= self.job.scaling.min_workers:
-            self.pending_evictions = decided.evict
+            if self._state_stays(decided.evict):
+                self.pending_evictions = decided.evict
+            else:
+                self.event(
+                    "evict_skipped", step=step, workers=[e.worker for e in decided.evict],
+                    reason="sharded optimizer state: no replica of its slice would stay (a rollback to a checkpoint costs more)",
+                )
         measured = {r.worker: r.shard_s for r in reports if r.shards_run}
         healthy = [s for w, s in measured.items() if w not in self.suspects] or list(measured.values())
         if healthy:

@@ -148,3 +148,12 @@ def first_gap(spans: Sequence[Span], numel: int) -> Span | None:
         if cursor >= numel:
             return None
     return (cursor, numel) if cursor < numel else None
+
+
+def slices_kept(world: int, configured: int, leaving: Sequence[int]) -> bool:
+    """Whether, of ``world`` ranks in groups for a job asking ``configured``
+    (``effective_group_size``), those that stay when ranks ``leaving`` go still hold every slice
+    (some peer of each position stays)."""
+    size = effective_group_size(world, configured)
+    staying = set(range(world)) - set(leaving)
+    return all(any(peer in staying for peer in range(position, world, size)) for position in range(size))

@@ -578,3 +578,11 @@ def test_too_few_workers_with_sharded_state_fail_without_a_save_no_worker_could_
     assert ran.summary["status"] == "failed" and "min_workers" in ran.summary["error"]
     assert ran.states == ["running", "recovering", "checkpointing_before_failure", "failed"]
     assert not ran.of("checkpoint") and "sharded" in ran.of("checkpoint_skipped")[0]["reason"]
+
+
+def test_a_slow_worker_holding_the_only_copy_of_its_slice_is_not_evicted(tmp_path):
+    """With one sharding group its slice exists nowhere else: evicting it would cost a rollback
+    to a checkpoint, so it stays (an evict_skipped event says why)."""
+    ran = _run(tmp_path, Faults(shard_s={1: 0.5}), "sharding.group_size=4")
+    assert not ran.of("evict") and ran.summary["events"]["evictions"] == 0
+    assert "sharded" in ran.of("evict_skipped")[0]["reason"]

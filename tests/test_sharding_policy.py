@@ -105,3 +105,14 @@ def test_first_gap_names_the_first_range_nobody_covers():
     assert first_gap([(2, 10)], 10) == (0, 2)
     assert first_gap([(0, 7)], 10) == (7, 10)
     assert first_gap([], 10) == (0, 10)
+
+
+def test_slices_are_kept_while_some_peer_of_every_position_stays():
+    from policies.sharding import slices_kept
+
+    assert slices_kept(4, 2, [1])  # groups [0, 1] and [2, 3]: rank 3 still holds slice 1
+    assert not slices_kept(4, 2, [1, 3])
+    assert slices_kept(4, 2, [0, 3])
+    assert not slices_kept(2, 2, [1])  # one group: no replica
+    assert not slices_kept(3, 2, [0])  # 3 workers asking 2 form one group of 3
+    assert slices_kept(4, 1, [0, 1, 2])  # unsharded: every rank holds everything

@@ -314,7 +314,7 @@ class TrainWorker:
         if layout is not None and group is not None:  # sharded: this rank's slice, the norm from every slice
             lo, hi = layout.slice_of(link.rank)
             grads = grads[lo:hi]
-            sum_squares = lambda local: group_sum(group, layout, local, self.device)  # noqa: E731
+            sum_squares = lambda local: group_sum(group, layout, local)  # noqa: E731
         update = finish_gradient(
             grads, census.weight, self.runner.loss_scale / self.sampler.step_batch_size(step),
             self.job.optimizer.clip_grad_norm, sum_squares,

@@ -115,7 +115,11 @@ class FlatOptimizer:
         params: torch.Tensor,
         grads: torch.Tensor,
         no_decay: list[tuple[int, int]] | None = None,
+        state: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        """``state``: flat tensors (by key, like ``params``) to hold as the state instead of
+        zeros (a sharded slice's, moved from other ranks); the step count is then set by
+        the caller."""
         if params.shape != grads.shape or params.dim() != 1:
             raise ValueError(f"params and grads must be flat and alike, got {params.shape} and {grads.shape}")
         self.name = name
@@ -137,14 +141,15 @@ class FlatOptimizer:
         s = self.settings
         if self._fallback is not None:
             self.state = {}  # the stock optimizer keeps its own
-        elif isinstance(s, SGDSettings):
-            if s.momentum != 0:
-                self.state["momentum_buffer"] = torch.zeros_like(params)
-        else:
-            self.state["exp_avg"] = torch.zeros_like(params)
-            self.state["exp_avg_sq"] = torch.zeros_like(params)
-            if s.amsgrad:
-                self.state["max_exp_avg_sq"] = torch.zeros_like(params)
+            return
+        keys = ["momentum_buffer"] if isinstance(s, SGDSettings) and s.momentum != 0 else []
+        if isinstance(s, AdamSettings):
+            keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if s.amsgrad else [])
+        given = state or {}
+        if given and (sorted(given) != sorted(keys) or any(t.shape != params.shape for t in given.values())):
+            raise ValueError(f"state {sorted(given)} does not fit {name}'s {keys} over {params.numel()} entries")
+        for key in keys:
+            self.state[key] = given[key] if given else torch.zeros_like(params)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The optimizer's state, by name, in a fixed order (the same on every replica of one

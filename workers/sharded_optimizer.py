@@ -80,8 +80,8 @@ class ShardedOptimizer:
         ``step``: from what the ranks hold at that step (or zero at step 0), each piece sent by
         one holder, the template (step counts) from the first of them. Every rank of ``group``
         makes this call. Raises LostState (naming the entries) if no rank holds some of it,
-        ValueError if a holder's state is not element-wise, CollectiveAborted/CollectiveTimeout
-        if the transfer breaks off (this rank then holds nothing)."""
+        CollectiveAborted/CollectiveTimeout if the transfer breaks off. Until the transfer has
+        completed this rank keeps what it held (a failed join leaves it a holder for the next)."""
         lo, hi = layout.slice_of(group.rank)
         device = self.flat.values.device
         valid = self.held is not None and self.state_step == step and step > 0
@@ -92,18 +92,19 @@ class ShardedOptimizer:
         on_device = found.to(device)
         NativeAllReduce(group).start_sum(on_device).wait()  # one row each: the sum is every row
         table = on_device.cpu().tolist()
-        old, old_span = self.inner, self.held
-        self.held, self.inner = None, self._over(lo, hi)
-        if step == 0:
-            self.held, self.state_step = (lo, hi), 0
+        if step == 0:  # the state is zero everywhere: nothing moves
+            self.inner, self.held, self.state_step = self._over(lo, hi), (lo, hi), 0
             return
         held: list[Span | None] = [(int(row[1]), int(row[2])) if row[0] else None for row in table]
         moves = plan_moves(held, [layout.slice_of(r) for r in range(group.size)])
-        source = next((rank for rank, span in enumerate(held) if span is not None), None)
+        # The template's source holds entries: an empty slice's stepper exports no state at all.
+        source = next((rank for rank, span in enumerate(held) if span is not None and span[0] < span[1]), None)
         if source is None:
             raise LostState((0, self.numel))
-        old_flat, template = old.export() if valid else ({}, {})
-        meta = self._from(group, source, {"dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in old_flat.items()}, "template": template})
+        old_span = self.held
+        old_flat, template = self.inner.export() if valid else ({}, {})
+        dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in old_flat.items()}
+        meta = self._from(group, source, {"dtypes": dtypes, "template": template})
         new_flat = {k: torch.empty(hi - lo, dtype=getattr(torch, name), device=device) for k, name in meta["dtypes"].items()}
         if valid and old_span is not None:  # what this rank keeps of its own
             a, b = max(lo, old_span[0]), min(hi, old_span[1])
@@ -117,6 +118,7 @@ class ShardedOptimizer:
                 if move.target == group.rank:
                     receives.append((new_flat[key][move.lo - lo : move.hi - lo], move.source))
         group.submit(lambda: group.exchange(sends, receives).complete(), "reshard optimizer state").wait()
+        del old_flat  # the old state goes with the old stepper, now
         self.inner = self._over(lo, hi, (new_flat, meta["template"]))
         self.held, self.state_step = (lo, hi), step
 
@@ -135,8 +137,9 @@ class ShardedOptimizer:
         """The held slice's state as whole-vector ``FlatPieces`` (a checkpoint part copies the
         entries it covers; one outside the held slice is an error) and, with ``whole``, what the
         whole state shares, in the unsharded optimizer's format."""
-        lo = self.held[0] if self.held is not None else 0
-        return self.inner.checkpoint_tensors(whole, lo, self.numel)
+        if self.held is None:
+            raise RuntimeError("this replica holds no optimizer state to checkpoint (a state transfer did not finish)")
+        return self.inner.checkpoint_tensors(whole, self.held[0], self.numel)
 
     def restore(self, flat: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> None:
         """Hold a checkpoint's whole state (``flat`` entries of the full length): this replica is

@@ -79,11 +79,10 @@ def gather_slices(group: CommGroup, layout: ShardingLayout, values: torch.Tensor
     group.submit(lambda: ring_all_gather(group, pieces, members, own), "sharded all-gather").wait()
 
 
-def group_sum(group: CommGroup, layout: ShardingLayout, value: float, device: torch.device) -> float:
-    """``value`` summed over this rank's sharding group (float64 on ``device``, the group's
-    tensors' device; the same bits on every rank of every group whose members hold the same
-    values: one ring, one order). Blocking."""
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+def group_sum(group: CommGroup, layout: ShardingLayout, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (one entry; float64 on the group's device) summed in place over this rank's
+    sharding group, and returned: the same bits on every rank of every group whose members
+    hold the same values (one ring, one order). Blocking; nothing is read to the host."""
     scratch = _Scratch()
     group.submit(lambda: ring_sum(group, tensor, layout.group(group.rank), scratch), "sharded norm").wait()
-    return float(tensor.item())
+    return tensor

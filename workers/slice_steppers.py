@@ -51,10 +51,9 @@ class FusedSlice:
         state: Exported | None = None,
     ) -> None:
         mine = None if no_decay is None else _within(no_decay, lo, hi)
-        self.optimizer = FlatOptimizer(name, kwargs, flat.values[lo:hi], flat.grads[lo:hi], mine)
-        if state is not None:
-            tensors, template = state
-            self.optimizer.state.update(tensors)
+        tensors, template = state if state is not None else ({}, {})
+        self.optimizer = FlatOptimizer(name, kwargs, flat.values[lo:hi], flat.grads[lo:hi], mine, tensors)
+        if template:
             self.optimizer.state["step"].fill_(float(template["step"]))
             self.optimizer.state_restored()
 

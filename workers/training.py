@@ -172,14 +172,15 @@ def finish_gradient(
     weight: float,
     scaled_by: float,
     clip: float | None,
-    sum_squares: Callable[[float], float] | None = None,
+    sum_squares: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> GradientUpdate:
     """Turn the reduced ``grads`` (the sum of every shard's loss-sum gradient, times
     ``scaled_by``: the loss scale over the global batch size) into the step's mean gradient,
     in place: divided by the step's total ``weight``, then clipped to global norm ``clip``.
     The reduced buffer is the same on every replica, so is the result. ``sum_squares``: where
     ``grads`` is one slice of the gradient (sharded state), it turns this slice's sum of squares
-    into the whole gradient's (the same on every rank, so are the norm and the clipping). A
+    (a float64 tensor of one entry on its device) into the whole gradient's (the same on every
+    rank, so are the norm and the clipping); read to the host once. A
     non-finite gradient is left as it is, its norm inf or nan (the caller skips the step or
     fails). Raises ValueError if the weights sum to 0 or less."""
     if not weight > 0:
@@ -188,7 +189,8 @@ def finish_gradient(
     if sum_squares is None:
         norm = float(torch.linalg.vector_norm(grads)) * factor
     else:
-        norm = math.sqrt(sum_squares(float(torch.linalg.vector_norm(grads, dtype=torch.float64)) ** 2)) * factor
+        local = torch.linalg.vector_norm(grads).double().square().reshape(1)  # no float64 copy of the slice
+        norm = math.sqrt(float(sum_squares(local))) * factor
     if not math.isfinite(norm):
         return GradientUpdate(norm)
     clipped = clip is not None and norm > clip
