@@ -111,7 +111,10 @@ class JoinRequest:
     through the driver's TCPStore at ``store_host:store_port`` under key ``prefix``;
     ``nodes[r]`` is rank r's Ray node id. ``timeout_s`` bounds the rendezvous. ``namespace``:
     the job's secret key prefix in that store (every key carries it, so a stray client that
-    reaches the port cannot read or forge one); ``prefix`` is under it."""
+    reaches the port cannot read or forge one); ``prefix`` is under it. ``step``: the job step
+    the group starts from (-1: rank 0's next step); the driver names one only for sharded
+    state whose slices were all stepped past rank 0's parameters (docs/architecture.md,
+    "Sharded optimizer state")."""
 
     store_host: str
     store_port: int
@@ -121,6 +124,7 @@ class JoinRequest:
     nodes: tuple[str, ...]
     timeout_s: float
     namespace: str = ""
+    step: int = -1
 
     @property
     def world_size(self) -> int:

@@ -89,10 +89,11 @@ class WorkerGroup(Protocol):
 
     def start(self, count: int) -> list[WorkerInfo]: ...
 
-    def form_group(self, store: RendezvousStore) -> float:
+    def form_group(self, store: RendezvousStore, step: int = -1) -> float:
         """Every member joins the store's next generation's process group and takes rank 0's
-        state; returns the transfer's seconds (the slowest rank's). Raises CallFailed if a
-        member failed (died) and WorkerGroupError if it timed out."""
+        state (at job step ``step``: -1, rank 0's next step; see ``JoinRequest.step``); returns
+        the transfer's seconds (the slowest rank's). Raises CallFailed if a member failed
+        (died) and WorkerGroupError if it timed out."""
         ...
 
     def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> list[Call]:

@@ -191,6 +191,31 @@ def sharded_gap(alive: Mapping[int, Progress], step: int, without_state: frozens
 
 
 @dataclass(frozen=True)
+class ShardedStart:
+    """Where a group of sharded state starts: rank 0 ``root`` and job step ``step``."""
+
+    root: int
+    step: int
+
+
+def sharded_start(
+    alive: Mapping[int, Progress], root: int, step: int, without_state: frozenset[int] = frozenset()
+) -> ShardedStart | StateLost:
+    """Where a group of sharded state starts, given ``pick_root``'s ``root`` and ``step``: there,
+    when the survivors hold every slice at ``step``; else, if every slice was stepped once more
+    (an all-gather that no group finished: ``state_step`` past the parameters' step), after it,
+    led by a holder of that step (each slice's parameters come with its state from its
+    holders); else StateLost, naming the first entries nobody holds at ``step``."""
+    gap = sharded_gap(alive, step, without_state)
+    if gap is None:
+        return ShardedStart(root, step)
+    if sharded_gap(alive, step + 1, without_state) is None:
+        ahead = sorted(w for w, p in alive.items() if w not in without_state and p.held and p.held[3] == step + 1)
+        return ShardedStart(ahead[0], step + 1)
+    return StateLost(step, None if gap == (0, 0) else gap)
+
+
+@dataclass(frozen=True)
 class Reformer:
     """Forms ``group`` again after its membership changed, meeting at ``store``, with
     ``joiners`` joining; ``scaling`` gives min_workers and how long to wait for them;
@@ -237,15 +262,19 @@ class Reformer:
                 self.joiners.fill()
                 waited_s += time.monotonic() - waiting
             root, next_step = pick_root(holders)
-            gap = sharded_gap(alive, next_step, without_state) if self.sharded else None
-            if gap is not None:
-                return StateLost(next_step, None if gap == (0, 0) else gap)
+            named = -1  # the join's step: the root's own
+            if self.sharded:
+                start = sharded_start(alive, root, next_step, without_state)
+                if isinstance(start, StateLost):
+                    return start
+                if start.step != next_step:  # every slice stepped past the parameters: start after it
+                    root, next_step, named = start.root, start.step, start.step
             self.group.lead_with(root)
             admitted = self.joiners.admit()
             joined += admitted
             started = time.time()
             try:
-                transfer_s = self.group.form_group(self.store)
+                transfer_s = self.group.form_group(self.store, named)
                 return Reformed(
                     transfer_s, time.time() - started - transfer_s, next_step, tuple(joined), tuple(lost), waited_s
                 )

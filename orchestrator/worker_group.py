@@ -162,7 +162,7 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         return actor, worker
 
     @ray_errors_as_group_errors
-    def form_group(self, store: RendezvousStore) -> float:
+    def form_group(self, store: RendezvousStore, step: int = -1) -> float:
         """All members join one torch.distributed group through the driver's store (a new
         generation) and take rank 0's training state. Returns the state transfer's seconds (the
         slowest rank's). Raises WorkerGroupError on a timeout and CallFailed if a member
@@ -171,7 +171,8 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         nodes = tuple(info.node_id for info in self.info)  # topology for the hierarchical all-reduce
         requests = [
             JoinRequest(
-                store.host, store.port, prefix, store.generation, rank, nodes, self.timeouts.rendezvous_s, store.namespace
+                store.host, store.port, prefix, store.generation, rank, nodes, self.timeouts.rendezvous_s, store.namespace,
+                step,
             )
             for rank in range(self.size)
         ]

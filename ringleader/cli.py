@@ -145,6 +145,20 @@ def _parser() -> argparse.ArgumentParser:
     recovery.add_argument("--overhead-steps", type=int, default=200, help="steps of each checkpoint-overhead run")
     recovery.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
 
+    sharding = benches.add_parser(
+        "sharding",
+        help="sharded optimizer state at each group size: bytes and peak per rank (measured vs plan), samples/s "
+        "vs ZeRO + DDP and FSDP2, recovery with replicas",
+    )
+    sharding.add_argument(
+        "--workloads", nargs="+", choices=["tinylm", "gpt"], default=["tinylm", "gpt"], help="default: tinylm gpt"
+    )
+    sharding.add_argument("--group-sizes", type=int, nargs="+", default=[1, 2, 4], help="sharding.group_size values (default: 1 2 4)")
+    sharding.add_argument("--workers", type=int, default=4)
+    sharding.add_argument("--steps", type=int, default=40, help="steps per run (the recovery run kills a worker half way)")
+    sharding.add_argument("--repeats", type=int, default=2, help="interleaved runs of each contender (medians)")
+    sharding.add_argument("--json", dest="json_path", metavar="FILE", help="write every figure as JSON")
+
     gpu = benches.add_parser(
         "gpu", help="the GPT recipe on one GPU worker vs a plain PyTorch loop: samples/s, tokens/s, MFU, peak memory"
     )
@@ -356,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
             args.workload, args.workers, args.steps, args.kill_step, args.checkpoint_every, args.repeats,
             args.overhead_steps, args.json_path, args.exact_steps, args.exact_kill_step,
         )
+    if args.command == "bench" and args.bench == "sharding":
+        from benchmarks import sharding
+
+        return sharding.main(args.workloads, args.group_sizes, args.workers, args.steps, args.repeats, args.json_path)
     if args.command == "bench" and args.bench == "gpu":
         from benchmarks import gpu
 

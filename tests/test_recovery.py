@@ -586,3 +586,17 @@ def test_a_slow_worker_holding_the_only_copy_of_its_slice_is_not_evicted(tmp_pat
     ran = _run(tmp_path, Faults(shard_s={1: 0.5}), "sharding.group_size=4")
     assert not ran.of("evict") and ran.summary["events"]["evictions"] == 0
     assert "sharded" in ran.of("evict_skipped")[0]["reason"]
+
+
+def test_a_sharded_group_starts_after_a_step_whose_slices_were_all_stepped():
+    from orchestrator.recovery import ShardedStart, StateLost, sharded_start
+
+    def held(lo: int, hi: int, next_step: int, state_step: int) -> Progress:
+        return Progress(next_step, Phase.DONE, 0.0, next_step, held=(lo, hi, 10, state_step))
+
+    # The all-gather of step 7 broke off in every group: parameters at 7, every slice at 8.
+    stepped = {0: held(0, 5, 7, 8), 2: held(0, 5, 7, 8), 3: held(5, 10, 7, 8)}
+    assert sharded_start(stepped, 0, 7) == ShardedStart(0, 8)
+    # Slice [0, 5) stepped, [5, 10) not: whole at neither step (named: the first gap at step 7).
+    assert sharded_start({0: held(0, 5, 7, 8), 3: held(5, 10, 7, 7)}, 0, 7) == StateLost(7, (0, 5))
+    assert sharded_start({0: held(0, 5, 7, 7), 3: held(5, 10, 7, 7)}, 3, 7) == ShardedStart(3, 7)

@@ -334,3 +334,39 @@ def test_state_that_is_not_one_value_per_entry_is_refused_when_it_first_shows():
     stepper = GenericSlice(Kept, {"lr": 0.1}, flat, True, 0, flat.numel)
     with pytest.raises(ValueError, match="sharding.group_size"):
         stepper.step(None)
+
+
+@pytest.mark.parametrize(("new_world", "new_group"), [(4, 2), (3, 3)], ids=["same-groups", "regrouped"])
+def test_parameters_come_with_the_state_from_each_slices_holders(new_world, new_group):
+    """Every rank stepped its slice and the all-gather broke off in every group: each holds its
+    own slice of the parameters at the new step and garbage elsewhere. A group starting after
+    that step (one rank lost, regrouped or replaced) rebuilds the whole parameters from the
+    slices' holders and the all-gather."""
+    numel = FlatParameters(_model().parameters()).numel
+    old = ShardingLayout(4, 2, numel)
+    new = ShardingLayout(new_world, new_group, numel)
+    groups = _groups(new_world)
+    truth = torch.arange(numel, dtype=torch.float32) / 7
+    survivors = [0, 2, 3] if new_world == 3 else [0, 2, 3, None]  # old rank 1 is gone; a replacement last
+
+    def run(rank: int) -> torch.Tensor:
+        try:
+            flat = FlatParameters(_model().parameters())
+            optimizer = ShardedOptimizer(_config("adam", {"lr": 0.1}), flat)
+            was = survivors[rank]
+            flat.values.fill_(-1.0)  # garbage: a broken all-gather, or a fresh replacement
+            if was is not None:
+                lo, hi = old.slice_of(was)
+                flat.values[lo:hi] = truth[lo:hi]
+                optimizer.inner = optimizer._over(lo, hi, (_held_state(old, was, numel), {"step": 5.0}))
+                optimizer.held, optimizer.state_step = (lo, hi), 6
+            optimizer.reshard(groups[rank], new, 6)
+            gather_slices(groups[rank], new, flat.values)
+            return flat.values.clone()
+        finally:
+            groups[rank].close()
+
+    outcomes = on_ranks(new_world, run)
+    _raise_first(outcomes)
+    for values in outcomes:
+        torch.testing.assert_close(values, truth, rtol=0, atol=0)

@@ -330,11 +330,14 @@ class TrainWorker:
             )
         if not skipped:
             self.optimizer.step(lr=lr)
+        self.buffers.apply(self.flat.extra[census_slots(plan.num_shards) :])  # as DDP, a skipped step's too
         if isinstance(self.optimizer, ShardedOptimizer) and layout is not None and group is not None:
-            self.optimizer.state_step = step + 1  # its slice is stepped; the others' arrive next
+            # Its slice, the loss scale and the buffers are at step + 1 now; the other slices'
+            # parameters arrive next. Should that fail, a group may start after this step from
+            # what the slices' holders have (GroupLink: their state and parameters).
+            self.optimizer.state_step = step + 1
             if not skipped:
                 gather_slices(group, layout, self.flat.values)
-        self.buffers.apply(self.flat.extra[census_slots(plan.num_shards) :])  # as DDP, a skipped step's too
         self.next_step = step + 1
         self._enter(step, Phase.DONE)
         done = time.perf_counter()

@@ -30,7 +30,7 @@ from workers.overlap import DEFAULT_BUCKET_BYTES, GradientReducer
 from workers.replica import Replica
 from workers.ring import RingAllReduce
 from workers.sharded_optimizer import ShardedOptimizer
-from workers.sharded_reduce import ShardedSum
+from workers.sharded_reduce import ShardedSum, gather_slices
 from workers.training import FlatParameters
 
 
@@ -105,7 +105,7 @@ class GroupLink:
             self.layout = None
             choice = self._build_reducer(self.group, request.nodes, replica.flat, residuals)
         started = time.perf_counter()
-        self._take_root_state(self.group, replica, previous)
+        self._take_root_state(self.group, replica, previous, request.step)
         return Joined(transfer_s=time.perf_counter() - started, next_step=replica.next_step, collective=choice)
 
     def _build_reducer(
@@ -160,12 +160,15 @@ class GroupLink:
             group=group,
         )
 
-    def _take_root_state(self, group: CommGroup, replica: Replica, previous: Communicator | None) -> None:
+    def _take_root_state(self, group: CommGroup, replica: Replica, previous: Communicator | None, named: int = -1) -> None:
         """Take rank 0's step, parameters, optimizer state, loss scale and model buffers into
-        ``replica`` (rank 0 keeps its own). ``previous`` is the last generation's communicator."""
+        ``replica`` (rank 0 keeps its own). ``previous`` is the last generation's communicator.
+        ``named``: the step the group starts from (-1: rank 0's next step). Sharded state and
+        the parameters come from the holders of each slice at that step instead
+        (``ShardedOptimizer.reshard``), then an all-gather in the sharding group."""
         step = torch.tensor([replica.next_step], dtype=torch.int64, device=replica.device)
         group.broadcast(step, root=0)
-        root_step, staged_for = int(step.item()), self.reducing_step
+        root_step, staged_for = (int(step.item()) if named < 0 else named), self.reducing_step
         if isinstance(previous, TopKAllReduce) and root_step == staged_for + 1 and replica.next_step == staged_for:
             # This rank was aborted in a step that completed elsewhere (a rank died in the
             # all-gather after everyone's piece was out): its piece was counted, so its unsent
@@ -175,11 +178,15 @@ class GroupLink:
             # Until the whole state has arrived this replica holds none: if the transfer breaks
             # off, the driver must not take it for a survivor with a good state.
             replica.next_step = -1
-        group.broadcast(replica.flat.values, root=0)
         if isinstance(replica.optimizer, ShardedOptimizer):
             assert self.layout is not None
+            if root_step == 0:  # nothing held yet: the root's initial parameters
+                group.broadcast(replica.flat.values, root=0)
             replica.optimizer.reshard(group, self.layout, root_step)
+            if root_step > 0:
+                gather_slices(group, self.layout, replica.flat.values)
         else:
+            group.broadcast(replica.flat.values, root=0)
             replica.optimizer.sync(lambda tensor: group.broadcast(tensor, root=0), is_root=self.rank == 0)
         group.broadcast(replica.scaler.state, root=0)
         for buffer in replica.model.buffers():  # running statistics: a checkpoint restores them on one worker

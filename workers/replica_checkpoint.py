@@ -37,13 +37,15 @@ def checkpointed_tensors(
     flat = {"params": replica.flat.values, **{f"optim/{k}": v for k, v in optim_flat.items()}}
     if not whole:
         return flat, {}
-    wholes = {
-        **{f"optim/{k}": v for k, v in optim_whole.items()},
-        **{f"buffer/{k}": v for k, v in replica.model.named_buffers()},
-    }
+    return flat, {**{f"optim/{k}": v for k, v in optim_whole.items()}, **_model_tensors(replica)}
+
+
+def _model_tensors(replica: Replica) -> dict[str, torch.Tensor]:
+    """The whole tensors a checkpoint holds besides the optimizer's: buffers and the loss scale."""
+    found = {f"buffer/{k}": v for k, v in replica.model.named_buffers()}
     if replica.scaler.enabled:
-        wholes["loss_scale"] = replica.scaler.state
-    return flat, wholes
+        found["loss_scale"] = replica.scaler.state
+    return found
 
 
 def restore_state(replica: Replica, storage: CheckpointStorage, name: str, manifest: dict[str, Any]) -> None:
@@ -52,8 +54,8 @@ def restore_state(replica: Replica, storage: CheckpointStorage, name: str, manif
     CheckpointCorrupt if a file changed since it was verified, ValueError if the checkpoint
     is for another model."""
     flat, whole = load_state(storage, name, manifest)
-    mine_flat, mine_whole = checkpointed_tensors(replica)
-    targets = {k: v for k, v in {**mine_flat, **mine_whole}.items() if not k.startswith("optim/")}
+    # What it restores into besides the optimizer (a sharded one may hold nothing yet).
+    targets = {"params": replica.flat.values, **_model_tensors(replica)}
     loaded = {k: v for k, v in {**flat, **whole}.items() if not k.startswith(("optim/", "rng/"))}
     check_fit(targets, loaded, lambda held, needed: f"checkpoint {name} holds {held}, this model needs {needed}")
     replica.optimizer.restore(

@@ -78,8 +78,10 @@ class ShardedOptimizer:
     def reshard(self, group: CommGroup, layout: ShardingLayout, step: int) -> None:
         """Hold the state of ``layout.slice_of(group.rank)`` for a group starting at job step
         ``step``: from what the ranks hold at that step (or zero at step 0), each piece sent by
-        one holder, the template (step counts) from the first of them. Every rank of ``group``
-        makes this call. Raises LostState (naming the entries) if no rank holds some of it,
+        one holder, the template (step counts) from the first of them, and with each piece the
+        parameters' entries (a holder's own slice of them is at that step even where its
+        all-gather broke off; the caller all-gathers the rest). Every rank of ``group`` makes
+        this call. Raises LostState (naming the entries) if no rank holds some of it,
         CollectiveAborted/CollectiveTimeout if the transfer breaks off. Until the transfer has
         completed this rank keeps what it held (a failed join leaves it a holder for the next)."""
         lo, hi = layout.slice_of(group.rank)
@@ -110,6 +112,7 @@ class ShardedOptimizer:
             a, b = max(lo, old_span[0]), min(hi, old_span[1])
             for key in new_flat if a < b else ():
                 new_flat[key][a - lo : b - lo].copy_(old_flat[key][a - old_span[0] : b - old_span[0]])
+        values = self.flat.values  # a rank sends from its old span and receives outside it: disjoint
         sends, receives = [], []
         for move in moves:
             for key in sorted(new_flat):
@@ -117,6 +120,10 @@ class ShardedOptimizer:
                     sends.append((old_flat[key][move.lo - old_span[0] : move.hi - old_span[0]], move.target))
                 if move.target == group.rank:
                     receives.append((new_flat[key][move.lo - lo : move.hi - lo], move.source))
+            if move.source == group.rank:
+                sends.append((values[move.lo : move.hi], move.target))
+            if move.target == group.rank:
+                receives.append((values[move.lo : move.hi], move.source))
         group.submit(lambda: group.exchange(sends, receives).complete(), "reshard optimizer state").wait()
         del old_flat  # the old state goes with the old stepper, now
         self.inner = self._over(lo, hi, (new_flat, meta["template"]))

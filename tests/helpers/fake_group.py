@@ -176,7 +176,7 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
             elif call.step is not None:
                 call.ends_at = BLOCKED
 
-    def form_group(self, store: RendezvousStore) -> float:
+    def form_group(self, store: RendezvousStore, step: int = -1) -> float:
         store.next_prefix()
         self.generations += 1
         for member in self.members:
@@ -189,7 +189,7 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
             if member.worker in self.faults.error_joining:
                 self.faults.error_joining.discard(member.worker)
                 raise CallFailed(member.worker, FailureKind.ERROR, "DistStoreError: connection reset")
-        root = self.members[0].next_step
+        root = self.members[0].next_step if step < 0 else step
         for member in self.members:
             member.next_step, member.joined_before = root, True
         return 0.001
