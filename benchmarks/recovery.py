@@ -17,7 +17,6 @@ over alternating runs (medians).
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from collections import Counter
@@ -28,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.recovery_baseline import run_ray_train_recovery, run_torchft_recovery
-from benchmarks.throughput import BenchmarkError, model_file, read_run, run_once, run_ringleader
+from benchmarks.throughput import BenchmarkError, model_file, read_run, run_and_report, run_once, run_ringleader
 from benchmarks.torchft_loop import torchft_refusal
 from benchmarks.workloads import workload_job
 from jobspec.durable import read_jsonl
@@ -240,14 +239,9 @@ def main(workload: str, workers: int, steps: int, kill_step: int, checkpoint_eve
     if (refusal := torchft_refusal(workload_job(workload, workers, steps))) is not None:
         print(f"ringleader: {refusal}", file=sys.stderr)
         return 2
-    try:
-        result = run_benchmark(
+    return run_and_report(
+        lambda: run_benchmark(
             workload, workers, steps, kill_step, checkpoint_every, repeats, overhead_steps, exact_steps, exact_kill_step
-        )
-    except BenchmarkError as err:
-        print(f"ringleader: benchmark failed: {err}", file=sys.stderr)
-        return 1
-    print(format_result(result))
-    if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2))
-    return 0
+        ),
+        format_result, json_path,
+    )

@@ -287,6 +287,23 @@ def format_table(table: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+def run_and_report(
+    run: Callable[[], dict[str, Any]], format_result: Callable[[dict[str, Any]], str], json_path: str | None
+) -> int:
+    """A bench command's end: ``run()``, its result printed with ``format_result`` and written as
+    JSON to ``json_path`` when given; 0. A BenchmarkError is printed instead, and 1 returned."""
+    try:
+        result = run()
+    except BenchmarkError as err:
+        print(f"ringleader: benchmark failed: {err}", file=sys.stderr)
+        return 1
+    print(format_result(result))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+        print(f"wrote {json_path}")
+    return 0
+
+
 def main(workloads: list[str], workers: int, steps: int, repeats: int, json_path: str | None) -> int:
     if (refusal := torchft_refusal(*(workload_job(w, workers, steps) for w in workloads))) is not None:
         print(f"ringleader: {refusal}", file=sys.stderr)
@@ -304,6 +321,6 @@ def main(workloads: list[str], workers: int, steps: int, repeats: int, json_path
 
 
 __all__ = [
-    "BenchmarkError", "FRAMEWORKS", "RunRow", "asdict", "main", "medians", "ringleader_result", "run_once", "step_seconds",
+    "BenchmarkError", "FRAMEWORKS", "RunRow", "asdict", "main", "medians", "ringleader_result", "run_and_report", "run_once", "step_seconds",
     "timed_row", "torchrun_command",
 ]
