@@ -155,8 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     sharding.add_argument("--group-sizes", type=int, nargs="+", default=[1, 2, 4], help="sharding.group_size values (default: 1 2 4)")
     sharding.add_argument("--workers", type=int, default=4)
-    sharding.add_argument("--steps", type=int, default=40, help="steps per run (the recovery run kills a worker half way)")
-    sharding.add_argument("--repeats", type=int, default=2, help="interleaved runs of each contender (medians)")
+    sharding.add_argument("--steps", type=int, default=30, help="steps per run (the recovery run kills a worker half way)")
+    sharding.add_argument("--repeats", type=int, default=3, help="interleaved runs of each contender (medians)")
     sharding.add_argument("--json", dest="json_path", metavar="FILE", help="write every figure as JSON")
 
     gpu = benches.add_parser(
