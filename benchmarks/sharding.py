@@ -18,13 +18,11 @@ For each workload (the shipped ``tinylm`` and the GPT recipe: AdamW, clipping, b
    span starts after that step). A ratio is the median over repeats of the two contenders' runs
    in the same repeat (neighbours in time: this machine's speed drifts more between repeats
    than contenders differ). Targets: g>1 at least 0.95x of g=1, and at least 1.0x ZeRO + DDP.
-4. **Recovery with replicas**: g=2 with one worker SIGKILLed mid-run, twice: ``replaced``,
-   with ``scaling.min_workers`` = ``workers`` (the group waits for a replacement actor, which
-   takes the dead rank's slice from its replica), and ``survivors``, with ``min_workers`` 1
-   (the survivors go on at once, the groups re-planned and the state resharded in memory; the
-   replacement joins later): the ``recovered`` event's split, steps lost, samples dropped
-   (``benchmarks/recovery.py``'s reading), and the final parameters against the clean g=2
-   run's (targets: recovery at most 0.2 s, nothing lost, exact).
+   Our runs' step phases (compute, communication, optimizer: the workers' telemetry, medians)
+   say where a difference comes from.
+4. **Recovery with replicas** (``benchmarks/sharding_recovery.py``): g=2, and g=1 beside it,
+   with one worker SIGKILLed mid-run, the group waiting for a new actor or the survivors going
+   on (targets: recovery at most 0.2 s, nothing lost, final parameters exact).
 
 Every job here has no eval (``eval: null``) and asks for ``min(1, CPUs / workers)`` CPUs a
 worker, so ``workers`` ranks fit this machine's local Ray.
@@ -33,8 +31,6 @@ worker, so ``workers`` ranks fit this machine's local Ray.
 from __future__ import annotations
 
 import json
-import math
-import os
 import statistics
 import sys
 import tempfile
@@ -44,15 +40,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.ranks import RankError
-from benchmarks.recovery import ours_recovery, param_diff
 from benchmarks.sharding_memory import format_memory, measure_memory, ratios
+from benchmarks.sharding_recovery import measure_recoveries, recovery_lines, recovery_skipped, recovery_targets
 from benchmarks.throughput import (
-    RUN_TIMEOUT_S, BenchmarkError, RunRow, model_file, ringleader_result, run_and_report, run_command, run_once,
-    timed_row, torchrun_command,
+    RUN_TIMEOUT_S, BenchmarkError, RunRow, ringleader_result, run_and_report, run_command, run_once, timed_row,
+    torchrun_command,
 )
-from benchmarks.workloads import workload_job
+from benchmarks.workloads import sharded_job
+from jobspec.durable import read_jsonl
 from jobspec.job import JobConfig
-from ringleader.api import as_job
 
 PEERS = ("zero", "fsdp2")
 #: Peers tried in the first repeat only (a quick attempt, not a timing series).
@@ -60,22 +56,11 @@ ONCE = ("fsdp2",)
 #: The step rank 0 of a peer measures (after two that create the state and warm up); the
 #: peers' samples/s are timed from its end.
 PEER_PEAK_STEP = 2
-#: The killed worker in the recovery run.
-KILL_WORKER = 1
+#: The step phases a worker's telemetry times (``telemetry.jsonl``), shown for our runs.
+PHASES = ("compute_s", "comm_s", "optim_s")
 
 #: Runs ``job`` with ringleader in ``workdir`` (its run directory ``workdir / "run"``) and times it.
 OursRunner = Callable[[JobConfig, Path], RunRow]
-
-
-def sharded_job(workload: str, workers: int, steps: int, group_size: int, *overrides: str) -> JobConfig:
-    """Workload ``workload`` on ``workers`` workers for ``steps`` steps in sharding groups of
-    ``group_size``, without eval, each worker asking for a share of this machine's CPUs (at most
-    one), with further CLI-style ``overrides``."""
-    cpus = min(1.0, math.floor((os.cpu_count() or 1) / workers * 100) / 100)
-    return as_job(
-        workload_job(workload, workers, steps),
-        ["eval=null", f"sharding.group_size={group_size}", f"scaling.resources_per_worker={{CPU: {cpus:g}}}", *overrides],
-    )
 
 
 def ours_fresh(job: JobConfig, workdir: Path) -> RunRow:
@@ -126,14 +111,16 @@ def measure_throughput(
     peer_memory: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in workloads}
     failed: dict[str, str] = {}
 
-    def keep(row: RunRow, name: str, workload: str, repeat: int) -> None:
-        rows.append({**asdict(row), "framework": name, "workload": workload, "repeat": repeat})
+    def keep(row: RunRow, name: str, workload: str, repeat: int, phases: dict[str, float] | None = None) -> None:
+        rows.append({**asdict(row), "framework": name, "workload": workload, "repeat": repeat, "phases": phases})
         log(f"  [{repeat + 1}/{repeats}] {workload:7s} {name:6s} {row.samples_per_s:8.1f} samples/s")
 
     for repeat in range(repeats):
         for workload in workloads:
             for g in group_sizes:
-                keep(ours(sharded_job(workload, workers, steps, g), scratch / f"{repeat}-{workload}-g{g}"), f"g={g}", workload, repeat)
+                workdir = scratch / f"{repeat}-{workload}-g{g}"
+                row = ours(sharded_job(workload, workers, steps, g), workdir)
+                keep(row, f"g={g}", workload, repeat, step_phases(workdir / "run"))
             for peer in (p for p in peers if p not in failed and (repeat == 0 or p not in ONCE)):
                 try:
                     row, memory = run_peer(peer, sharded_job(workload, workers, steps, 1), scratch / f"{repeat}-{workload}-{peer}")
@@ -146,6 +133,26 @@ def measure_throughput(
     return {"rows": rows, "peer_memory": peer_memory, "failed": failed}
 
 
+def step_phases(run_dir: Path) -> dict[str, float]:
+    """Median seconds of each of ``PHASES`` over every rank's steps after the first (the
+    run's ``telemetry.jsonl``)."""
+    records = [r for r in read_jsonl(run_dir / "telemetry.jsonl") if r.get("step", 0) > 0]
+    return {phase: statistics.median(r[phase] for r in records if phase in r) for phase in PHASES}
+
+
+def phase_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Our runs' step phases in ms, the median over repeats of each run's medians, by workload and g."""
+    found: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for row in rows:
+        if row.get("phases"):
+            found.setdefault((row["workload"], row["framework"]), []).append(row["phases"])
+    return [
+        f"{workload:8s} {name:4s} step phases, ms: "
+        + ", ".join(f"{p.removesuffix('_s')} {statistics.median(r[p] for r in runs) * 1e3:6.2f}" for p in PHASES)
+        for (workload, name), runs in found.items()
+    ]
+
+
 def samples_medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """``{workload: {contender: median samples/s}}`` over the runs in ``rows``."""
     runs: dict[str, dict[str, list[float]]] = {}
@@ -154,30 +161,12 @@ def samples_medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return {workload: {name: statistics.median(rates) for name, rates in by_name.items()} for workload, by_name in runs.items()}
 
 
-#: The recovery runs: their name and ``scaling.min_workers`` (None: all the workers).
-RECOVERY_VARIANTS: dict[str, int | None] = {"replaced": None, "survivors": 1}
-
-
 def paired_ratio(rows: list[dict[str, Any]], workload: str, a: str, b: str) -> float | None:
     """The median over repeats of contender ``a``'s samples/s over ``b``'s in the same repeat
     (None where no repeat has both)."""
     rate = {(r["repeat"], r["framework"]): r["samples_per_s"] for r in rows if r["workload"] == workload}
     found = [rate[n, a] / rate[n, b] for n in sorted({n for n, _ in rate}) if (n, a) in rate and (n, b) in rate]
     return statistics.median(found) if found else None
-
-
-def measure_recovery(
-    workload: str, workers: int, steps: int, kill_step: int, min_workers: int, workdir: Path, clean: Path | None
-) -> dict[str, Any]:
-    """Our g=2 run of ``workload`` with worker ``KILL_WORKER`` SIGKILLed in ``kill_step``, with
-    ``min_workers``: ``ours_recovery``'s figures, and with ``clean`` (the clean g=2 run's
-    directory) the final parameters' largest difference and whether they are exact."""
-    job = sharded_job(workload, workers, steps, 2, f"scaling.min_workers={min_workers}")
-    figures = ours_recovery(job, workdir, kill_step, KILL_WORKER, 0)
-    figures["precision"] = job.precision
-    if clean is not None:
-        figures["max_param_diff"], figures["exact"] = param_diff(workdir / "run" / "model.pt", model_file("ringleader", clean))
-    return figures
 
 
 def run_benchmark(
@@ -200,19 +189,11 @@ def run_benchmark(
         log("samples/s: ringleader on Ray, then the peers under torchrun")
         throughput = measure_throughput(workloads, group_sizes, workers, steps, repeats, Path(scratch), ours, peers, log)
         result.update(throughput, samples_per_s=samples_medians(throughput["rows"]), recovery={})
-        if workers < 4 or 2 not in group_sizes:
-            result["recovery"] = {"skipped": f"needs g=2 among the group sizes and 4 workers or more (2 replicas), "
-                                             f"got {group_sizes} and {workers}"}
+        if (why := recovery_skipped(group_sizes, workers)) is not None:
+            result["recovery"] = {"skipped": why}
             return result
-        kill_step = steps // 2
-        for workload in workloads:
-            clean = Path(scratch) / f"0-{workload}-g2"
-            for name, min_workers in RECOVERY_VARIANTS.items():
-                log(f"recovery: {workload} g=2 {name}, worker {KILL_WORKER} SIGKILLed in step {kill_step}")
-                workdir = Path(scratch) / f"recovery-{workload}-{name}"
-                result["recovery"][f"{workload} {name}"] = measure_recovery(
-                    workload, workers, steps, kill_step, min_workers or workers, workdir, clean
-                )
+        clean = lambda workload, g: Path(scratch) / f"0-{workload}-g{g}"  # noqa: E731 - repeat 0's run
+        result["recovery"] = measure_recoveries(workloads, group_sizes, workers, steps, clean, Path(scratch), log)
     return result
 
 
@@ -239,15 +220,16 @@ def format_result(result: dict[str, Any]) -> str:
             _target(f"{workload} {a} samples/s >= {bound:.2f}x {'ZeRO+DDP' if b == 'zero' else b}", ratio, ratio >= bound)
             for a, b, bound in pairs if (ratio := found[a, b]) is not None
         ]
+    lines += phase_lines(result["rows"])
     lines += _peer_lines(result)
-    lines += _recovery_lines(result["recovery"], result["setup"])
-    targets = _memory_targets(result["memory"]) + targets + _recovery_targets(result["recovery"])
+    lines += recovery_lines(result["recovery"], result["setup"]["workers"])
+    targets = _memory_targets(result["memory"]) + targets + recovery_targets(result["recovery"], _target)
     return "\n".join([*lines, "targets:", *(f"  {t}" for t in targets)])
 
 
 def _target(what: str, value: float, ok: bool) -> str:
     """One target's line: ``ok`` or ``MISS``, what it asks, the value found."""
-    return f"{'ok  ' if ok else 'MISS'} {what}: {value:.3f}"
+    return f"{'ok  ' if ok else 'MISS'} {what}: {value:.4g}"
 
 
 def _memory_targets(memory: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
@@ -280,40 +262,6 @@ def _peer_lines(result: dict[str, Any]) -> list[str]:
                          f"of ours at g=1), held MB: {held}"
                          + ("; DDP's gradient buckets not counted" if peer == "zero" else ""))
     return lines
-
-
-def _recovery_lines(recovery: dict[str, Any], setup: dict[str, Any]) -> list[str]:
-    if "skipped" in recovery:
-        return [f"recovery: skipped: {recovery['skipped']}"]
-    lines = [
-        f"recovery: g=2 on {setup['workers']} workers, worker {KILL_WORKER} SIGKILLed in step {setup['steps'] // 2}; "
-        f"replaced: min_workers {setup['workers']} (the group waits for a new actor); survivors: min_workers 1 "
-        "(groups re-planned, state resharded in memory, the new actor joins later)"
-    ] if recovery else []
-    for run, r in recovery.items():
-        split = ", ".join(f"{k} {v:.3f}" for k, v in r["split_s"].items())
-        split += f"; without the redone step {sum(v for k, v in r['split_s'].items() if k != 'redo_s'):.3f}s"
-        full = f"full size again {r['full_size_s']:.3f}s; " if r.get("full_size_s") is not None else ""
-        exact = f", max_param_diff vs clean g=2 {r['max_param_diff']:.2e} ({'exact' if r['exact'] else 'not exact'})" if "exact" in r else ""
-        lines.append(f"recovery {run} g=2: first step after the kill {r['recovery_s']:.3f}s ({split}); {full}steps lost "
-                     f"{r['steps_lost']}, steps redone {r['steps_redone']}, samples dropped {r['samples_dropped']}{exact}")
-    return lines
-
-
-def _recovery_targets(recovery: dict[str, Any]) -> list[str]:
-    out = []
-    for workload, r in recovery.items():
-        if workload == "skipped":
-            continue
-        out.append(_target(f"{workload} recovery_s <= 0.2", r["recovery_s"], r["recovery_s"] <= 0.2))
-        lost = r["steps_lost"] + r["samples_dropped"]
-        out.append(_target(f"{workload} steps lost + samples dropped = 0", lost, lost == 0))
-        if "exact" in r:
-            why = "" if r["exact"] or r["precision"] == "fp32" else (
-                f" ({r['precision']} autocast: steps on fewer ranks fuse other shards into a pass, which rounds otherwise)"
-            )
-            out.append(f"{'ok  ' if r['exact'] else 'MISS'} {workload} final parameters allclose to the clean run's{why}")
-    return out
 
 
 def main(workloads: list[str], group_sizes: list[int], workers: int, steps: int, repeats: int, json_path: str | None) -> int:

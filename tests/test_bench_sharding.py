@@ -37,5 +37,7 @@ def test_the_sharding_bench_reports_measured_figures():
     assert 0 < zero["held"]["optimizer"] < whole["optimizer"] * 0.75
     assert "skipped" in result["recovery"]  # 2 workers in groups of 2 keep no replica
     text = format_result(result)
-    assert "opt/g1" in text and "g=2/zero" in text and "targets:" in text
+    assert "opt/g1" in text and "g=2/zero" in text and "step phases" in text and "targets:" in text
+    ours = [row for row in result["rows"] if row["framework"].startswith("g=")]
+    assert all(row["phases"]["compute_s"] > 0 for row in ours)  # from the workers' telemetry
     assert "optimizer bytes / g=1's = 1/g within 5%" in text
