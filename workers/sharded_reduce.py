@@ -22,6 +22,7 @@ import torch
 
 from policies.sharding import ShardingLayout, Span
 from workers.comm_group import CommGroup, PendingOp
+from workers.communicator import NativeAllReduce
 from workers.ring import _Scratch, ring_all_gather, ring_reduce_scatter, ring_sum
 
 
@@ -80,9 +81,12 @@ def gather_slices(group: CommGroup, layout: ShardingLayout, values: torch.Tensor
 
 
 def group_sum(group: CommGroup, layout: ShardingLayout, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (one entry; float64 on the group's device) summed in place over this rank's
-    sharding group, and returned: the same bits on every rank of every group whose members
-    hold the same values (one ring, one order). Blocking; nothing is read to the host."""
-    scratch = _Scratch()
-    group.submit(lambda: ring_sum(group, tensor, layout.group(group.rank), scratch), "sharded norm").wait()
+    """``tensor`` (one entry, float64 on the group's device: this rank's share of a sum over the
+    slices, the same on every peer) summed over the slices, in place, and returned: one native
+    all-reduce over every rank (gloo's or NCCL's, in C++: cheaper than a ring of our own on the
+    step's critical path) counts each slice once per replica group, so the sum is divided by
+    their number; the same bits on every rank. Blocking; nothing is read to the host."""
+    NativeAllReduce(group).start_sum(tensor).wait()
+    if layout.replicas > 1:
+        tensor.div_(layout.replicas)
     return tensor
