@@ -93,7 +93,6 @@ def test_a_slice_without_a_replica_falls_back_to_the_newest_checkpoint_in_place(
     result = run(
         tmp_path, "rolled-back", "scaling.workers=2", "sharding.group_size=2", "checkpoint.every_steps=4",
         "collective.overlap=false", "chaos.kill=[{at_step: 10, worker: 1, how: sigkill}]",
-        "chaos.stall=[{worker: 0, at_step: 14, seconds: 15, during: compute}]",
     )
     events = jsonl(result.run_dir / "events.jsonl")
     (lost,) = [e for e in events if e["event"] == "state_lost"]
