@@ -187,8 +187,8 @@ class CheckpointCoordinator:
         """Queue the snapshot of the state after ``step`` steps on the first ``ranks`` members
         (all by default; with sharded optimizer state, the first sharding group, each rank
         writing the slice it owns), each writing a slice; ``meta`` goes into the manifest."""
-        sharding = self.job.sharding.group_size
-        count = ranks or (effective_group_size(group.size, sharding) if sharding > 1 else group.size)
+        sharding = self.job.sharding
+        count = ranks or (effective_group_size(group.size, sharding.group_size) if sharding.enabled else group.size)
         name = checkpoint_name(step)
         self.attempts += 1
         tag = f"{self.driver}-a{self.attempts}"

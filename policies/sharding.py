@@ -38,6 +38,12 @@ def effective_group_size(world: int, configured: int) -> int:
     return next(size for size in range(wanted, world + 1) if world % size == 0)
 
 
+def clip_span(span: Span, lo: int, hi: int) -> Span:
+    """``span`` cut to ``[lo, hi)`` and shifted so that ``lo`` is 0; (0, 0) where they miss."""
+    a, b = max(span[0], lo), min(span[1], hi)
+    return (a - lo, b - lo) if a < b else (0, 0)
+
+
 @dataclass(frozen=True)
 class ShardingLayout:
     """``world`` ranks in groups of ``group_size`` (which divides it) sharing ``numel`` values."""

@@ -45,8 +45,6 @@ from workers.checkpointing import load_residuals
 from workers.claims import ShardClaims
 from workers.communicator import pick_backend
 from workers.devices import make_current, on_worker_device, worker_device
-from workers.flat_optimizer import FlatOptimizer
-from workers.generic_optimizer import GenericOptimizer, make_optimizer
 from workers.group_link import GroupLink
 from workers.loss_scaler import LossScaler
 from workers.objective import Objective
@@ -56,8 +54,7 @@ from workers.sampler import ShardSampler
 from workers.step import StepRunner
 from workers.step_buffers import StepBuffers
 from workers.step_work import ClaimedStep, RescuePass
-from workers.sharded_optimizer import ShardedOptimizer
-from workers.sharded_reduce import gather_slices, group_sum
+from workers.sharded_optimizer import ShardedOptimizer, build_optimizer
 from workers.training import FlatParameters, autocast, evaluate_job, fetch_batch, finish_gradient, move_to
 
 #: When this module (and with it torch and the worker's code) had loaded: the launch's breakdown.
@@ -123,11 +120,7 @@ class TrainWorker:
                 f"field 'model.factory': the model's parameters are {self.flat.values.dtype}; keep them float32 "
                 "(the master weights) and set precision: bf16 or fp16 to compute in half precision"
             )
-        self.optimizer: FlatOptimizer | GenericOptimizer | ShardedOptimizer
-        if job.sharding.enabled:  # its slice is known when a group forms
-            self.optimizer = ShardedOptimizer(job.optimizer, self.flat)
-        else:
-            self.optimizer = make_optimizer(job.optimizer, self.flat)
+        self.optimizer = build_optimizer(job, self.flat)
         self.schedule = job.schedule.policy()
         scaling = job.loss_scaling
         self.scaler = LossScaler(
@@ -309,12 +302,7 @@ class TrainWorker:
         census = check_census(self.flat.extra, plan.num_shards, step)
         link.commit_residuals()
         reduced = time.perf_counter()
-        layout, group = link.layout, link.group
-        grads, sum_squares = self.flat.grads, None
-        if layout is not None and group is not None:  # sharded: this rank's slice, the norm from every slice
-            lo, hi = layout.slice_of(link.rank)
-            grads = grads[lo:hi]
-            sum_squares = lambda local: group_sum(group, layout, local)  # noqa: E731
+        grads, sum_squares = link.owned_gradient(self.flat.grads)  # sharded: its slice, the norm from all
         update = finish_gradient(
             grads, census.weight, self.runner.loss_scale / self.sampler.step_batch_size(step),
             self.job.optimizer.clip_grad_norm, sum_squares,
@@ -331,13 +319,7 @@ class TrainWorker:
         if not skipped:
             self.optimizer.step(lr=lr)
         self.buffers.apply(self.flat.extra[census_slots(plan.num_shards) :])  # as DDP, a skipped step's too
-        if isinstance(self.optimizer, ShardedOptimizer) and layout is not None and group is not None:
-            # Its slice, the loss scale and the buffers are at step + 1 now; the other slices'
-            # parameters arrive next. Should that fail, a group may start after this step from
-            # what the slices' holders have (GroupLink: their state and parameters).
-            self.optimizer.state_step = step + 1
-            if not skipped:
-                gather_slices(group, layout, self.flat.values)
+        link.gather_stepped(self, step, stepped=not skipped)  # sharded: the other slices' parameters
         self.next_step = step + 1
         self._enter(step, Phase.DONE)
         done = time.perf_counter()

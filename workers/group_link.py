@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -30,7 +31,7 @@ from workers.overlap import DEFAULT_BUCKET_BYTES, GradientReducer
 from workers.replica import Replica
 from workers.ring import RingAllReduce
 from workers.sharded_optimizer import ShardedOptimizer
-from workers.sharded_reduce import ShardedSum, gather_slices
+from workers.sharded_reduce import ShardedSum, gather_slices, group_sum
 from workers.training import FlatParameters
 
 
@@ -118,7 +119,7 @@ class GroupLink:
         """The reducer over ``group`` for the job's collective settings; returns what ``auto``
         chose from its probe (every rank probes at the same point), else None."""
         collective = self.collective
-        bucket_bytes = int(collective.bucket_mb * 2**20) if collective.bucket_mb else None
+        bucket_bytes = self._bucket_bytes()
         choice = None
         if collective.algorithm == "auto" and collective.compression not in OWN_TRANSPORT:
             exact, choice = auto_communicator(group, nodes, flat.buffer, bucket_bytes)
@@ -144,17 +145,45 @@ class GroupLink:
         )
         return choice
 
+    def _bucket_bytes(self) -> int | None:
+        """The job's ``collective.bucket_mb`` in bytes (None: not set)."""
+        bucket_mb = self.collective.bucket_mb
+        return int(bucket_mb * 2**20) if bucket_mb else None
+
+    def owned_gradient(
+        self, grads: torch.Tensor
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]:
+        """The part of the reduced gradient ``grads`` this rank steps, and what turns its sum of
+        squares into the whole gradient's (``finish_gradient``'s ``sum_squares``): with
+        sharded state its slice and the sum over the slices, else all of it and None."""
+        layout, group = self.layout, self.group
+        if layout is None or group is None:
+            return grads, None
+        lo, hi = layout.slice_of(self.rank)
+        return grads[lo:hi], lambda local: group_sum(group, layout, local)
+
+    def gather_stepped(self, replica: Replica, step: int, stepped: bool) -> None:
+        """After ``step``'s optimizer update (``stepped``: False on an fp16 skip), with sharded
+        state: this rank's slice, loss scale and buffers are at ``step + 1`` (its state is ready
+        for it), and the other slices' parameters are gathered. Should the gather fail, a group
+        may start after ``step`` from what the slices' holders have (``_take_root_state``).
+        Nothing without sharded state."""
+        if self.layout is None or self.group is None or not isinstance(replica.optimizer, ShardedOptimizer):
+            return
+        replica.optimizer.state_step = step + 1
+        if stepped:
+            gather_slices(self.group, self.layout, replica.flat.values)
+
     def _build_sharded_reducer(self, group: CommGroup, layout: ShardingLayout, flat: FlatParameters) -> None:
         """The reducer for sharded state: buckets reduce-scattered in the sharding group and
         summed across replicas (``ShardedSum``, our ring: nothing to probe), the extra slots
         summed whole by the ring over every rank."""
         exact = RingAllReduce(group)
         self.reducer_comm = ShardedSum(group, layout, flat.buffer, flat.extra.numel())
-        bucket_mb = self.collective.bucket_mb
         self.reducer = GradientReducer(
             flat,
             self.reducer_comm,
-            int(bucket_mb * 2**20) if bucket_mb else DEFAULT_BUCKET_BYTES,
+            self._bucket_bytes() or DEFAULT_BUCKET_BYTES,
             self.collective.overlap,
             extra_comm=exact,
             group=group,

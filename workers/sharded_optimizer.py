@@ -23,10 +23,13 @@ from typing import Any
 
 import torch
 
+from jobspec.job import JobConfig
 from jobspec.recipe import OptimizerConfig
 from policies.sharding import LostState, ShardingLayout, Span, plan_moves
 from workers.comm_group import CommGroup
 from workers.communicator import NativeAllReduce
+from workers.flat_optimizer import FlatOptimizer
+from workers.generic_optimizer import GenericOptimizer, make_optimizer
 from workers.optimizer_state import decode, encode
 from workers.slice_steppers import Exported, FusedSlice, GenericSlice, check_element_wise
 from workers.training import FlatParameters
@@ -162,3 +165,11 @@ class ShardedOptimizer:
     def restored_at(self, step: int) -> None:
         """The restored state is the one for job step ``step``."""
         self.state_step = step
+
+
+def build_optimizer(job: JobConfig, flat: FlatParameters) -> FlatOptimizer | GenericOptimizer | ShardedOptimizer:
+    """The job's optimizer over ``flat``: sharded with ``sharding.group_size`` above 1 (its
+    slice is known when a group forms), else ``make_optimizer``'s."""
+    if job.sharding.enabled:
+        return ShardedOptimizer(job.optimizer, flat)
+    return make_optimizer(job.optimizer, flat)

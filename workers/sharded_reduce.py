@@ -20,16 +20,10 @@ from collections.abc import Sequence
 
 import torch
 
-from policies.sharding import ShardingLayout, Span
+from policies.sharding import ShardingLayout, clip_span
 from workers.comm_group import CommGroup, PendingOp
 from workers.communicator import NativeAllReduce
 from workers.ring import _Scratch, ring_all_gather, ring_reduce_scatter, ring_sum
-
-
-def _clip(span: Span, lo: int, hi: int) -> Span:
-    """``span`` cut to ``[lo, hi)``, shifted so that ``lo`` is 0 (empty where they miss)."""
-    a, b = max(span[0], lo), min(span[1], hi)
-    return (a - lo, b - lo) if a < b else (0, 0)
 
 
 class ShardedSum:
@@ -61,7 +55,7 @@ class ShardedSum:
         flat = tensor.view(-1)
         lo = self._where(flat)
         hi = lo + flat.numel()
-        owned = [_clip(span, lo, hi) for span in self.layout.slices()]
+        owned = [clip_span(span, lo, hi) for span in self.layout.slices()]
         mine = owned[self.layout.position(self.group.rank)]
 
         def reduce() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from policies.sharding import clip_span
 from workers.checkpointing import FlatPieces
 from workers.flat_optimizer import FlatOptimizer
 from workers.generic_optimizer import FLAT_PREFIX, SKELETON, TENSOR_PREFIX, GenericOptimizer, decay_groups, resolve_optimizer_class
@@ -28,11 +29,6 @@ from workers.training import FlatParameters
 
 #: Flat state by key (each the slice's length) and the template every entry shares.
 Exported = tuple[dict[str, torch.Tensor], dict[str, Any]]
-
-
-def _within(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """``ranges`` cut to ``[lo, hi)`` and shifted to start there (empty ones dropped)."""
-    return [(max(a, lo) - lo, min(b, hi) - lo) for a, b in ranges if max(a, lo) < min(b, hi)]
 
 
 class FusedSlice:
@@ -50,7 +46,7 @@ class FusedSlice:
         hi: int,
         state: Exported | None = None,
     ) -> None:
-        mine = None if no_decay is None else _within(no_decay, lo, hi)
+        mine = None if no_decay is None else [c for c in (clip_span(r, lo, hi) for r in no_decay) if c[0] < c[1]]
         tensors, template = state if state is not None else ({}, {})
         self.optimizer = FlatOptimizer(name, kwargs, flat.values[lo:hi], flat.grads[lo:hi], mine, tensors)
         if template:
