@@ -99,7 +99,6 @@ class GenericSlice:
         state: Exported | None = None,
     ) -> None:
         self.flat = flat
-        self.lo, self.hi = lo, hi
         self.cls = resolve_optimizer_class(name)
         self.kwargs = kwargs
         self.decay_biases_and_norms = decay_biases_and_norms
