@@ -245,7 +245,7 @@ def _memory_targets(memory: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
         if "4" in scaled and workload == "gpt":
             r = scaled["4"]
             out.append(_target("gpt g=4 peak / g=1's <= 0.6", r["peak"], r["peak"] <= 0.6)
-                       + f" (plan {r['plan_peak']:.3f}; plan with gradients sharded {r['plan_sharded_grads_peak']:.3f})")
+                       + f" (plan {r['plan_peak']:.3f})")
     return out
 
 

@@ -8,7 +8,7 @@ first creates the state and warms kernels and caches), then one more under ``Pea
 thread's only). What a rank holds is read from its tensors, each storage once:
 
 * ``parameters``: ``FlatParameters.values`` (the model's parameters are views into it);
-* ``gradients``: ``FlatParameters.buffer`` (``[extra | gradients]``, whole on every rank);
+* ``gradients``: ``FlatParameters.buffer`` (``[extra | gradients]``: a sharded rank's slice only);
 * ``optimizer``: the optimizer's state tensors (a sharded rank's slice only);
 * ``buffers``: the model's non-trained tensors.
 
@@ -16,7 +16,7 @@ A rank's ``peak`` is that state plus the step's peak above it (``transient``): t
 convention (``policies/memory_plan.py``), validated against a worker's whole-life peak. The
 ring's scratch, which the communication thread allocates, is not seen. Rank 0 also probes each
 workload's model (``probe_job``) for the plan's figures: ``rank_bytes`` as the ranks ran (no
-straggler mitigation: the measured steps have none), and with gradients sharded too.
+straggler mitigation: the measured steps have none; a sharded rank keeps only its gradient slice).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.ranks import spawn_ranks
 from jobspec.job import JobConfig
-from orchestrator.memory_report import job_pass
+from orchestrator.memory_report import holds_whole_gradient, job_pass
 from policies.memory_plan import RankBytes, Sharding, rank_bytes
 
 #: Steps before the measured one: the first creates the optimizer state (a sharded rank's at its
@@ -79,13 +79,15 @@ def _measure_rank(rank: int, world: int, port: int, jobs: list[tuple[str, int, s
 
 def _plan(probe: Any, job: JobConfig, sharding: Sharding) -> RankBytes:
     """The plan's bytes for the rank holding the largest slice, at the job's own pass."""
-    return rank_bytes(probe.model, probe.optimizer, sharding, job.precision, job_pass(job), mitigation=False)
+    return rank_bytes(
+        probe.model, probe.optimizer, sharding, job.precision, job_pass(job), mitigation=False,
+        whole_gradient=holds_whole_gradient(job),
+    )
 
 
 def measure_memory(jobs: dict[str, dict[int, JobConfig]], workers: int) -> dict[str, dict[str, dict[str, Any]]]:
     """``jobs[workload][group_size]`` measured on ``workers`` spawned ranks: ``{workload: {g:
-    {"measured": {part: bytes, "transient", "peak"}, "plan": {...}, "plan_sharded_grads": {...},
-    "params": N}}}`` (``g`` a string, JSON's keys), each measured figure the largest over the
+    {"measured": {part: bytes, "transient", "peak"}, "plan": {...}, "params": N}}}`` (``g`` a string, JSON's keys), each measured figure the largest over the
     ranks (the rank holding the largest slice plans the memory). Raises ``RankError`` if a rank
     fails."""
     entries = [(workload, g, job.model_dump_json()) for workload, by_g in jobs.items() for g, job in by_g.items()]
@@ -100,8 +102,7 @@ def measure_memory(jobs: dict[str, dict[int, JobConfig]], workers: int) -> dict[
             result[workload][str(g)] = {
                 "measured": measured,
                 "by_rank_optimizer": [r["optimizer"] for r in mine],
-                "plan": _plan(probe, job, Sharding(g)).as_dict(),
-                "plan_sharded_grads": _plan(probe, job, Sharding(g, shard_gradients=True)).as_dict(),
+                "plan": _plan(probe, job, Sharding(g, shard_gradients=g > 1)).as_dict(),
                 "params": probe.model.params,
             }
     return result
@@ -109,7 +110,7 @@ def measure_memory(jobs: dict[str, dict[int, JobConfig]], workers: int) -> dict[
 
 def ratios(by_g: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Each group size's figures over the unsharded run's (``"1"`` must be among them):
-    optimizer bytes, state, measured peak, the plan's peak, the plan's with gradients sharded."""
+    optimizer bytes, state, measured peak, the plan's peak."""
     base = by_g["1"]
 
     def over(row: dict[str, Any], section: str, key: str) -> float:
@@ -121,7 +122,6 @@ def ratios(by_g: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
             "state": _state(row["measured"]) / _state(base["measured"]),
             "peak": over(row, "measured", "peak"),
             "plan_peak": over(row, "plan", "total"),
-            "plan_sharded_grads_peak": row["plan_sharded_grads"]["total"] / base["plan"]["total"],
         }
         for g, row in by_g.items()
     }
@@ -141,8 +141,7 @@ def _rows(memory: dict[str, dict[str, dict[str, Any]]]) -> Iterator[tuple[str, s
 
 def format_memory(memory: dict[str, dict[str, dict[str, Any]]]) -> str:
     """Two tables: the state per rank (measured / plan, MB) with the optimizer's ratio to g=1
-    (target 1/g), and the peak per rank with its ratio to g=1, the plan's, and the plan's with
-    gradients sharded too."""
+    (target 1/g), and the peak per rank with its ratio to g=1 and the plan's."""
     nan = float("nan")
     lines = [
         "state per rank, MB, measured from a TrainWorker's tensors / policies/memory_plan.py rank_bytes "
@@ -158,16 +157,13 @@ def format_memory(memory: dict[str, dict[str, dict[str, Any]]]) -> str:
             f"{_state(m) / MB:7.3f} {r.get('state', nan):8.3f}"
         )
     lines += [
-        "peak per rank in a step, MB (state + the step's peak above it; plan: the same at the job's pass, "
-        "and with gradients sharded too):",
-        f"{'workload':8s} {'g':>2s} {'transient':>9s} {'peak':>8s} {'peak/g1':>7s} {'plan':>8s} {'plan/g1':>7s} "
-        f"{'plan,grads sharded':>18s} {'/g1':>6s}",
+        "peak per rank in a step, MB (state + the step's peak above it; plan: the same at the job's pass):",
+        f"{'workload':8s} {'g':>2s} {'transient':>9s} {'peak':>8s} {'peak/g1':>7s} {'plan':>8s} {'plan/g1':>7s}",
     ]
     for workload, g, row, r in _rows(memory):
         m = row["measured"]
         lines.append(
             f"{workload:8s} {g:>2s} {m['transient'] / MB:9.3f} {m['peak'] / MB:8.3f} {r.get('peak', nan):7.3f} "
-            f"{row['plan']['total'] / MB:8.3f} {r.get('plan_peak', nan):7.3f} "
-            f"{row['plan_sharded_grads']['total'] / MB:18.3f} {r.get('plan_sharded_grads_peak', nan):6.3f}"
+            f"{row['plan']['total'] / MB:8.3f} {r.get('plan_peak', nan):7.3f}"
         )
     return "\n".join(lines)

@@ -72,6 +72,14 @@ def job_pass(job: JobConfig) -> int:
     return min(share, job.worker.max_samples_per_pass or share)
 
 
+def holds_whole_gradient(job: JobConfig) -> bool:
+    """Whether a rank's step holds the whole gradient before reducing it: more than one pass
+    (``job_pass`` below its share of the samples, or shards that do not fuse) or no overlap."""
+    shard = -(-job.batch_size // job.shards)
+    share = -(-job.shards // job.scaling.workers) * shard
+    return share > job_pass(job) or not job.collective.overlap
+
+
 def probe_device(job: JobConfig, asked: str | None) -> torch.device:
     """Where the probe measures: ``asked``, else CUDA for a job whose workers ask for a GPU.
     Raises ValueError if that is CUDA and torch here has none."""
@@ -103,10 +111,10 @@ def plan_job(job: JobConfig, request: PlanRequest, probe: Probe) -> dict[str, An
     part, and with ``device_bytes`` whether it fits and the largest ``max_samples_per_pass``
     that does), and for ``target_params`` the smallest group size per layout."""
     samples = request.samples_per_pass or job_pass(job)
-    mitigation = job.stragglers.mitigation
+    mitigation, whole = job.stragglers.mitigation, holds_whole_gradient(job)
     rows = []
     for sharding in layouts(job.precision, request.group_sizes):
-        found: RankBytes = rank_bytes(probe.model, probe.optimizer, sharding, job.precision, samples, mitigation)
+        found: RankBytes = rank_bytes(probe.model, probe.optimizer, sharding, job.precision, samples, mitigation, whole)
         row: dict[str, Any] = {
             "group_size": sharding.group_size, "shard_gradients": sharding.shard_gradients,
             "half_weights": sharding.half_weights, **found.as_dict(),
@@ -114,12 +122,12 @@ def plan_job(job: JobConfig, request: PlanRequest, probe: Probe) -> dict[str, An
         if request.device_bytes is not None:
             row["fits"] = found.total <= request.device_bytes
             row["largest_samples_per_pass"] = largest_pass(
-                probe.model, probe.optimizer, request.device_bytes, sharding, job.precision, mitigation
+                probe.model, probe.optimizer, request.device_bytes, sharding, job.precision, mitigation, whole
             )
         rows.append(row)
     plan: dict[str, Any] = {
         "job": job.name, "precision": job.precision, "samples_per_pass": samples, "workers": job.scaling.workers,
-        "mitigation": mitigation, "device_bytes": request.device_bytes, "probe": probe.as_dict(), "rows": rows,
+        "mitigation": mitigation, "whole_gradient": whole, "device_bytes": request.device_bytes, "probe": probe.as_dict(), "rows": rows,
         "not_counted": NOT_COUNTED,
     }
     if request.target_params is not None and request.device_bytes is not None:
@@ -168,7 +176,9 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"{size(probe['activation_fixed'])} + {size(probe['activation_per_sample'])} per sample",
         f"per rank at max_samples_per_pass {plan['samples_per_pass']} ({plan['workers']} workers)"
         + (f", device memory {size(plan['device_bytes'])}" if fits else "")
-        + ("; straggler mitigation on: one gradient copy" if plan["mitigation"] else ""),
+        + ("; straggler mitigation on: one gradient copy" if plan["mitigation"] else "")
+        + ("; several passes a step (or no overlap): gradients sharded hold one whole copy before reducing"
+           if plan["whole_gradient"] and not plan["mitigation"] else ""),
         "",
     ]
     header = ["group", "sharded", "weights", *[c.replace("_", " ").replace("gradient", "grad") for c in _COLUMNS]]

@@ -11,7 +11,10 @@ for the rank that holds it):
   (the working copy in the compute precision, ``w = 2``). Optimizer sharding (ZeRO stages 1
   and 2) never shards them: every rank computes a forward.
 * **gradients** ``w (N + E)``: ``[extra | gradients]``, in the parameters' dtype; with
-  ``shard_gradients`` a rank keeps only its slice once reduced, ``w (S + E)``.
+  ``shard_gradients`` a rank keeps only its slice once reduced, ``w (S + E)``: backward's
+  gradients are taken out of the parameters bucket by bucket as the last backward of the step
+  produces them (``workers/overlap.py``), so what is whole at once is a bucket or two, counted
+  in the activations the probe measures.
 * **optimizer** ``k S + c``: ``k`` bytes of state per parameter (sgd: 0, with momentum 4;
   adam and adamw: 8, amsgrad 12; a generic ``torch.optim`` one: measured or declared) and
   ``c`` fixed (the fused kernels' fp32 ``step`` scalar: 4).
@@ -19,7 +22,10 @@ for the rank that holds it):
   else 0: fp32 parameters are their own master.
 * **buffers**: the model's non-trained tensors (BatchNorm statistics), whole on every rank.
 * **gradient copy** ``w (N + E)`` when straggler mitigation may run: a backup pass clones the
-  gradient, a rescue pass the whole buffer (``workers/step.py``), while it runs.
+  gradient, a rescue pass the whole buffer (``workers/step.py``), while it runs. With
+  ``shard_gradients`` the same where the whole gradient is held for a while anyway
+  (``whole_gradient``): a step of several passes per rank accumulates it until its last
+  backward, and without overlap it is all reduced after backward.
 * **activations** ``a0 + a1 P`` for a pass of ``P`` samples (``max_samples_per_pass``): ``a1``
   the bytes one more sample adds at the peak of a forward/backward, ``a0`` what a pass holds
   whatever its size (autocast's half copies of the weights, the largest parameter's gradient
@@ -168,9 +174,12 @@ def rank_bytes(
     precision: str = "fp32",
     samples_per_pass: int = 0,
     mitigation: bool = False,
+    whole_gradient: bool = False,
 ) -> RankBytes:
     """Bytes per rank for a pass of ``samples_per_pass`` samples; ``mitigation``: straggler
-    mitigation may run (a gradient copy). Raises ValueError for a bad precision or sharding."""
+    mitigation may run (a gradient copy); ``whole_gradient``: a step holds the whole gradient
+    before it is reduced (several passes per rank, or no overlap: with ``shard_gradients``, one
+    more gradient copy). Raises ValueError for a bad precision or sharding."""
     _check(sharding, precision)
     n, extra = model.params, model.extra_slots
     width = HALF_BYTES if sharding.half_weights else FP32_BYTES
@@ -183,7 +192,7 @@ def rank_bytes(
         optimizer=optimizer_held,
         master=FP32_BYTES * owned if sharding.half_weights else 0,
         buffers=model.buffer_bytes,
-        gradient_copy=width * (n + extra) if mitigation else 0,
+        gradient_copy=width * (n + extra) if mitigation or (whole_gradient and sharding.shard_gradients) else 0,
         activations=math.ceil(model.activation_fixed + model.activation_per_sample * samples_per_pass),
         join_copy=optimizer_held if optimizer.packed_on_join else 0,
     )
@@ -196,10 +205,11 @@ def largest_pass(
     sharding: Sharding = Sharding(),
     precision: str = "fp32",
     mitigation: bool = False,
+    whole_gradient: bool = False,
 ) -> int | None:
     """The largest ``max_samples_per_pass`` whose rank total fits ``device_bytes``: 0 when not
     even one sample fits, None when activations do not grow with the pass (no limit from them)."""
-    held = rank_bytes(model, optimizer, sharding, precision, 0, mitigation)
+    held = rank_bytes(model, optimizer, sharding, precision, 0, mitigation, whole_gradient)
     if held.total > device_bytes:
         return 0
     if model.activation_per_sample <= 0:

@@ -69,12 +69,25 @@ def test_optimizer_kinds_and_the_straggler_gradient_copy():
     assert generic.optimizer == generic.join_copy == 4_500_100  # packed in one buffer when a group forms
     assert generic.total == generic.state + generic.join_copy  # more than this step's (no) activations
     assert rank_bytes(MODEL, ADAM, mitigation=True).gradient_copy == 4 * 1_000_019
+    # Gradients sharded, a step that holds the whole gradient before reducing it holds a copy.
+    assert rank_bytes(MODEL, ADAM, Sharding(4, shard_gradients=True), whole_gradient=True).gradient_copy == 4 * 1_000_019
+    assert rank_bytes(MODEL, ADAM, Sharding(4), whole_gradient=True).gradient_copy == 0  # it is the buffer then
     with pytest.raises(ValueError, match="optimizer 'generic': state bytes per parameter must be given"):
         optimizer_bytes("generic")
     with pytest.raises(ValueError, match="unknown optimizer kind 'lion'"):
         optimizer_bytes("lion")
     with pytest.raises(ValueError, match="group_size 0: expected an integer >= 1"):
         rank_bytes(MODEL, ADAM, Sharding(0))
+
+
+def test_a_step_holds_the_whole_gradient_with_several_passes_a_rank_or_without_overlap():
+    from orchestrator.memory_report import holds_whole_gradient
+
+    base = ["eval=null", "shards=8", "batch_size=64", "scaling.workers=2"]  # 32 samples a rank
+    assert not holds_whole_gradient(load_job(None, base))  # one fused pass, overlapped
+    assert holds_whole_gradient(load_job(None, [*base, "worker.max_samples_per_pass=16"]))
+    assert holds_whole_gradient(load_job(None, [*base, "worker.fuse_shards=false"]))
+    assert holds_whole_gradient(load_job(None, [*base, "collective.overlap=false"]))
 
 
 def test_the_largest_pass_that_fits_a_device():

@@ -64,6 +64,14 @@ def _gradient(rank: int, step: int, numel: int) -> torch.Tensor:
     return torch.randint(-8, 9, (EXTRA + numel,), generator=torch.Generator().manual_seed(100 * step + rank)).float()
 
 
+def _backward(flat: FlatParameters, gradient: torch.Tensor) -> None:
+    """What a backward and the census leave: ``gradient`` (laid out as ``[extra | gradients]``)
+    in the extra slots and as the parameters' own gradients (a slice kept)."""
+    flat.extra.copy_(gradient[:EXTRA])
+    for param, (a, b) in zip(flat.params, flat.ranges):
+        param.grad = gradient[a:b].view_as(param).clone()
+
+
 @pytest.mark.parametrize(("world", "group_size"), LAYOUTS)
 def test_buckets_reduce_scatter_in_the_group_and_sum_across_replicas(world, group_size):
     """Every rank ends with the whole sum over its slice of every bucket, the extras summed
@@ -75,13 +83,15 @@ def test_buckets_reduce_scatter_in_the_group_and_sum_across_replicas(world, grou
         try:
             flat = FlatParameters(_model().parameters(), extra=EXTRA)
             layout = ShardingLayout(world, group_size, flat.numel)
+            flat.keep_gradient_slice(*layout.slice_of(rank))
             reducer = GradientReducer(
-                flat, ShardedSum(groups[rank], layout, flat.buffer, EXTRA), bucket_bytes=4 * 40, overlap=False,
+                flat, ShardedSum(groups[rank], layout, flat), bucket_bytes=4 * 40, overlap=False,
                 extra_comm=RingAllReduce(groups[rank]), group=groups[rank],
             )
             assert len(reducer.buckets) >= 2  # buckets cut across slices
-            flat.buffer.copy_(_gradient(rank, 0, flat.numel))
+            _backward(flat, _gradient(rank, 0, flat.numel))
             reducer.finish()
+            assert all(param.grad is None for param in flat.params)  # taken into the buckets, freed
             return flat.buffer.clone()
         finally:
             groups[rank].close()
@@ -92,8 +102,51 @@ def test_buckets_reduce_scatter_in_the_group_and_sum_across_replicas(world, grou
     layout = ShardingLayout(world, group_size, numel)
     for rank, got in enumerate(outcomes):
         lo, hi = layout.slice_of(rank)
+        assert got.numel() == EXTRA + hi - lo  # only the slice is kept
         torch.testing.assert_close(got[:EXTRA], total[:EXTRA], rtol=0, atol=0)
-        torch.testing.assert_close(got[EXTRA + lo : EXTRA + hi], total[EXTRA + lo : EXTRA + hi], rtol=0, atol=0)
+        torch.testing.assert_close(got[EXTRA:], total[EXTRA + lo : EXTRA + hi], rtol=0, atol=0)
+
+
+def test_buckets_overlapped_with_backward_leave_the_slice_and_free_the_parameters_gradients():
+    """Two passes (the first accumulated in the parameters' own gradients), the last
+    overlapped: its hooks take each bucket out of the parameters as backward completes it, so
+    none is left once backward returns; each rank keeps its slice of the summed gradient."""
+    world, group_size = 4, 2
+    groups = _groups(world)
+    inputs = [torch.randn(6, 7, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+
+    def loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).square().sum()
+
+    def run(rank: int) -> torch.Tensor:
+        try:
+            model = _model()
+            flat = FlatParameters(model.parameters(), extra=EXTRA)
+            layout = ShardingLayout(world, group_size, flat.numel)
+            flat.keep_gradient_slice(*layout.slice_of(rank))
+            reducer = GradientReducer(
+                flat, ShardedSum(groups[rank], layout, flat), bucket_bytes=4 * 40, overlap=True,
+                extra_comm=RingAllReduce(groups[rank]), group=groups[rank],
+            )
+            loss(model, inputs[rank][:3]).backward()
+            reducer.arm()
+            loss(model, inputs[rank][3:]).backward()
+            assert all(param.grad is None for param in model.parameters())  # every bucket out during backward
+            reducer.finish()
+            return flat.grads.clone()
+        finally:
+            groups[rank].close()
+
+    outcomes = on_ranks(world, run)
+    _raise_first(outcomes)
+    reference = _model()
+    for x in inputs:
+        loss(reference, x).backward()
+    total = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    layout = ShardingLayout(world, group_size, total.numel())
+    for rank, got in enumerate(outcomes):
+        lo, hi = layout.slice_of(rank)
+        torch.testing.assert_close(got, total[lo:hi], rtol=1e-5, atol=1e-5)
 
 
 def _sharded_steps(world: int, group_size: int, steps: int, clip: float | None) -> list[object]:
@@ -109,15 +162,15 @@ def _sharded_steps(world: int, group_size: int, steps: int, clip: float | None) 
             optimizer = ShardedOptimizer(_config("adamw", {"lr": 0.05}, decay_biases_and_norms=False), flat)
             optimizer.reshard(group, layout, 0)
             reducer = GradientReducer(
-                flat, ShardedSum(group, layout, flat.buffer, EXTRA), bucket_bytes=4 * 40, overlap=False,
+                flat, ShardedSum(group, layout, flat), bucket_bytes=4 * 40, overlap=False,
                 extra_comm=RingAllReduce(group), group=group,
             )
             lo, hi = layout.slice_of(rank)
             norms = []
             for step in range(steps):
-                flat.buffer.copy_(_gradient(rank, step, flat.numel))
+                _backward(flat, _gradient(rank, step, flat.numel))
                 reducer.finish()
-                update = finish_gradient(flat.grads[lo:hi], 4.0, 1.0, clip, lambda local: group_sum(group, layout, local))
+                update = finish_gradient(flat.grad_slice(lo, hi), 4.0, 1.0, clip, lambda local: group_sum(group, layout, local))
                 norms.append(update.grad_norm)
                 optimizer.step()
                 gather_slices(group, layout, flat.values)
@@ -240,14 +293,14 @@ def test_a_generic_optimizer_shards_reshards_and_checkpoints_like_the_whole_one(
             optimizer = ShardedOptimizer(config, flat)
             optimizer.reshard(group, layout, 0)
             reducer = GradientReducer(
-                flat, ShardedSum(group, layout, flat.buffer, EXTRA), bucket_bytes=4 * 40, overlap=False,
+                flat, ShardedSum(group, layout, flat), bucket_bytes=4 * 40, overlap=False,
                 extra_comm=RingAllReduce(group), group=group,
             )
             lo, hi = layout.slice_of(rank)
             for step in range(steps):
-                flat.buffer.copy_(_gradient(rank, step, flat.numel))
+                _backward(flat, _gradient(rank, step, flat.numel))
                 reducer.finish()
-                finish_gradient(flat.grads[lo:hi], 4.0, 1.0, None, lambda local: group_sum(group, layout, local))
+                finish_gradient(flat.grad_slice(lo, hi), 4.0, 1.0, None, lambda local: group_sum(group, layout, local))
                 optimizer.step()
                 gather_slices(group, layout, flat.values)
             optimizer.state_step = steps

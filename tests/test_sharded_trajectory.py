@@ -1,9 +1,9 @@
 """Sharded optimizer state keeps the trajectory: real workers (``TrainWorker``, no Ray) in
 spawned processes over gloo train a few steps with the optimizer state sharded in groups of 2
 and 3, with 1 and 2 replicas, for sgd with momentum and adamw with clipping and decay groups,
-a generic optimizer (RAdam with decay groups), and adam in fp16 whose first steps overflow,
-in fp32, bf16 and fp16, and end with the parameters (and skip the steps) the unsharded workers
-do."""
+a generic optimizer (RAdam with decay groups, reduced after backward), adam in fp16 whose first
+steps overflow, and adamw in several passes a step, in fp32, bf16 and fp16, and end with the
+parameters (and skip the steps) the unsharded workers do."""
 
 from __future__ import annotations
 
@@ -59,7 +59,13 @@ def _state_entries(optimizer: object) -> int:
 RECIPES = {
     "sgd-fp32": ["optimizer.name=sgd", "optimizer.kwargs={lr: 0.1, momentum: 0.9}"],
     # A generic torch.optim optimizer: the slice stepped as 1-D pieces of the parameters.
-    "radam-fp32": ["optimizer.name=RAdam", "optimizer.kwargs={lr: 0.01, weight_decay: 0.01}", "optimizer.decay_biases_and_norms=false"],
+    # Reduced after backward (no overlap): every bucket taken out of the parameters at once.
+    "radam-fp32": [
+        "optimizer.name=RAdam", "optimizer.kwargs={lr: 0.01, weight_decay: 0.01}", "optimizer.decay_biases_and_norms=false",
+        "collective.overlap=false",
+    ],
+    # Several passes a step: the parameters' own gradients accumulate until the last backward.
+    "adamw-passes": ["optimizer.name=adamw", "optimizer.kwargs={lr: 0.01}", "worker.max_samples_per_pass=5"],
     # fp16 with a loss scale that overflows at first: the steps it skips must be the same.
     "adam-fp16": ["optimizer.name=adam", "optimizer.kwargs={lr: 0.01}", "precision=fp16", "loss_scaling.init=1e12", "loss_scaling.backoff=1e-4"],
     "adamw-bf16": [

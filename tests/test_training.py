@@ -52,6 +52,37 @@ def test_flat_gradients_detect_replaced_grads():
         flat.zero()
 
 
+def test_a_kept_gradient_slice_holds_only_its_entries_and_the_parameters_keep_their_own():
+    model = _model()
+    flat = FlatParameters(model.parameters(), extra=2)
+    numel = flat.numel
+    flat.keep_gradient_slice(10, 30)
+    assert flat.buffer.numel() == 2 + 20 and flat.sliced  # the whole gradient is not kept
+    assert all(p.grad is None for p in model.parameters())
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    F.cross_entropy(model(x[:3]), y[:3], reduction="sum").backward()
+    copy = flat.accumulated()  # what a backup pass snapshots
+    F.cross_entropy(model(x[3:]), y[3:], reduction="sum").backward()
+    flat.restore_accumulated(copy)  # the backup lost: its pass taken back out
+    reference = _model()
+    F.cross_entropy(reference(x[:3]), y[:3], reduction="sum").backward()
+    first = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    sizes = [p.numel() for p in model.parameters()]  # 35, 7, 21, 3
+    taken = flat.take_gradients([1, 0])  # the first two parameters, any order given
+    torch.testing.assert_close(taken, first[: sizes[0] + sizes[1]])
+    assert model[0].weight.grad is None and model[0].bias.grad is None and model[2].weight.grad is not None
+    model[2].bias.grad = None  # a parameter backward did not reach counts as zeros
+    torch.testing.assert_close(flat.take_gradients([2, 3])[sizes[2]:], torch.zeros(sizes[3]))
+    flat.grad_slice(10, 30).fill_(1.0)
+    assert torch.all(flat.grads == 1.0) and flat.grad_slice(12, 14).numel() == 2
+    with pytest.raises(ValueError, match=r"not held here \(only \[10, 30\]\)"):
+        flat.grad_slice(5, 12)
+    with pytest.raises(ValueError, match="outside"):
+        flat.keep_gradient_slice(0, numel + 1)
+    flat.zero()
+    assert torch.all(flat.buffer == 0)
+
+
 def test_fetch_batch_tensor_dataset_and_generic():
     data = TensorDataset(torch.arange(10.0), torch.arange(10) * 2)
     x, y = fetch_batch(data, np.array([3, 1]))

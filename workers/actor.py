@@ -302,7 +302,7 @@ class TrainWorker:
         census = check_census(self.flat.extra, plan.num_shards, step)
         link.commit_residuals()
         reduced = time.perf_counter()
-        grads, sum_squares = link.owned_gradient(self.flat.grads)  # sharded: its slice, the norm from all
+        grads, sum_squares = link.owned_gradient(self.flat)  # sharded: its slice, the norm from all
         update = finish_gradient(
             grads, census.weight, self.runner.loss_scale / self.sampler.step_batch_size(step),
             self.job.optimizer.clip_grad_norm, sum_squares,

@@ -151,16 +151,16 @@ class GroupLink:
         return int(bucket_mb * 2**20) if bucket_mb else None
 
     def owned_gradient(
-        self, grads: torch.Tensor
+        self, flat: FlatParameters
     ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]:
-        """The part of the reduced gradient ``grads`` this rank steps, and what turns its sum of
+        """The part of ``flat``'s reduced gradient this rank steps, and what turns its sum of
         squares into the whole gradient's (``finish_gradient``'s ``sum_squares``): with
         sharded state its slice and the sum over the slices, else all of it and None."""
         layout, group = self.layout, self.group
         if layout is None or group is None:
-            return grads, None
+            return flat.grads, None
         lo, hi = layout.slice_of(self.rank)
-        return grads[lo:hi], lambda local: group_sum(group, layout, local)
+        return flat.grad_slice(lo, hi), lambda local: group_sum(group, layout, local)
 
     def gather_stepped(self, replica: Replica, step: int, stepped: bool) -> None:
         """After ``step``'s optimizer update (``stepped``: False on an fp16 skip), with sharded
@@ -179,7 +179,7 @@ class GroupLink:
         summed across replicas (``ShardedSum``, our ring: nothing to probe), the extra slots
         summed whole by the ring over every rank."""
         exact = RingAllReduce(group)
-        self.reducer_comm = ShardedSum(group, layout, flat.buffer, flat.extra.numel())
+        self.reducer_comm = ShardedSum(group, layout, flat)
         self.reducer = GradientReducer(
             flat,
             self.reducer_comm,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -40,6 +41,28 @@ FIRST_BUCKET_BYTES = 1 << 20
 DEFAULT_BUCKET_BYTES = 4 << 20
 # How often a rank waiting for the all-reduce looks at the step's claims (a store round trip).
 WATCH_POLL_S = 0.002
+
+
+@runtime_checkable
+class BucketCommunicator(Protocol):
+    """Sums a bucket taken out of the parameters' gradients into a slice kept
+    (``FlatParameters.keep_gradient_slice``)."""
+
+    def start_bucket(self, bucket: torch.Tensor, first: int) -> PendingReduce:
+        """Start summing ``bucket``, the gradient entries from ``first`` (of the whole vector)
+        on; what falls in the slice kept ends there, summed over every rank."""
+        ...
+
+
+@dataclass(frozen=True)
+class _At:
+    """``comm`` as a ``Communicator`` for one bucket starting at gradient entry ``first``."""
+
+    comm: BucketCommunicator
+    first: int
+
+    def start_sum(self, tensor: torch.Tensor) -> PendingReduce:
+        return self.comm.start_bucket(tensor, self.first)
 
 
 @dataclass(frozen=True)
@@ -149,7 +172,20 @@ class GradientReducer:
 
     def _launch(self, index: int, marks: list[object]) -> None:
         bucket = self.buckets[index]
-        self._pending.append(self._start(self.comm, self.grads.buffer[bucket.start : bucket.end], marks))
+        if not self.grads.sliced:
+            self._pending.append(self._start(self.comm, self.grads.buffer[bucket.start : bucket.end], marks))
+            return
+        # A slice kept: the bucket's gradients are taken out of the parameters (freed) into a
+        # tensor of its own, on this thread's stream once it is ordered after their writers'.
+        if self.marks is not None:
+            for mark in marks:
+                self.marks.wait(mark)
+        taken = self.grads.take_gradients(bucket.params)
+        comm = self.comm
+        if not isinstance(comm, BucketCommunicator):
+            raise TypeError("a reducer over a gradient slice needs a communicator that sums whole buckets into it")
+        first = self.grads.ranges[min(bucket.params)][0] - self.grads.extra.numel()
+        self._pending.append(self._start(_At(comm, first), taken, self._mark_here()))
 
     def _mark_here(self) -> list[object]:
         """A mark on this thread's current stream, as a hand-off's list ([] on the CPU)."""
@@ -207,7 +243,11 @@ class GradientReducer:
     def sum_whole(self) -> float:
         """Sum the whole buffer, bookkeeping included, exactly (never compressed) in one
         collective after backward; returns seconds waited. The rescue pass of a step uses it:
-        it is rare, and its shards' gradient then counts the same whoever computed it."""
+        it is rare, and its shards' gradient then counts the same whoever computed it. A slice
+        kept, its buckets go as ``finish`` sends them (the sharded sum compresses nothing)."""
+        if self.grads.sliced:
+            self._armed = False
+            return self.finish()
         started = time.perf_counter()
         self._start(self.extra_comm or self.comm, self.grads.buffer, self._mark_here()).wait()
         return time.perf_counter() - started

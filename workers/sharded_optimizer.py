@@ -53,7 +53,9 @@ class ShardedOptimizer:
         self.inner = self._over(0, 0)
 
     def _over(self, lo: int, hi: int, state: Exported | None = None) -> FusedSlice | GenericSlice:
-        """A stepper over values ``[lo, hi)`` holding ``state`` (None: zero, or none yet)."""
+        """A stepper over values ``[lo, hi)`` holding ``state`` (None: zero, or none yet), and
+        the gradient slice it steps from (the rest of the gradient is not kept)."""
+        self.flat.keep_gradient_slice(lo, hi)
         config = self.config
         if config.is_fused:
             no_decay = None if config.decay_biases_and_norms else self.flat.no_decay_ranges()
@@ -155,6 +157,7 @@ class ShardedOptimizer:
         """Hold a checkpoint's whole state (``flat`` entries of the full length): this replica is
         then the holder every rank's slice comes from at the next join (``restored_at``)."""
         config = self.config
+        self.flat.keep_gradient_slice(0, self.numel)  # stepped by nobody: a join reshards it first
         if config.is_fused:
             no_decay = None if config.decay_biases_and_norms else self.flat.no_decay_ranges()
             self.inner = FusedSlice.restored(str(config.name), config.kwargs, self.flat, no_decay, flat, whole)

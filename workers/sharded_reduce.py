@@ -1,7 +1,7 @@
 """The collectives of a step with sharded optimizer state (docs/architecture.md, "Sharded
 optimizer state"): each gradient bucket reduce-scattered inside the rank's sharding group and
-its owned part summed across the replica groups; the gradient's norm from the slices; the
-updated parameters all-gathered inside the group.
+its owned part summed across the replica groups, kept in the rank's gradient slice; the
+gradient's norm from the slices; the updated parameters all-gathered inside the group.
 
 Traffic per rank, for ``n`` ranks in groups of ``g`` (``r = n / g`` replicas) and a gradient of
 ``B`` bytes: the reduce-scatter sends ``(g-1)/g B``, the replicas' ring over one slice
@@ -24,43 +24,37 @@ from policies.sharding import ShardingLayout, clip_span
 from workers.comm_group import CommGroup, PendingOp
 from workers.communicator import NativeAllReduce
 from workers.ring import _Scratch, ring_all_gather, ring_reduce_scatter, ring_sum
+from workers.training import FlatParameters
 
 
 class ShardedSum:
-    """A ``Communicator`` for the gradient part of a flat buffer under ``layout``: a bucket
-    (a view of ``base``, the ``[extra | gradients]`` buffer, starting at or after ``offset``,
-    the first gradient entry) ends summed over every rank where it overlaps this rank's slice
-    (``layout.slice_of(rank)``, in gradient coordinates); elsewhere it holds partial sums.
-    The extra slots are never given to it: the reducer sums them apart (``extra_comm``)."""
+    """A ``BucketCommunicator`` (``workers/overlap.py``) for a flat gradient under ``layout``:
+    a bucket (a tensor of its own, the gradient entries from ``first`` on, taken out of the
+    parameters) is reduce-scattered in this rank's sharding group, its part of this rank's
+    slice (``layout.slice_of(rank)``) summed across the replica groups and written into
+    ``flat``'s slice kept (``FlatParameters.grad_slice``); the rest of the bucket is dropped
+    with it. The extra slots are never given to it: the reducer sums them apart
+    (``extra_comm``)."""
 
-    def __init__(self, group: CommGroup, layout: ShardingLayout, base: torch.Tensor, offset: int) -> None:
+    def __init__(self, group: CommGroup, layout: ShardingLayout, flat: FlatParameters) -> None:
         self.group = group
         self.layout = layout
-        self._base = base
-        self._offset = offset
+        self._flat = flat
         self._members = layout.group(group.rank)
         self._peers = layout.peers(group.rank)
         self._scratch = _Scratch()
 
-    def _where(self, tensor: torch.Tensor) -> int:
-        """Where ``tensor`` (a view of the base buffer) starts, in gradient coordinates."""
-        if tensor.untyped_storage().data_ptr() != self._base.untyped_storage().data_ptr():
-            raise ValueError("a sharded sum takes views of the gradient buffer it was made for")
-        start = tensor.storage_offset() - self._base.storage_offset() - self._offset
-        if start < 0:
-            raise ValueError("a sharded sum does not take the extra slots: sum them apart")
-        return start
-
-    def start_sum(self, tensor: torch.Tensor) -> PendingOp:
-        flat = tensor.view(-1)
-        lo = self._where(flat)
-        hi = lo + flat.numel()
-        owned = [clip_span(span, lo, hi) for span in self.layout.slices()]
-        mine = owned[self.layout.position(self.group.rank)]
+    def start_bucket(self, bucket: torch.Tensor, first: int) -> PendingOp:
+        flat = bucket.view(-1)
+        end = first + flat.numel()
+        owned = [clip_span(span, first, end) for span in self.layout.slices()]
+        lo, hi = owned[self.layout.position(self.group.rank)]
 
         def reduce() -> None:
             ring_reduce_scatter(self.group, flat, self._members, owned, self._scratch)
-            ring_sum(self.group, flat[mine[0] : mine[1]], self._peers, self._scratch)
+            ring_sum(self.group, flat[lo:hi], self._peers, self._scratch)
+            if lo < hi:
+                self._flat.grad_slice(first + lo, first + hi).copy_(flat[lo:hi])
 
         return self.group.submit(reduce, "sharded reduce")
 

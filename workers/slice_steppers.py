@@ -48,7 +48,7 @@ class FusedSlice:
     ) -> None:
         mine = None if no_decay is None else [c for c in (clip_span(r, lo, hi) for r in no_decay) if c[0] < c[1]]
         tensors, template = state if state is not None else ({}, {})
-        self.optimizer = FlatOptimizer(name, kwargs, flat.values[lo:hi], flat.grads[lo:hi], mine, tensors)
+        self.optimizer = FlatOptimizer(name, kwargs, flat.values[lo:hi], flat.grad_slice(lo, hi), mine, tensors)
         if template:
             self.optimizer.state["step"].fill_(float(template["step"]))
             self.optimizer.state_restored()
@@ -111,7 +111,7 @@ class GenericSlice:
             if a >= b:
                 continue
             piece = torch.nn.Parameter(flat.values[a:b], requires_grad=True)
-            piece.grad = flat.grads[a:b]
+            piece.grad = flat.grad_slice(a, b)
             self.pieces.append(piece)
             (decayed if decay_biases_and_norms or param.dim() >= 2 else exempt).append(piece)
         groups = [{"params": decayed}] + ([{"params": exempt, "weight_decay": 0.0}] if exempt else [])

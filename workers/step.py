@@ -350,11 +350,11 @@ class StepRunner:
     def _backup(self, step: int, shard: int, owner: int, claims: ShardClaims, work: StepWork) -> None:
         work.backups += 1
         work.shards_run += 1
-        snapshot = self.flat.grads.clone()
+        snapshot = self.flat.accumulated()
         result = self._pass(step, [shard], work)
         if claims.commit(shard, owner):
             work.backups_won += 1
             work.committed.append(shard)
             work.total = work.total + result
         else:
-            self.flat.grads.copy_(snapshot)
+            self.flat.restore_accumulated(snapshot)

@@ -114,6 +114,11 @@ class FlatParameters:
     The ``extra`` slots in front let per-step bookkeeping (shard census, loss, sample count)
     ride along in the bucket that holds the first parameters, which is reduced last.
     Parameters without ``requires_grad`` are left out.
+
+    With sharded state (``keep_gradient_slice``) the buffer holds ``[extra | one slice]``
+    instead: backward accumulates into gradients of the parameters' own (autograd's), which
+    the reducer takes bucket by bucket (``take_gradients``) and frees, keeping only the reduced
+    entries of the slice (docs/architecture.md, "Sharded optimizer state").
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], extra: int = 0) -> None:
@@ -129,6 +134,10 @@ class FlatParameters:
         self.buffer = torch.zeros(extra + self.numel, dtype=first.dtype, device=first.device)
         self.extra = self.buffer[:extra]
         self.grads = self.buffer[extra:]
+        #: The gradient entries ``grads`` holds, ``[lo, hi)`` of the whole vector.
+        self.span = (0, self.numel)
+        #: Whether ``grads`` holds one slice and the parameters' gradients are their own.
+        self.sliced = False
         #: ``(start, end)`` of each parameter's gradient in ``buffer``, in parameter order.
         self.ranges: list[tuple[int, int]] = []
         self._views = []
@@ -150,11 +159,64 @@ class FlatParameters:
         skip = len(self.extra)
         return [(lo - skip, hi - skip) for p, (lo, hi) in zip(self.params, self.ranges) if p.dim() < 2]
 
+    def keep_gradient_slice(self, lo: int, hi: int) -> None:
+        """From now on hold only gradient entries ``[lo, hi)`` (zeroed), the extra slots kept:
+        the parameters' gradients become their own, taken by ``take_gradients``. Re-made at
+        every join (the slice moves with the group); the same span is left as it is."""
+        if self.sliced and self.span == (lo, hi):
+            return
+        if not 0 <= lo <= hi <= self.numel:
+            raise ValueError(f"a gradient slice [{lo}, {hi}) outside the {self.numel} parameters")
+        extra = self.extra.numel()
+        self.buffer = torch.zeros(extra + hi - lo, dtype=self.values.dtype, device=self.values.device)
+        self.extra = self.buffer[:extra]
+        self.grads = self.buffer[extra:]
+        self.span, self.sliced, self._views = (lo, hi), True, []
+        for p in self.params:
+            p.grad = None
+
+    def grad_slice(self, lo: int, hi: int) -> torch.Tensor:
+        """Gradient entries ``[lo, hi)`` of the whole vector, a view of ``grads``. Raises
+        ValueError outside the span held."""
+        if not self.span[0] <= lo <= hi <= self.span[1]:
+            raise ValueError(f"gradient entries [{lo}, {hi}) are not held here (only {list(self.span)})")
+        return self.grads[lo - self.span[0] : hi - self.span[0]]
+
+    def take_gradients(self, indices: Iterable[int]) -> torch.Tensor:
+        """With a slice kept: the gradients of parameters ``indices`` (contiguous, any order)
+        back to back in parameter order, a new tensor (zeros for a parameter backward did not
+        reach), and the parameters' own gradients freed."""
+        chosen = sorted(indices)
+        parts = []
+        for index in chosen:
+            param = self.params[index]
+            parts.append(torch.zeros(param.numel(), dtype=param.dtype, device=param.device) if param.grad is None else param.grad.reshape(-1))
+            param.grad = None
+        return torch.cat(parts)
+
+    def accumulated(self) -> list[torch.Tensor | None]:
+        """A copy of the gradient accumulated so far, for ``restore_accumulated``."""
+        if not self.sliced:
+            return [self.grads.clone()]
+        return [None if p.grad is None else p.grad.clone() for p in self.params]
+
+    def restore_accumulated(self, copy: list[torch.Tensor | None]) -> None:
+        """Put back the gradient ``accumulated`` copied (a lost backup's pass undone)."""
+        if not self.sliced:
+            self.grads.copy_(copy[0])  # type: ignore[arg-type]
+            return
+        for p, grad in zip(self.params, copy):
+            p.grad = grad
+
     def zero(self) -> None:
-        """Zero the buffer; raises if something replaced a ``.grad`` (e.g. ``set_to_none``)."""
+        """Zero the buffer (and free the parameters' own gradients, a slice kept); raises if
+        something replaced a ``.grad`` view (e.g. ``set_to_none``)."""
         for p, view in zip(self.params, self._views):
             if p.grad is not view:
                 raise RuntimeError("a parameter's .grad no longer views the flat gradient buffer")
+        if self.sliced:
+            for p in self.params:
+                p.grad = None
         self.buffer.zero_()
 
 
