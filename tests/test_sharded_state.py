@@ -12,6 +12,7 @@ import torch
 
 from jobspec.recipe import OptimizerConfig
 from policies.sharding import LostState, ShardingLayout
+from tests.helpers.devices import DEVICES
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
 from workers.comm_group import CommGroup
 from workers.flat_optimizer import FlatOptimizer
@@ -107,20 +108,22 @@ def test_buckets_reduce_scatter_in_the_group_and_sum_across_replicas(world, grou
         torch.testing.assert_close(got[EXTRA:], total[EXTRA + lo : EXTRA + hi], rtol=0, atol=0)
 
 
-def test_buckets_overlapped_with_backward_leave_the_slice_and_free_the_parameters_gradients():
+@pytest.mark.parametrize("device", DEVICES)
+def test_buckets_overlapped_with_backward_leave_the_slice_and_free_the_parameters_gradients(device):
     """Two passes (the first accumulated in the parameters' own gradients), the last
     overlapped: its hooks take each bucket out of the parameters as backward completes it, so
-    none is left once backward returns; each rank keeps its slice of the summed gradient."""
+    none is left once backward returns; each rank keeps its slice of the summed gradient. On
+    a GPU the buckets are handed over by CUDA events (the ranks share one device)."""
     world, group_size = 4, 2
     groups = _groups(world)
-    inputs = [torch.randn(6, 7, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    inputs = [torch.randn(6, 7, generator=torch.Generator().manual_seed(r)).to(device) for r in range(world)]
 
     def loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(x).square().sum()
 
     def run(rank: int) -> torch.Tensor:
         try:
-            model = _model()
+            model = _model().to(device)
             flat = FlatParameters(model.parameters(), extra=EXTRA)
             layout = ShardingLayout(world, group_size, flat.numel)
             flat.keep_gradient_slice(*layout.slice_of(rank))
@@ -133,12 +136,13 @@ def test_buckets_overlapped_with_backward_leave_the_slice_and_free_the_parameter
             loss(model, inputs[rank][3:]).backward()
             assert all(param.grad is None for param in model.parameters())  # every bucket out during backward
             reducer.finish()
-            return flat.grads.clone()
+            return flat.grads.cpu()
         finally:
             groups[rank].close()
 
     outcomes = on_ranks(world, run)
     _raise_first(outcomes)
+    inputs = [x.cpu() for x in inputs]
     reference = _model()
     for x in inputs:
         loss(reference, x).backward()

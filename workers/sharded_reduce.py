@@ -51,6 +51,8 @@ class ShardedSum:
         lo, hi = owned[self.layout.position(self.group.rank)]
 
         def reduce() -> None:
+            if flat.is_cuda:  # made on the stream its gradients were written on: freed only after this one's work
+                flat.record_stream(torch.cuda.current_stream(flat.device))
             ring_reduce_scatter(self.group, flat, self._members, owned, self._scratch)
             ring_sum(self.group, flat[lo:hi], self._peers, self._scratch)
             if lo < hi:
