@@ -169,8 +169,8 @@ class JobController:
         return Running(self.accounting.ledger.steps_done)
 
     def _restore(self, point: ResumePoint) -> None:
-        """Load the checkpoint into rank 0 (the others take it when the group forms) and go on
-        from its step, with its counters."""
+        """Load the checkpoint (into rank 0, the others taking it when the group forms; sharded,
+        every rank its slice) and go on from its step, with its counters."""
         if point.step > self.num_steps:
             raise JobFailed(f"checkpoint {point.name} is at step {point.step}, past this job's {self.num_steps} steps")
         self.group.restore(point.root, point.name, point.manifest)

@@ -134,8 +134,8 @@ class RecoveryProcedure:
 
     def _roll_back(self, lost: StateLost, gone: list[int], without_state: frozenset[int]) -> Reformed | GiveUp:
         """Sharded optimizer state left with ``gone`` and no survivor holds it (one replica
-        group, or every peer of a slice lost): load the run's newest checkpoint into rank 0,
-        rewind the committed steps to it and re-form from it (the events say so; the steps
+        group, or every peer of a slice lost): load the run's newest checkpoint (each member
+        the slice it will own), rewind the committed steps to it and re-form from it (the events say so; the steps
         after it run again, counted as redone). A death meanwhile (loading, or joining: the
         restored worker may be the one lost) starts it over, ``MAX_REFORMS`` times at most.
         Raises JobFailed if the run has no checkpoint, or after those attempts."""
@@ -156,17 +156,16 @@ class RecoveryProcedure:
         self.checkpoints.resumed(point)
         for _ in range(MAX_REFORMS):
             try:
-                self.group.restore(point.root, point.name, point.manifest)  # rank 0 holds all of it now
+                self.group.restore(point.root, point.name, point.manifest)  # each member its slice now
             except (CallFailed, WorkerGroupError) as err:
                 self.reformer.after_failed_join(err)  # the dead removed: restore into another
                 continue
             alive, silent = self.group.probe(PROBE_S)
             self.group.remove(silent)
-            restored = self.group.workers[0]
-            others = frozenset(w for w in self.group.workers if w != restored)
-            reformed = self.reformer.reform(alive, point.step, without_state | others)
-            if isinstance(reformed, GiveUp) and restored not in self.group.workers:
-                continue  # the restored worker died joining: the others can load it again
+            restored = frozenset(self.group.workers)
+            reformed = self.reformer.reform(alive, point.step, without_state - restored)
+            if isinstance(reformed, GiveUp) and not restored <= set(self.group.workers):
+                continue  # a restored worker died joining: the others can load it again
             if not isinstance(reformed, StateLost):
                 return reformed
         raise JobFailed(f"could not go back to checkpoint {point.name} after {MAX_REFORMS} attempts: workers kept dying")

@@ -285,9 +285,14 @@ class RayWorkerGroup(Membership[Member, Joiner]):
     @ray_errors_as_group_errors
     def restore(self, root: str, name: str, manifest: dict[str, Any]) -> None:
         """Load checkpoint ``name``: rank 0 the training state (the others take it from rank 0
-        when the group forms), every rank its saved top-k residuals."""
+        when the group forms), or with sharded state every rank the slice it will own, and
+        every rank its saved top-k residuals."""
+        world, sharded = len(self.members), self.job.sharding.enabled
         self._gather(
-            [Call(m.info.worker, m.actor.restore.remote(root, name, manifest, rank, rank == 0)) for rank, m in enumerate(self.members)],
+            [
+                Call(m.info.worker, m.actor.restore.remote(root, name, manifest, rank, rank == 0 or sharded, world))
+                for rank, m in enumerate(self.members)
+            ],
             self.timeouts.checkpoint_s,
             "restore",
         )

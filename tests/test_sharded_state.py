@@ -339,14 +339,37 @@ def test_a_generic_optimizer_shards_reshards_and_checkpoints_like_the_whole_one(
         for key in want:
             torch.testing.assert_close(restored.optimizer.state[mine][key], whole.optimizer.state[theirs][key], rtol=1e-6, atol=1e-7)
         assert float(restored.optimizer.state[mine]["step"]) == steps
-    # ... and into a sharded one's whole-vector holder (what a restore gives the next join).
-    held = GenericSlice.restored(
-        "RAdam", {"lr": 0.01, "weight_decay": 0.1}, FlatParameters(_model().parameters()), False, parts, outcomes[0][2]
-    )
-    flat_state, template = held.export()
+    # ... and into a sharded one, the slice a rank will own only (what a restore gives the next join).
+    sharded = ShardedOptimizer(config, FlatParameters(_model().parameters()))
+    sharded.restore(parts, outcomes[0][2], (30, 70))
+    assert sharded.held == (30, 70)
+    flat_state, template = sharded.inner.export()
     for key in want:
-        torch.testing.assert_close(flat_state[key], want[key], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(flat_state[key], want[key][30:70], rtol=1e-6, atol=1e-7)
     assert float(template["step"]) == steps
+
+
+def test_a_checkpoint_restores_only_the_slice_a_rank_will_own():
+    """Fused AdamW: the whole state read on the host, checked, and the span kept (the rest is
+    never held); the whole of it without a span; another optimizer's state refused."""
+    flat = FlatParameters(_model().parameters(), extra=EXTRA)
+    whole = FlatOptimizer("adamw", {"lr": 0.05}, flat.values, flat.grads, flat.no_decay_ranges())
+    for step in range(2):
+        flat.buffer.copy_(_gradient(0, step, flat.numel))
+        whole.step()
+    saved_flat, saved_whole = (dict(part) for part in whole.checkpoint_tensors())
+    config = _config("adamw", {"lr": 0.05}, decay_biases_and_norms=False)
+    sharded = ShardedOptimizer(config, FlatParameters(_model().parameters(), extra=EXTRA))
+    sharded.restore(saved_flat, saved_whole, (40, 90))
+    state = sharded.state_tensors()
+    assert sharded.held == (40, 90) and sharded.flat.grads.numel() == 50
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(state[key], whole.state[key][40:90], rtol=0, atol=0)
+    assert float(state["step"]) == 2
+    sharded.restore(saved_flat, saved_whole)
+    assert sharded.held == (0, flat.numel) and torch.equal(sharded.state_tensors()["exp_avg"], whole.state["exp_avg"])
+    with pytest.raises(ValueError):
+        sharded.restore({"momentum_buffer": saved_flat["exp_avg"]}, saved_whole, (40, 90))
 
 
 @pytest.mark.parametrize(("name", "kwargs"), [("RAdam", {}), ("Adagrad", {}), ("NAdam", {}), ("SGD", {"lr": 0.1, "momentum": 0.9})])

@@ -37,6 +37,7 @@ from jobspec.wire import (
     StepTelemetry,
     WorkerInfo,
 )
+from policies.sharding import ShardingLayout
 from policies.work_stealing import StepPlan
 from workers.census import census_slots, check_census
 from workers.chaos import ChaosSchedule, death_key, kill_self
@@ -388,16 +389,19 @@ class TrainWorker:
         return self.checkpoints.written(name, tag, timeout_s)
 
     @compute_method
-    def restore(self, root: str, name: str, manifest: dict[str, Any], rank: int, state: bool) -> None:
+    def restore(self, root: str, name: str, manifest: dict[str, Any], rank: int, state: bool, world: int = 1) -> None:
         """Take checkpoint ``name`` (already verified against ``manifest``): the training state
-        if ``state`` (one worker loads it; the others take it from it when the group forms),
-        and rank ``rank``'s top-k residuals, if saved. Raises CheckpointCorrupt if a file
-        changed since it was verified, ValueError if the checkpoint is for another model."""
+        if ``state`` (unsharded, one worker loads it and the others take it from it when the
+        group forms; sharded, every rank of ``world`` loads the slice it will own), and rank
+        ``rank``'s top-k residuals, if saved. Raises CheckpointCorrupt if a file changed since
+        it was verified, ValueError if the checkpoint is for another model."""
         storage = CheckpointStorage(root)
         saved = load_residuals(storage, name, manifest, rank)
         self.link.restored_residuals = {key: v.to(self.device) for key, v in saved.items()}
         if state:
-            restore_state(self, storage, name, manifest)
+            sharded = isinstance(self.optimizer, ShardedOptimizer)
+            layout = ShardingLayout.plan(world, self.link.group_size, self.flat.numel) if sharded else None
+            restore_state(self, storage, name, manifest, None if layout is None else layout.slice_of(rank))
 
     @compute_method
     def evaluate(self) -> dict[str, float]:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from jobspec.wire import FileEntry, SnapshotRequest
+from policies.sharding import Span
 from workers.chaos import ChaosSchedule, kill_self
 from workers.checkpoint_storage import CheckpointStorage
 from workers.checkpointing import FlatPieces, PartSnapshot, load_state, take_snapshot, write_snapshot
@@ -48,20 +49,24 @@ def _model_tensors(replica: Replica) -> dict[str, torch.Tensor]:
     return found
 
 
-def restore_state(replica: Replica, storage: CheckpointStorage, name: str, manifest: dict[str, Any]) -> None:
+def restore_state(
+    replica: Replica, storage: CheckpointStorage, name: str, manifest: dict[str, Any], span: Span | None = None
+) -> None:
     """Take checkpoint ``name``'s training state (already verified against ``manifest``) into
-    ``replica``: parameters, buffers, optimizer state, loss scale, RNG and step. Raises
-    CheckpointCorrupt if a file changed since it was verified, ValueError if the checkpoint
-    is for another model."""
+    ``replica``: parameters, buffers, optimizer state (sharded: entries ``span`` of it, None:
+    all), loss scale, RNG and step. Raises CheckpointCorrupt if a file changed since it was
+    verified, ValueError if the checkpoint is for another model."""
     flat, whole = load_state(storage, name, manifest)
     # What it restores into besides the optimizer (a sharded one may hold nothing yet).
     targets = {"params": replica.flat.values, **_model_tensors(replica)}
     loaded = {k: v for k, v in {**flat, **whole}.items() if not k.startswith(("optim/", "rng/"))}
     check_fit(targets, loaded, lambda held, needed: f"checkpoint {name} holds {held}, this model needs {needed}")
-    replica.optimizer.restore(
-        {k[len("optim/"):]: v for k, v in flat.items() if k.startswith("optim/")},
-        {k[len("optim/"):]: v for k, v in whole.items() if k.startswith("optim/")},
-    )
+    optimizer_flat = {k[len("optim/"):]: v for k, v in flat.items() if k.startswith("optim/")}
+    optimizer_whole = {k[len("optim/"):]: v for k, v in whole.items() if k.startswith("optim/")}
+    if isinstance(replica.optimizer, ShardedOptimizer):
+        replica.optimizer.restore(optimizer_flat, optimizer_whole, span)
+    else:
+        replica.optimizer.restore(optimizer_flat, optimizer_whole)
     copy_by_name(targets, loaded)
     replica.scaler.state_restored()
     torch.set_rng_state(whole["rng/torch"])

@@ -8,8 +8,8 @@ the fused sgd/adam/adamw, or an element-wise ``torch.optim`` optimizer; fp32 par
 their own master values). The slices are fixed by the group that forms, so the stepper is
 re-made at every join (``reshard``): the state each rank needs comes from the ranks that hold
 it at the step the group starts from (``plan_moves``: each byte once, from a holder to its new
-owner, in one exchange), and a checkpoint restored on one worker makes that worker the holder
-of all of it, for one join.
+owner, in one exchange), and a checkpoint restored on every rank makes each the holder of the
+slice it is about to own (``restore``).
 
 What it holds is valid for one step: ``state_step``, the next job step its state is ready for.
 It runs ahead of the replica's ``next_step`` where a step's optimizer update was applied and
@@ -153,17 +153,25 @@ class ShardedOptimizer:
             raise RuntimeError("this replica holds no optimizer state to checkpoint (a state transfer did not finish)")
         return self.inner.checkpoint_tensors(whole, self.held[0], self.numel)
 
-    def restore(self, flat: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> None:
-        """Hold a checkpoint's whole state (``flat`` entries of the full length): this replica is
-        then the holder every rank's slice comes from at the next join (``restored_at``)."""
+    def restore(self, flat: dict[str, torch.Tensor], whole: dict[str, torch.Tensor], span: Span | None = None) -> None:
+        """Hold ``span`` (None: all) of a checkpoint's state (``flat`` entries of the full
+        length, on the host; written sharded or not, in the unsharded optimizer's format): the
+        whole state is read on the host, checked as the unsharded optimizer checks it, and only
+        the span comes to the device. This replica is then the holder of the span at the next
+        join (``restored_at``). Raises ValueError if the state is not the optimizer's."""
         config = self.config
-        self.flat.keep_gradient_slice(0, self.numel)  # stepped by nobody: a join reshards it first
+        host = FlatParameters([torch.nn.Parameter(torch.empty_like(p, device="cpu")) for p in self.flat.params])
         if config.is_fused:
-            no_decay = None if config.decay_biases_and_norms else self.flat.no_decay_ranges()
-            self.inner = FusedSlice.restored(str(config.name), config.kwargs, self.flat, no_decay, flat, whole)
+            no_decay = None if config.decay_biases_and_norms else host.no_decay_ranges()
+            loaded: FusedSlice | GenericSlice = FusedSlice.restored(str(config.name), config.kwargs, host, no_decay, flat, whole)
         else:
-            self.inner = GenericSlice.restored(config.name, config.kwargs, self.flat, config.decay_biases_and_norms, flat, whole)
-        self.held = (0, self.numel)
+            loaded = GenericSlice.restored(config.name, config.kwargs, host, config.decay_biases_and_norms, flat, whole)
+        state, template = loaded.export()
+        del loaded
+        lo, hi = span if span is not None else (0, self.numel)
+        device = self.flat.values.device
+        self.inner = self._over(lo, hi, ({k: v[lo:hi].to(device) for k, v in state.items()}, template))
+        self.held = (lo, hi)
 
     def restored_at(self, step: int) -> None:
         """The restored state is the one for job step ``step``."""

@@ -195,7 +195,9 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
         return 0.001
 
     def restore(self, root: str, name: str, manifest: dict[str, Any]) -> None:
-        self.members[0].next_step = int(manifest["step"])
+        # As WorkerGroup.restore: rank 0 loads the state, or with sharded state every rank its slice.
+        for member in self.members if self.job.sharding.enabled else self.members[:1]:
+            member.next_step = int(manifest["step"])
 
     # Calls
 
