@@ -21,7 +21,7 @@ from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.membership import JoinerPool
 from orchestrator.namespace_lease import NamespaceLease
 from orchestrator.pipeline import StepOutcome, StepPipeline, await_step
-from orchestrator.recovery import PROBE_S
+from orchestrator.recovery import PROBE_S, sharding_of
 from orchestrator.recovery_procedure import RecoveryProcedure
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.run_dir import RunDirectory
@@ -302,6 +302,7 @@ class JobController:
         self.run.event(
             "grow", at_step=self.accounting.ledger.steps_done, joined=joined, workers=self.group.workers,
             transfer_s=transfer_s, reform_s=time.time() - started - transfer_s,
+            sharding=sharding_of(self.job.sharding, self.group.size),
         )
         return Running(self.accounting.ledger.steps_done, f"{self.group.size} workers")
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from jobspec.runtime import ScalingConfig
+from jobspec.runtime import ScalingConfig, ShardingConfig
 from jobspec.wire import Progress
 from orchestrator.errors import JobFailed
 from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
@@ -23,7 +23,7 @@ from orchestrator.membership import JoinerPool
 from orchestrator.pipeline import InFlight
 from orchestrator.rendezvous import RendezvousStore
 from policies.elasticity import after_failure, pick_root
-from policies.sharding import Span, first_gap
+from policies.sharding import ShardingLayout, Span, first_gap
 
 # How long the driver waits for every member's progress() when it looks for the dead: the
 # control group answers in milliseconds even mid-step, so silence this long means a dead
@@ -102,6 +102,16 @@ def first_uncommitted(alive: Mapping[int, Progress], steps_done: int) -> int:
     its all-reduce completed and that survivor's census proved every shard counted once. Never
     before ``steps_done`` (a survivor whose state transfer broke off reports -1)."""
     return max([steps_done, *(p.next_step for p in alive.values())])
+
+
+def sharding_of(sharding: ShardingConfig, workers: int) -> dict[str, int] | None:
+    """For an event: the sharding groups ``workers`` form (``group_size`` as raised to divide
+    them, ``replicas``: copies of every slice; at 1 a death there rolls back to a checkpoint),
+    or None without sharding."""
+    if not sharding.enabled:
+        return None
+    layout = ShardingLayout.plan(workers, sharding.group_size, 0)
+    return {"group_size": layout.group_size, "replicas": layout.replicas}
 
 
 def state_holders(alive: Mapping[int, Progress], steps_done: int, without_state: frozenset[int] = frozenset()) -> dict[int, int]:

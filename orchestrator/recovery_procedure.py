@@ -30,6 +30,7 @@ from orchestrator.recovery import (
     StateLost,
     first_uncommitted,
     settle,
+    sharding_of,
     steps_to_redo,
 )
 from orchestrator.rendezvous import RendezvousStore
@@ -129,7 +130,10 @@ class RecoveryProcedure:
             self.accounting.counters["steps_redone"] += len(redo)
             recovery.redo_steps = redo
             self.accounting.recoveries.opened(recovery)
-        self.run.event("group_reformed", workers=self.group.workers, redo=redo, transfer_s=recovery.transfer_s)
+        self.run.event(
+            "group_reformed", workers=self.group.workers, redo=redo, transfer_s=recovery.transfer_s,
+            sharding=sharding_of(self.job.sharding, self.group.size),
+        )
         return Running(next_step, f"{self.group.size} workers")
 
     def _roll_back(self, lost: StateLost, gone: list[int], without_state: frozenset[int]) -> Reformed | GiveUp:

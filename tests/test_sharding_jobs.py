@@ -35,9 +35,12 @@ def test_stealing_backups_rescue_and_run_ahead_move_data_shards_not_state_slices
     assert_same_params(params(result.run_dir), reference, "sharded, with stragglers")
 
 
-def _formations(run_dir) -> list[tuple[str, int]]:
-    """Each group formation after the first: (event, members)."""
-    return [(e["event"], len(e["workers"])) for e in jsonl(run_dir / "events.jsonl") if e["event"] in ("group_reformed", "grow")]
+def _formations(run_dir) -> list[tuple[str, int, int]]:
+    """Each group formation after the first: (event, members, replica groups)."""
+    return [
+        (e["event"], len(e["workers"]), e["sharding"]["replicas"])
+        for e in jsonl(run_dir / "events.jsonl") if e["event"] in ("group_reformed", "grow")
+    ]
 
 
 def test_a_sharded_rank_killed_mid_step_is_healed_from_its_replica(tmp_path, reference):
@@ -50,7 +53,7 @@ def test_a_sharded_rank_killed_mid_step_is_healed_from_its_replica(tmp_path, ref
     summary = result.summary
     assert summary["events"]["failures"] == 1 and summary["events"]["recoveries"] == 1
     assert summary["workers"] == {"start": 4, "end": 4} and summary["events"]["joins"] == 1
-    assert _formations(result.run_dir) == [("group_reformed", 4)]
+    assert _formations(result.run_dir) == [("group_reformed", 4, 2)]
     assert_same_params(params(result.run_dir), reference, "healed")
 
 
@@ -66,8 +69,9 @@ def test_two_deaths_in_different_groups_replan_the_groups_and_regrow(tmp_path, r
     summary = result.summary
     assert summary["events"]["failures"] == 2 and summary["workers"] == {"start": 4, "end": 4}
     formations = _formations(result.run_dir)
-    # Re-planned to one group of 2, then grown (one or two joins) back to groups of 2.
-    assert formations[0] == ("group_reformed", 2) and formations[-1] == ("grow", 4), formations
+    # Re-planned to one group of 2 (no replica: the events say so), then grown (one or two
+    # joins) back to groups of 2.
+    assert formations[0] == ("group_reformed", 2, 1) and formations[-1] == ("grow", 4, 2), formations
     assert not [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "state_lost"]
     assert_same_params(params(result.run_dir), reference, "two deaths, re-planned")
 
