@@ -24,7 +24,8 @@ How memory is measured (``PeakMemory``):
   no memory at all, torch 2.13): what other threads allocate is missed, and a tensor of this
   thread whose last reference another thread drops is never seen freed. In a step the comm
   thread allocates only the ring's scratch (none in a group of one) and frees nothing of the
-  step's; at a join, a generic optimizer's packed state may be dropped last by the comm
+  step's (the probe runs the job unsharded: the plan lays the state out itself; a sharded
+  rank's bucket copies are freed by the reducer, on the thread that made them); at a join, a generic optimizer's packed state may be dropped last by the comm
   thread, which then reads as held until the block ends (the step is measured apart).
 """
 
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from jobspec.runtime import ShardingConfig
 from jobspec.wire import JoinRequest
 from policies.memory_plan import ModelFigures, OptimizerBytes, optimizer_bytes
 from policies.work_stealing import StepPlan
@@ -153,6 +155,8 @@ class ProbeWorker:
     batch with passes of a chosen size. ``close()`` leaves the group; usable as a context manager."""
 
     def __init__(self, job: JobConfig, device: torch.device = torch.device("cpu")) -> None:
+        # Unsharded whatever the job says: the plan lays out the state itself, for every setting.
+        job = job.model_copy(update={"sharding": ShardingConfig()})
         self.worker = TrainWorker(job, device=device)
         self._store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
         request = JoinRequest("127.0.0.1", self._store.port, "probe/", 1, 0, ("probe",), JOIN_TIMEOUT_S)

@@ -72,12 +72,16 @@ def job_pass(job: JobConfig) -> int:
     return min(share, job.worker.max_samples_per_pass or share)
 
 
-def holds_whole_gradient(job: JobConfig) -> bool:
+def holds_whole_gradient(job: JobConfig, samples_per_pass: int | None = None) -> bool:
     """Whether a rank's step holds the whole gradient before reducing it: more than one pass
-    (``job_pass`` below its share of the samples, or shards that do not fuse) or no overlap."""
+    (passes of ``samples_per_pass``, default ``job_pass``, below what a pass could hold, or
+    several shards that do not fuse) or no overlap."""
     shard = -(-job.batch_size // job.shards)
-    share = -(-job.shards // job.scaling.workers) * shard
-    return share > job_pass(job) or not job.collective.overlap
+    shards = -(-job.shards // job.scaling.workers)
+    fused = job.worker.fuse_shards
+    whole_pass = shards * shard if fused else shard
+    several = (shards > 1 and not fused) or (samples_per_pass or job_pass(job)) < whole_pass
+    return several or not job.collective.overlap
 
 
 def probe_device(job: JobConfig, asked: str | None) -> torch.device:
@@ -111,7 +115,7 @@ def plan_job(job: JobConfig, request: PlanRequest, probe: Probe) -> dict[str, An
     part, and with ``device_bytes`` whether it fits and the largest ``max_samples_per_pass``
     that does), and for ``target_params`` the smallest group size per layout."""
     samples = request.samples_per_pass or job_pass(job)
-    mitigation, whole = job.stragglers.mitigation, holds_whole_gradient(job)
+    mitigation, whole = job.stragglers.mitigation, holds_whole_gradient(job, samples)
     rows = []
     for sharding in layouts(job.precision, request.group_sizes):
         found: RankBytes = rank_bytes(probe.model, probe.optimizer, sharding, job.precision, samples, mitigation, whole)
@@ -121,9 +125,10 @@ def plan_job(job: JobConfig, request: PlanRequest, probe: Probe) -> dict[str, An
         }
         if request.device_bytes is not None:
             row["fits"] = found.total <= request.device_bytes
-            row["largest_samples_per_pass"] = largest_pass(
-                probe.model, probe.optimizer, request.device_bytes, sharding, job.precision, mitigation, whole
-            )
+            fit = largest_pass(probe.model, probe.optimizer, request.device_bytes, sharding, job.precision, mitigation, whole)
+            if fit and not whole and holds_whole_gradient(job, fit):  # smaller passes: several a step
+                fit = largest_pass(probe.model, probe.optimizer, request.device_bytes, sharding, job.precision, mitigation, True)
+            row["largest_samples_per_pass"] = fit
         rows.append(row)
     plan: dict[str, Any] = {
         "job": job.name, "precision": job.precision, "samples_per_pass": samples, "workers": job.scaling.workers,

@@ -23,9 +23,10 @@ for the rank that holds it):
 * **buffers**: the model's non-trained tensors (BatchNorm statistics), whole on every rank.
 * **gradient copy** ``w (N + E)`` when straggler mitigation may run: a backup pass clones the
   gradient, a rescue pass the whole buffer (``workers/step.py``), while it runs. With
-  ``shard_gradients`` the same where the whole gradient is held for a while anyway
-  (``whole_gradient``): a step of several passes per rank accumulates it until its last
-  backward, and without overlap it is all reduced after backward.
+  ``shard_gradients`` one more where the whole gradient is held for a while anyway
+  (``whole_gradient``: a step of several passes per rank accumulates it in the parameters
+  until its last backward, and without overlap it is all reduced after backward; with
+  mitigation, a straggler's two passes and what a backup clones): ``gradient_copies``.
 * **activations** ``a0 + a1 P`` for a pass of ``P`` samples (``max_samples_per_pass``): ``a1``
   the bytes one more sample adds at the peak of a forward/backward, ``a0`` what a pass holds
   whatever its size (autocast's half copies of the weights, the largest parameter's gradient
@@ -167,6 +168,14 @@ def largest_slice(params: int, group_size: int) -> int:
     return -(-params // group_size)
 
 
+def gradient_copies(sharding: Sharding, mitigation: bool, whole_gradient: bool) -> int:
+    """Whole gradients a step holds beside ``gradients`` at its peak: one a backup or rescue
+    pass clones (``mitigation``), and with ``shard_gradients`` one more where the parameters'
+    own gradients are whole before the last backward (``whole_gradient``; with mitigation
+    too: a straggler's own shards run in two passes, and a backup's clone is of them)."""
+    return int(mitigation) + int(sharding.shard_gradients and (whole_gradient or mitigation))
+
+
 def rank_bytes(
     model: ModelFigures,
     optimizer: OptimizerBytes,
@@ -192,7 +201,7 @@ def rank_bytes(
         optimizer=optimizer_held,
         master=FP32_BYTES * owned if sharding.half_weights else 0,
         buffers=model.buffer_bytes,
-        gradient_copy=width * (n + extra) if mitigation or (whole_gradient and sharding.shard_gradients) else 0,
+        gradient_copy=width * (n + extra) * gradient_copies(sharding, mitigation, whole_gradient),
         activations=math.ceil(model.activation_fixed + model.activation_per_sample * samples_per_pass),
         join_copy=optimizer_held if optimizer.packed_on_join else 0,
     )

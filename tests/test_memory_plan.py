@@ -72,6 +72,8 @@ def test_optimizer_kinds_and_the_straggler_gradient_copy():
     # Gradients sharded, a step that holds the whole gradient before reducing it holds a copy.
     assert rank_bytes(MODEL, ADAM, Sharding(4, shard_gradients=True), whole_gradient=True).gradient_copy == 4 * 1_000_019
     assert rank_bytes(MODEL, ADAM, Sharding(4), whole_gradient=True).gradient_copy == 0  # it is the buffer then
+    # With mitigation too: a straggler's own passes accumulate the whole gradient, and a backup clones it.
+    assert rank_bytes(MODEL, ADAM, Sharding(4, shard_gradients=True), mitigation=True).gradient_copy == 2 * 4 * 1_000_019
     with pytest.raises(ValueError, match="optimizer 'generic': state bytes per parameter must be given"):
         optimizer_bytes("generic")
     with pytest.raises(ValueError, match="unknown optimizer kind 'lion'"):
@@ -88,6 +90,7 @@ def test_a_step_holds_the_whole_gradient_with_several_passes_a_rank_or_without_o
     assert holds_whole_gradient(load_job(None, [*base, "worker.max_samples_per_pass=16"]))
     assert holds_whole_gradient(load_job(None, [*base, "worker.fuse_shards=false"]))
     assert holds_whole_gradient(load_job(None, [*base, "collective.overlap=false"]))
+    assert holds_whole_gradient(load_job(None, base), samples_per_pass=8)  # the plan asked for smaller passes
 
 
 def test_the_largest_pass_that_fits_a_device():

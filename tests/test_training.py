@@ -79,8 +79,25 @@ def test_a_kept_gradient_slice_holds_only_its_entries_and_the_parameters_keep_th
         flat.grad_slice(5, 12)
     with pytest.raises(ValueError, match="outside"):
         flat.keep_gradient_slice(0, numel + 1)
+    model[0].weight.grad = torch.ones_like(model[0].weight)  # came after its bucket went out: would be lost
+    with pytest.raises(RuntimeError, match=r"parameters \[0\] got gradient after their bucket was reduced"):
+        flat.check_taken()
+    flat.keep_gradient_slice(10, 30)  # the same slice (a re-join after an aborted step): its leftovers freed
+    assert model[0].weight.grad is None
+    flat.check_taken()
     flat.zero()
     assert torch.all(flat.buffer == 0)
+
+
+def test_a_sparse_gradient_is_taken_dense():
+    embedding = torch.nn.Embedding(6, 3, sparse=True)
+    flat = FlatParameters(embedding.parameters())
+    flat.keep_gradient_slice(0, flat.numel)
+    embedding(torch.tensor([1, 1, 4])).sum().backward()
+    assert embedding.weight.grad.is_sparse
+    want = torch.zeros(6, 3)
+    want[1], want[4] = 2.0, 1.0
+    torch.testing.assert_close(flat.take_gradients([0]), want.reshape(-1))
 
 
 def test_fetch_batch_tensor_dataset_and_generic():

@@ -19,7 +19,11 @@ stream wait for all of its parameters' marks (``workers/devices.py``, ``StreamMa
 ``finish`` launches waits for one mark it records on its own thread's stream: backward has
 returned, and autograd ordered that stream after every stream that wrote a gradient. All that
 reads or rewrites a bucket (a compression's cast too) runs on the communication thread after
-that wait. On the CPU there are no marks, and nothing is recorded.
+that wait. On the CPU there are no marks, and nothing is recorded. With a gradient slice kept
+(sharded state) the launch itself reads the bucket's gradients, copying them out of the
+parameters on the compute thread, on its stream once that waits for the marks; the copy is
+handed over the same way. The copies live until their sum ends: when communication is slower
+than backward they queue, up to the whole gradient.
 """
 
 from __future__ import annotations
@@ -98,7 +102,9 @@ def plan_buckets(
 
 
 class GradientReducer:
-    """Sums the flat gradient buffer across ranks, bucket by bucket.
+    """Sums the flat gradient buffer across ranks, bucket by bucket (with a gradient slice
+    kept, ``FlatParameters.keep_gradient_slice``: the parameters' own gradients, each bucket
+    taken out of them as it goes, into the slice).
 
     Per step: ``arm()`` right before the final backward (only that one overlaps: earlier passes
     of the step accumulate locally), then ``finish()`` after it. With ``overlap`` off, ``finish``
@@ -140,6 +146,7 @@ class GradientReducer:
         # Per bucket, the marks its parameters' hooks recorded this backward (GPU only).
         self._marks: list[list[object]] = []
         self._pending: list[PendingReduce] = []
+        self._taken: list[torch.Tensor] = []  # buckets taken out of the parameters, while summed
         self._armed = False
         self._hooks = (
             [param.register_post_accumulate_grad_hook(self._hook(i)) for i, param in enumerate(grads.params)]
@@ -185,6 +192,9 @@ class GradientReducer:
         if not isinstance(comm, BucketCommunicator):
             raise TypeError("a reducer over a gradient slice needs a communicator that sums whole buckets into it")
         first = self.grads.ranges[min(bucket.params)][0] - self.grads.extra.numel()
+        # Held here until the step's waits are over, so that it is freed on this thread (the
+        # sum lets go of it as it ends): the memory probe sees only its own thread's frees.
+        self._taken.append(taken)
         self._pending.append(self._start(_At(comm, first), taken, self._mark_here()))
 
     def _mark_here(self) -> list[object]:
@@ -237,7 +247,8 @@ class GradientReducer:
             for pending in self._pending:
                 pending.wait()
         finally:
-            self._pending = []
+            self._pending, self._taken = [], []
+        self.grads.check_taken()
         return time.perf_counter() - started
 
     def sum_whole(self) -> float:

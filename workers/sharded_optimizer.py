@@ -170,7 +170,7 @@ class ShardedOptimizer:
         del loaded
         lo, hi = span if span is not None else (0, self.numel)
         device = self.flat.values.device
-        self.inner = self._over(lo, hi, ({k: v[lo:hi].to(device) for k, v in state.items()}, template))
+        self.inner = self._over(lo, hi, ({k: v[lo:hi].to(device, copy=True) for k, v in state.items()}, template))
         self.held = (lo, hi)
 
     def restored_at(self, step: int) -> None:

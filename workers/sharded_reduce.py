@@ -45,12 +45,14 @@ class ShardedSum:
         self._scratch = _Scratch()
 
     def start_bucket(self, bucket: torch.Tensor, first: int) -> PendingOp:
-        flat = bucket.view(-1)
-        end = first + flat.numel()
+        end = first + bucket.numel()
         owned = [clip_span(span, first, end) for span in self.layout.slices()]
         lo, hi = owned[self.layout.position(self.group.rank)]
+        # The sum lets go of the bucket as it ends (the caller frees it: ``GradientReducer``).
+        held = [bucket.view(-1)]
 
         def reduce() -> None:
+            flat = held.pop()
             if flat.is_cuda:  # made on the stream its gradients were written on: freed only after this one's work
                 flat.record_stream(torch.cuda.current_stream(flat.device))
             ring_reduce_scatter(self.group, flat, self._members, owned, self._scratch)

@@ -163,6 +163,8 @@ class FlatParameters:
         """From now on hold only gradient entries ``[lo, hi)`` (zeroed), the extra slots kept:
         the parameters' gradients become their own, taken by ``take_gradients``. Re-made at
         every join (the slice moves with the group); the same span is left as it is."""
+        for p in self.params if self.sliced else ():  # an aborted step's, not taken: free them now
+            p.grad = None
         if self.sliced and self.span == (lo, hi):
             return
         if not 0 <= lo <= hi <= self.numel:
@@ -184,15 +186,34 @@ class FlatParameters:
 
     def take_gradients(self, indices: Iterable[int]) -> torch.Tensor:
         """With a slice kept: the gradients of parameters ``indices`` (contiguous, any order)
-        back to back in parameter order, a new tensor (zeros for a parameter backward did not
-        reach), and the parameters' own gradients freed."""
-        chosen = sorted(indices)
+        back to back in parameter order, a new tensor on this thread's current stream (zeros
+        for a parameter backward did not reach; a sparse gradient made dense), and the
+        parameters' own gradients freed. On a GPU the caller first orders the current stream
+        after the streams that wrote them."""
         parts = []
-        for index in chosen:
+        for index in sorted(indices):
             param = self.params[index]
-            parts.append(torch.zeros(param.numel(), dtype=param.dtype, device=param.device) if param.grad is None else param.grad.reshape(-1))
+            grad = param.grad
+            if grad is None:
+                parts.append(torch.zeros(param.numel(), dtype=param.dtype, device=param.device))
+                continue
+            if grad.is_cuda:  # made on another stream maybe: not reused there before this one's copy
+                grad.record_stream(torch.cuda.current_stream(grad.device))
+            parts.append((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
             param.grad = None
         return torch.cat(parts)
+
+    def check_taken(self) -> None:
+        """With a slice kept, after a step's reduction: raises RuntimeError if a parameter holds
+        a gradient (it arrived after its bucket went out, e.g. a hook that fires twice in one
+        backward under reentrant activation checkpointing: it would be lost)."""
+        late = [i for i, p in enumerate(self.params) if p.grad is not None] if self.sliced else []
+        if late:
+            raise RuntimeError(
+                f"parameters {late[:8]} got gradient after their bucket was reduced (their gradient hook fired twice "
+                "in one backward?); with sharding.group_size above 1 use non-reentrant activation checkpointing "
+                "(use_reentrant=False) or collective.overlap: false"
+            )
 
     def accumulated(self) -> list[torch.Tensor | None]:
         """A copy of the gradient accumulated so far, for ``restore_accumulated``."""
