@@ -7,8 +7,9 @@ compare-and-sets change a key, so for each shard exactly one worker ever reads b
 worker, and no other, adds the shard's gradient (exactly once).
 
 Each rank also has a *block* key for its planned shards: the owner can seal them all with one
-compare-and-set (free -> sealed), the common case when nobody is late, so a step costs each
-worker two round trips instead of one per shard. Anyone else must first open the block
+compare-and-set (free -> sealed), the common case when nobody is late, tried before reading
+anything (``StepRunner._sealed_at_once``), so such a step costs each worker one round trip,
+whatever the number of shards and workers, instead of one per shard (or a read of them all). Anyone else must first open the block
 (free -> open) before touching one of its shards; whichever of the two moves wins decides, so
 a shard is never both sealed by block and claimed alone.
 

@@ -198,10 +198,12 @@ class StepRunner:
         waited for watching my block: a peer that opened it (docs/architecture.md, "Rescue")
         made my shards no longer mine to seal, so I stop waiting and bring nothing to the
         all-reduce; the rescue pass (``rescue``) runs them. So I do, too, if I find my block
-        opened when I come to seal it."""
+        opened when I come to seal it. Where the opening decision is to seal my whole block,
+        I try that before reading anything (``_sealed_at_once``)."""
         work = StepWork()
         claims, step = ctx.claims, ctx.step
         mine = list(ctx.plan.shards_by_rank[claims.me])
+        opening: object = None
         if mine:  # a rank with no shards this step has no data to wait for
             # What its first pass will run: pick_work's decision with every shard still free.
             opening = pick_work(claims.me, ctx.plan, dict.fromkeys(range(ctx.plan.num_shards), FREE), {})
@@ -215,7 +217,7 @@ class StepRunner:
             work.stalled_s = time.monotonic() - started
             work.data_ready = self.prefetch.ready
         self.on_phase(Phase.COMPUTE)
-        if not work.gave_up:
+        if not work.gave_up and not (mine and self._sealed_at_once(ctx, work, opening)):
             self._claim_loop(ctx, ctx.plan, work, overlap=True)
         if work.gave_up:
             self._write_bookkeeping(work, ctx.plan.num_shards)
@@ -251,6 +253,29 @@ class StepRunner:
         work.committed += rescue.committed
         work.total = work.total + rescue.total
         return RescuePass(missing, time.perf_counter() - started, comm_s)
+
+    def _sealed_at_once(self, ctx: ClaimedStep, work: StepWork, opening: object) -> bool:
+        """Where the step's opening decision (``pick_work`` with every shard free) is to seal my
+        whole block, try that first, without reading the step's claims: one compare-and-set,
+        the only claim traffic of a rank on a step where nobody is late (the rescue watch's
+        looks aside). True if it won and my final pass is on its way in the all-reduce; False
+        (someone opened my block: I am late) sends me to the claim loop, which reads the
+        claims and decides as ever."""
+        mine = ctx.plan.shards_by_rank[ctx.claims.me]
+        whole = isinstance(opening, RunShards) and opening.seal and opening.shards == mine
+        if not whole or not ctx.claims.claim_block():
+            return False
+        if self.chaos.stall_s(ctx.step, "compute") > 0:  # held up in my own shards' compute
+            self._compute_stall(ctx.step, work)
+        work.slowed_s += self.chaos.slow_down(ctx.step, len(mine), lambda: False)
+        self._final_passes(ctx.step, list(mine), ctx.plan.num_shards, ctx.reducer, work)
+        return True
+
+    def _compute_stall(self, step: int, work: StepWork) -> None:
+        """Sit out an injected stall in this rank's own shards' compute (``chaos.stall``)."""
+        self.on_phase(Phase.STALL)
+        work.stalled_s += self.chaos.stall(step, "compute")
+        self.on_phase(Phase.COMPUTE)
 
     def _claim_loop(
         self,
@@ -312,9 +337,7 @@ class StepRunner:
             if decision.stolen_from >= 0:
                 work.stolen += len(claimed)
             elif compute_stall > 0:  # held up in my own shards' compute, now they are mine
-                self.on_phase(Phase.STALL)
-                work.stalled_s += self.chaos.stall(step, "compute")
-                self.on_phase(Phase.COMPUTE)
+                self._compute_stall(step, work)
                 compute_stall = 0.0
             if decision.seal:
                 if not overlap:
