@@ -12,7 +12,9 @@ parameters and those of a clean run of the same contender, and ``exact`` when it
 ``EXACT_RTOL``/``EXACT_ATOL`` (float summation order); ``wall_s``, the whole run from launch.
 Every run starts its own local Ray in a fresh process.
 ``checkpoint_overhead`` is 1 - (samples/s with checkpoints every N steps) / (samples/s without),
-over alternating runs (medians).
+over alternating runs: the median of each repeat's paired figure (this machine drifts more
+between repeats than the variants differ), with their spread (``overhead_spread``: min, max);
+the issue's bar is 1%.
 """
 
 from __future__ import annotations
@@ -152,10 +154,11 @@ def checkpoint_overhead(job: JobConfig, workdir: Path, every: int, repeats: int,
                 held.append(sum(summary["checkpoints"]["copy_s"]) / summary["train_s"])
             log(f"  [{repeat + 1}/{repeats}] checkpoints {variant:<10} {summary['samples_per_s']:8.0f} samples/s "
                 f"({summary['checkpoints']['written']} written)")
-    none, with_ = (statistics.median(r) for r in rates.values())
+    paired = [1 - with_ / none for none, with_ in zip(*rates.values())]
     return {
         "samples_per_s": {k: statistics.median(v) for k, v in rates.items()},
-        "overhead": 1 - with_ / none,
+        "overhead": statistics.median(paired),
+        "overhead_spread": [min(paired), max(paired)],
         "snapshot_share": statistics.median(held),
     }
 
@@ -185,6 +188,7 @@ def run_benchmark(
     return {
         "contenders": results,
         "checkpoint_overhead": overhead["overhead"],
+        "checkpoint_overhead_spread": overhead["overhead_spread"],
         "checkpoint_samples_per_s": overhead["samples_per_s"],
         "checkpoint_snapshot_share": overhead["snapshot_share"],
         "setup": {"workload": workload, "workers": workers, "steps": steps, "kill_step": kill_step,
@@ -222,10 +226,13 @@ def format_result(result: dict[str, Any]) -> str:
             f"{name} {r['recovery_s'] / ours['recovery_s']:.1f}x" for name, r in contenders.items() if name != "ringleader"
         ) + "; our split " + ", ".join(f"{k} {v:.3f}" for k, v in ours["split_s"].items())
     )
+    low, high = result["checkpoint_overhead_spread"]
+    overhead = result["checkpoint_overhead"]
     lines.append(
-        f"checkpoint every {result['setup']['checkpoint_every']} steps: overhead {result['checkpoint_overhead']:+.1%} "
-        f"({result['checkpoint_samples_per_s']}); snapshots held training up "
-        f"{result['checkpoint_snapshot_share']:.2%} of its time"
+        f"checkpoint every {result['setup']['checkpoint_every']} steps: overhead {overhead:+.1%} (median of "
+        f"{result['setup'].get('repeats', 1)} paired repeats, spread {low:+.1%} to {high:+.1%}; "
+        f"{result['checkpoint_samples_per_s']}); snapshots held training up "
+        f"{result['checkpoint_snapshot_share']:.2%} of its time; {'ok' if overhead <= 0.01 else 'MISS'} <= 1%"
     )
     return "\n".join(lines)
 

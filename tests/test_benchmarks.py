@@ -146,9 +146,9 @@ def test_recovery_benchmark_our_side_loses_no_committed_step_and_no_sample(tmp_p
                "exactness": {"max_param_diff": 1e-3, "exact": False}}
     setup = {"checkpoint_every": 4, "steps": 16, "kill_step": 5, "exact_steps": 16, "exact_kill_step": 5}
     text = format_result({"contenders": {"ringleader": ours, "ray_train": theirs, "torchft": torchft},
-                          "checkpoint_overhead": 0.01, "setup": setup,
+                          "checkpoint_overhead": 0.01, "checkpoint_overhead_spread": [-0.02, 0.03], "setup": setup,
                           "checkpoint_samples_per_s": {}, "checkpoint_snapshot_share": 0.001})
-    assert "recovery vs ours: ray_train" in text and "overhead +1.0%" in text
+    assert "recovery vs ours: ray_train" in text and "overhead +1.0%" in text and "spread -2.0% to +3.0%" in text
     torchft_line = next(line for line in text.splitlines() if line.startswith("torchft"))
     assert "never" in torchft_line and " 128 " in torchft_line and " no " in torchft_line
 
@@ -181,6 +181,7 @@ def test_checkpoint_overhead_runs_with_and_without_checkpoints(tmp_path):
     # What each variant wrote, from its own summary: nothing, then a checkpoint every 4 steps.
     assert "(0 written)" in lines[0] and "(3 written)" in lines[1], lines
     assert result["overhead"] == pytest.approx(1 - result["samples_per_s"]["every_4"] / result["samples_per_s"]["none"])
+    assert result["overhead_spread"] == [result["overhead"]] * 2  # one repeat: one paired figure
     assert 0 < result["snapshot_share"] < 0.5  # the snapshots' copies held training up, a little
 
 
