@@ -167,3 +167,19 @@ def test_a_clean_claimed_step_seals_its_block_without_reading_the_steps_claims()
             assert 1 <= report.store_round_trips and report.store_bytes < whole_read / 4, (report.store_bytes, whole_read)
     finally:
         worker.leave_group()
+
+
+def test_a_focused_read_costs_the_focused_blocks_and_takes_every_other_shard_as_done():
+    """What a rescue pass reads: the blocks its census found shards missing from, not the step."""
+    plan = StepPlan(tuple(tuple(range(4 * r, 4 * r + 4)) for r in range(16)))  # 16 ranks, 4 shards each
+    store = CountingStore(_store())
+    open_step(store, 0, plan)
+    claims = ShardClaims(store, 0, plan, me=0)
+    assert ShardClaims(store, 0, plan, me=5).claim(21)  # rank 5 took one of its own alone
+    before = store.bytes
+    whole = claims.states()
+    whole_bytes, before = store.bytes - before, store.bytes
+    focused = claims.states([5])
+    assert store.bytes - before < whole_bytes / 8  # one block of 16, not the step
+    assert focused[21] == whole[21] and focused[21].kind is ClaimKind.RUN and focused[20].kind is ClaimKind.FREE
+    assert all(focused[s].kind is ClaimKind.DONE and focused[s].owner == s // 4 for s in range(64) if s // 4 != 5)

@@ -116,8 +116,14 @@ class ShardClaims:
         }
         return states, blocks
 
-    def states(self) -> dict[int, ClaimState]:
-        return self.read()[0]
+    def states(self, ranks: Sequence[int] | None = None) -> dict[int, ClaimState]:
+        """Every shard's state: read from the store for the planned shards of ``ranks``
+        (default: every rank), the others taken as done (a rescue pass reads only the blocks
+        its census found shards missing from: every other shard was counted)."""
+        read = self.read(ranks)[0]
+        if ranks is None:
+            return read
+        return {s: read[s] if s in read else ClaimState(ClaimKind.DONE, self.owner_of[s]) for s in range(self.num_shards)}
 
     def block_taken(self) -> bool:
         """Whether someone has opened my block (only I open it otherwise, by claiming one of

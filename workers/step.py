@@ -228,7 +228,7 @@ class StepRunner:
         nobody brought (their owner stopped waiting for its data, see ``run_claimed``), run the
         rescue pass for them, on every rank alike. The reduced gradient is set aside and the
         buffer zeroed; every rank claims, steals and backs up the shards still free until all
-        are done; nobody seals (every rank counts as a suspect), so each shard counts through a
+        are done, reading only the blocks of the missing shards' owners; nobody seals (every rank counts as a suspect), so each shard counts through a
         compare-and-set commit; a rank whose data is still being read (``work.data_ready``)
         only waits. The pass is summed exactly in one more all-reduce and added back. Its
         passes and commits are added to ``work``. A census that is not all 0s and 1s is left
@@ -242,9 +242,13 @@ class StepRunner:
         self.on_phase(Phase.COMPUTE)
         rescue = StepWork(seen=work.seen)
         everyone = frozenset(range(len(ctx.plan.shards_by_rank)))
+        # Only the blocks of the missing shards' owners are read: every other shard was
+        # counted (the census says so), and reading the whole step on every rank at every poll
+        # made rescue passes the store's heaviest load at 32-64 workers.
+        owners = sorted({ctx.plan.owner_of(shard) for shard in missing})
         self._claim_loop(
             ctx, replace(ctx.plan, suspects=everyone), rescue, overlap=False,
-            can_compute=work.data_ready,
+            can_compute=work.data_ready, focus=owners,
         )
         self.on_phase(Phase.REDUCE)
         comm_s = ctx.reducer.sum_whole()
@@ -285,17 +289,19 @@ class StepRunner:
         *,
         overlap: bool,
         can_compute: Callable[[], bool] = lambda: True,
+        focus: list[int] | None = None,
     ) -> None:
         """Claim, steal and back up shards of ``plan`` until every shard is done or sealed, or
         (``overlap``) until my sealed final pass is on its way in the all-reduce. While
-        ``can_compute()`` is False, work found is left to others (as if there were none)."""
+        ``can_compute()`` is False, work found is left to others (as if there were none).
+        ``focus``: read only these ranks' blocks, every other shard being done (a rescue pass)."""
         step, claims = ctx.step, ctx.claims
         waited_since: float | None = None
         compute_stall = self.chaos.stall_s(step, "compute") if overlap else 0.0
         while True:
             if ctx.abort.is_set():
                 raise CollectiveAborted(f"step {step} aborted by the driver")
-            states = claims.states()
+            states = claims.states(focus)
             now = time.monotonic()
             decision = pick_work(claims.me, plan, states, work.ages(states, now))
             if isinstance(decision, Finished):
