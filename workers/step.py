@@ -228,24 +228,25 @@ class StepRunner:
         nobody brought (their owner stopped waiting for its data, see ``run_claimed``), run the
         rescue pass for them, on every rank alike. The reduced gradient is set aside and the
         buffer zeroed; every rank claims, steals and backs up the shards still free until all
-        are done, reading only the blocks of the missing shards' owners; nobody seals (every rank counts as a suspect), so each shard counts through a
-        compare-and-set commit; a rank whose data is still being read (``work.data_ready``)
+        are done, reading only the blocks of the missing shards' owners; nobody seals (every
+        rank counts as a suspect), so each shard counts through a compare-and-set commit; a rank whose data is still being read (``work.data_ready``)
         only waits. The pass is summed exactly in one more all-reduce and added back. Its
         passes and commits are added to ``work``. A census that is not all 0s and 1s is left
         for the caller to reject."""
         missing = missing_shards(self.flat.extra, ctx.plan.num_shards)
         if not missing:
             return RescuePass()
+        # Only the blocks of the missing shards' owners are read: every other shard was
+        # counted (the census says so), and reading the whole step on every rank at every poll
+        # made rescue passes the store's heaviest load at 32-64 workers.
+        uncounted = torch.nonzero(self.flat.extra[: ctx.plan.num_shards] == 0).flatten().tolist()
+        owners = sorted({ctx.plan.owner_of(int(shard)) for shard in uncounted})
         started = time.perf_counter()
         reduced = self.flat.buffer.clone()
         self.flat.zero()
         self.on_phase(Phase.COMPUTE)
         rescue = StepWork(seen=work.seen)
         everyone = frozenset(range(len(ctx.plan.shards_by_rank)))
-        # Only the blocks of the missing shards' owners are read: every other shard was
-        # counted (the census says so), and reading the whole step on every rank at every poll
-        # made rescue passes the store's heaviest load at 32-64 workers.
-        owners = sorted({ctx.plan.owner_of(shard) for shard in missing})
         self._claim_loop(
             ctx, replace(ctx.plan, suspects=everyone), rescue, overlap=False,
             can_compute=work.data_ready, focus=owners,
