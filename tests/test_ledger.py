@@ -86,11 +86,11 @@ def test_the_census_refuses_a_shard_not_counted_exactly_once(counts, bad):
 
 
 def test_the_rescue_pass_runs_only_for_shards_nobody_brought():
-    assert missing_shards(_census([1, 0, 0, 1]), SHARDS) == 2
-    assert missing_shards(_census([1, 1, 1, 1]), SHARDS) == 0  # every shard is there: no rescue
+    assert missing_shards(_census([1, 0, 0, 1]), SHARDS) == [1, 2]
+    assert missing_shards(_census([1, 1, 1, 1]), SHARDS) == []  # every shard is there: no rescue
     # A shard counted twice is not the rescue's to mend (it would only add more): the census check fails it.
-    assert missing_shards(_census([2, 0, 1, 1]), SHARDS) == 0
-    assert missing_shards(_census([1, 0.5, 1, 1]), SHARDS) == 0
+    assert missing_shards(_census([2, 0, 1, 1]), SHARDS) == []
+    assert missing_shards(_census([1, 0.5, 1, 1]), SHARDS) == []
 
 
 def _two_ranks_commit_one_shard(rank: int, world: int, port: int, results: dict) -> None:

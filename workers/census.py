@@ -41,14 +41,14 @@ def write_census(extra: torch.Tensor, num_shards: int, committed: list[int], tot
     extra[num_shards + WEIGHT_SLOT] = total.weight
 
 
-def missing_shards(extra: torch.Tensor, num_shards: int) -> int:
-    """How many shards the reduced census shows nobody brought (the rescue pass runs them);
-    0 when it counts some shard more than once: that census is not the rescue's to mend."""
+def missing_shards(extra: torch.Tensor, num_shards: int) -> list[int]:
+    """The shards the reduced census shows nobody brought (the rescue pass runs them), in
+    order; none when it counts some shard more than once: that census is not the rescue's to
+    mend."""
     counts = extra[:num_shards]
-    missing = int((counts == 0).sum())
-    if not missing or not bool(torch.all((counts == 0) | (counts == 1))):
-        return 0
-    return missing
+    if not bool(torch.all((counts == 0) | (counts == 1))):
+        return []
+    return torch.nonzero(counts == 0).flatten().tolist()
 
 
 @dataclass(frozen=True)

@@ -229,8 +229,8 @@ class StepRunner:
         rescue pass for them, on every rank alike. The reduced gradient is set aside and the
         buffer zeroed; every rank claims, steals and backs up the shards still free until all
         are done, reading only the blocks of the missing shards' owners; nobody seals (every
-        rank counts as a suspect), so each shard counts through a compare-and-set commit; a rank whose data is still being read (``work.data_ready``)
-        only waits. The pass is summed exactly in one more all-reduce and added back. Its
+        rank counts as a suspect), so each shard counts through a compare-and-set commit; a
+        rank whose data is still being read (``work.data_ready``) only waits. The pass is summed exactly in one more all-reduce and added back. Its
         passes and commits are added to ``work``. A census that is not all 0s and 1s is left
         for the caller to reject."""
         missing = missing_shards(self.flat.extra, ctx.plan.num_shards)
@@ -239,8 +239,7 @@ class StepRunner:
         # Only the blocks of the missing shards' owners are read: every other shard was
         # counted (the census says so), and reading the whole step on every rank at every poll
         # made rescue passes the store's heaviest load at 32-64 workers.
-        uncounted = torch.nonzero(self.flat.extra[: ctx.plan.num_shards] == 0).flatten().tolist()
-        owners = sorted({ctx.plan.owner_of(int(shard)) for shard in uncounted})
+        owners = sorted({ctx.plan.owner_of(shard) for shard in missing})
         started = time.perf_counter()
         reduced = self.flat.buffer.clone()
         self.flat.zero()
@@ -257,7 +256,7 @@ class StepRunner:
         work.add(rescue)
         work.committed += rescue.committed
         work.total = work.total + rescue.total
-        return RescuePass(missing, time.perf_counter() - started, comm_s)
+        return RescuePass(len(missing), time.perf_counter() - started, comm_s)
 
     def _sealed_at_once(self, ctx: ClaimedStep, work: StepWork, opening: object) -> bool:
         """Where the step's opening decision (``pick_work`` with every shard free) is to seal my
