@@ -163,17 +163,18 @@ class FlatParameters:
         """From now on hold only gradient entries ``[lo, hi)`` (zeroed), the extra slots kept:
         the parameters' gradients become their own, taken by ``take_gradients``. Re-made at
         every join (the slice moves with the group); the same span is left as it is."""
-        for p in self.params if self.sliced else ():  # an aborted step's, not taken: free them now
-            p.grad = None
-        if self.sliced and self.span == (lo, hi):
-            return
         if not 0 <= lo <= hi <= self.numel:
             raise ValueError(f"a gradient slice [{lo}, {hi}) outside the {self.numel} parameters")
+        self._drop_gradients()  # views of the whole buffer, or an aborted step's not taken
+        if self.sliced and self.span == (lo, hi):
+            return
         extra = self.extra.numel()
         self.buffer = torch.zeros(extra + hi - lo, dtype=self.values.dtype, device=self.values.device)
         self.extra = self.buffer[:extra]
         self.grads = self.buffer[extra:]
         self.span, self.sliced, self._views = (lo, hi), True, []
+
+    def _drop_gradients(self) -> None:
         for p in self.params:
             p.grad = None
 
@@ -236,8 +237,7 @@ class FlatParameters:
             if p.grad is not view:
                 raise RuntimeError("a parameter's .grad no longer views the flat gradient buffer")
         if self.sliced:
-            for p in self.params:
-                p.grad = None
+            self._drop_gradients()
         self.buffer.zero_()
 
 
