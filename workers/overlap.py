@@ -129,6 +129,8 @@ class GradientReducer:
         element = grads.buffer.element_size()
         self.grads = grads
         self.comm = comm
+        # Checked once here, not per bucket: the slice is kept from the group's join on.
+        self._bucket_comm = comm if isinstance(comm, BucketCommunicator) else None
         self.overlap = overlap
         self.group = group
         self.marks = marks if marks is not None else stream_marks(grads.buffer.device)
@@ -187,10 +189,10 @@ class GradientReducer:
         if self.marks is not None:
             for mark in marks:
                 self.marks.wait(mark)
-        taken = self.grads.take_gradients(bucket.params)
-        comm = self.comm
-        if not isinstance(comm, BucketCommunicator):
+        comm = self._bucket_comm
+        if comm is None:
             raise TypeError("a reducer over a gradient slice needs a communicator that sums whole buckets into it")
+        taken = self.grads.take_gradients(bucket.params)
         first = self.grads.ranges[min(bucket.params)][0] - self.grads.extra.numel()
         # Held here until the step's waits are over, so that it is freed on this thread (the
         # sum lets go of it as it ends): the memory probe sees only its own thread's frees.
