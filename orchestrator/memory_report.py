@@ -64,23 +64,27 @@ class PlanRequest:
             raise ValueError("--target-params needs --device-memory (the memory the model must fit)")
 
 
-def job_pass(job: JobConfig) -> int:
-    """Samples in one pass of a rank at the job's worker count: its share of the shards
-    together when they fuse, one shard otherwise; at most ``max_samples_per_pass``."""
+def _rank_share(job: JobConfig) -> tuple[int, int]:
+    """A rank's shards at the job's worker count, and the most samples one of its passes
+    holds: its share of the shards together when they fuse, one shard otherwise."""
     shard = -(-job.batch_size // job.shards)
-    share = -(-job.shards // job.scaling.workers) * shard if job.worker.fuse_shards else shard
-    return min(share, job.worker.max_samples_per_pass or share)
+    shards = -(-job.shards // job.scaling.workers)
+    return shards, shards * shard if job.worker.fuse_shards else shard
+
+
+def job_pass(job: JobConfig) -> int:
+    """Samples in one pass of a rank at the job's worker count: ``_rank_share``'s most, at
+    most ``max_samples_per_pass``."""
+    most = _rank_share(job)[1]
+    return min(most, job.worker.max_samples_per_pass or most)
 
 
 def holds_whole_gradient(job: JobConfig, samples_per_pass: int | None = None) -> bool:
     """Whether a rank's step holds the whole gradient before reducing it: more than one pass
     (passes of ``samples_per_pass``, default ``job_pass``, below what a pass could hold, or
     several shards that do not fuse) or no overlap."""
-    shard = -(-job.batch_size // job.shards)
-    shards = -(-job.shards // job.scaling.workers)
-    fused = job.worker.fuse_shards
-    whole_pass = shards * shard if fused else shard
-    several = (shards > 1 and not fused) or (samples_per_pass or job_pass(job)) < whole_pass
+    shards, most = _rank_share(job)
+    several = (shards > 1 and not job.worker.fuse_shards) or (samples_per_pass or job_pass(job)) < most
     return several or not job.collective.overlap
 
 

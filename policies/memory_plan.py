@@ -13,8 +13,9 @@ for the rank that holds it):
 * **gradients** ``w (N + E)``: ``[extra | gradients]``, in the parameters' dtype; with
   ``shard_gradients`` a rank keeps only its slice once reduced, ``w (S + E)``: backward's
   gradients are taken out of the parameters bucket by bucket as the last backward of the step
-  produces them (``workers/overlap.py``), so what is whole at once is a bucket or two, counted
-  in the activations the probe measures.
+  produces them (``workers/overlap.py``). Not counted: the buckets not yet out and the copies
+  in flight (a bucket or two while communication keeps up with backward; the probe runs the
+  job unsharded, so its activations do not hold them).
 * **optimizer** ``k S + c``: ``k`` bytes of state per parameter (sgd: 0, with momentum 4;
   adam and adamw: 8, amsgrad 12; a generic ``torch.optim`` one: measured or declared) and
   ``c`` fixed (the fused kernels' fp32 ``step`` scalar: 4).
