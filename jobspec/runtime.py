@@ -99,8 +99,9 @@ class ShardingConfig(StrictModel):
     ``group_size``: ranks form groups of this many; each rank of a group owns one slice of the
     flat parameters and holds only that slice's optimizer state and reduced gradient (ZeRO
     stage 2 on the flat buffers); the groups are replicas of one another. 1 (the default):
-    every rank holds the whole state. A size that does not divide the number of workers is raised to the smallest
-    one that does (at most every worker in one group), so no rank ever holds more than planned.
+    every rank holds the whole state. A size that does not divide the number of workers is
+    raised to the smallest one that does (at most every worker in one group), so no rank ever
+    holds more than planned.
     A generic ``torch.optim`` optimizer steps the slice as 1-D pieces of the parameters: it must
     be element-wise (Adam-likes, RAdam, Adagrad, Lion: not Adafactor or Muon, which read a
     parameter's shape). Sharding reduces with our ring (``collective.algorithm`` auto or ring)

@@ -25,8 +25,9 @@ How memory is measured (``PeakMemory``):
   thread whose last reference another thread drops is never seen freed. In a step the comm
   thread allocates only the ring's scratch (none in a group of one) and frees nothing of the
   step's (the probe runs the job unsharded: the plan lays the state out itself; a sharded
-  rank's bucket copies are freed by the reducer, on the thread that made them); at a join, a generic optimizer's packed state may be dropped last by the comm
-  thread, which then reads as held until the block ends (the step is measured apart).
+  rank's bucket copies are freed by the reducer, on the thread that made them); at a join,
+  a generic optimizer's packed state may be dropped last by the comm thread, which then reads
+  as held until the block ends (the step is measured apart).
 """
 
 from __future__ import annotations

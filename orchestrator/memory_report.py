@@ -129,14 +129,16 @@ def plan_job(job: JobConfig, request: PlanRequest, probe: Probe) -> dict[str, An
         }
         if request.device_bytes is not None:
             row["fits"] = found.total <= request.device_bytes
-            fit = largest_pass(probe.model, probe.optimizer, request.device_bytes, sharding, job.precision, mitigation, whole)
+            device = request.device_bytes
+            fit = largest_pass(probe.model, probe.optimizer, device, sharding, job.precision, mitigation, whole)
             if fit and not whole and holds_whole_gradient(job, fit):  # smaller passes: several a step
-                fit = largest_pass(probe.model, probe.optimizer, request.device_bytes, sharding, job.precision, mitigation, True)
+                fit = largest_pass(probe.model, probe.optimizer, device, sharding, job.precision, mitigation, True)
             row["largest_samples_per_pass"] = fit
         rows.append(row)
     plan: dict[str, Any] = {
         "job": job.name, "precision": job.precision, "samples_per_pass": samples, "workers": job.scaling.workers,
-        "mitigation": mitigation, "whole_gradient": whole, "device_bytes": request.device_bytes, "probe": probe.as_dict(), "rows": rows,
+        "mitigation": mitigation, "whole_gradient": whole, "device_bytes": request.device_bytes,
+        "probe": probe.as_dict(), "rows": rows,
         "not_counted": NOT_COUNTED,
     }
     if request.target_params is not None and request.device_bytes is not None:

@@ -139,8 +139,8 @@ class RecoveryProcedure:
     def _roll_back(self, lost: StateLost, gone: list[int], without_state: frozenset[int]) -> Reformed | GiveUp:
         """Sharded optimizer state left with ``gone`` and no survivor holds it (one replica
         group, or every peer of a slice lost): load the run's newest checkpoint (each member
-        the slice it will own), rewind the committed steps to it and re-form from it (the events say so; the steps
-        after it run again, counted as redone). A death meanwhile (loading, or joining: the
+        the slice it will own), rewind the committed steps to it and re-form from it (the
+        events say so; the steps after it run again, counted as redone). A death meanwhile (loading, or joining: the
         restored worker may be the one lost) starts it over, ``MAX_REFORMS`` times at most.
         Raises JobFailed if the run has no checkpoint, or after those attempts."""
         what = "all of it" if lost.span is None else f"entries [{lost.span[0]}, {lost.span[1]})"

@@ -9,8 +9,8 @@ worker, and no other, adds the shard's gradient (exactly once).
 Each rank also has a *block* key for its planned shards: the owner can seal them all with one
 compare-and-set (free -> sealed), the common case when nobody is late, tried before reading
 anything (``StepRunner._sealed_at_once``), so such a step costs each worker one round trip,
-whatever the number of shards and workers, instead of one per shard (or a read of them all). Anyone else must first open the block
-(free -> open) before touching one of its shards; whichever of the two moves wins decides, so
+whatever the number of shards and workers, instead of one per shard (or a read of them all).
+Anyone else must first open the block (free -> open) before touching one of its shards; whichever of the two moves wins decides, so
 a shard is never both sealed by block and claimed alone.
 
 A peer also opens a block to rescue its owner, found late before it sealed (see
@@ -123,7 +123,9 @@ class ShardClaims:
         read = self.read(ranks)[0]
         if ranks is None:
             return read
-        return {s: read[s] if s in read else ClaimState(ClaimKind.DONE, self.owner_of[s]) for s in range(self.num_shards)}
+        return {
+            s: read[s] if s in read else ClaimState(ClaimKind.DONE, self.owner_of[s]) for s in range(self.num_shards)
+        }
 
     def block_taken(self) -> bool:
         """Whether someone has opened my block (only I open it otherwise, by claiming one of

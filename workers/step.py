@@ -230,8 +230,9 @@ class StepRunner:
         buffer zeroed; every rank claims, steals and backs up the shards still free until all
         are done, reading only the blocks of the missing shards' owners; nobody seals (every
         rank counts as a suspect), so each shard counts through a compare-and-set commit; a
-        rank whose data is still being read (``work.data_ready``) only waits. The pass is summed exactly in one more all-reduce and added back. Its
-        passes and commits are added to ``work``. A census that is not all 0s and 1s is left
+        rank whose data is still being read (``work.data_ready``) only waits. The pass is
+        summed exactly in one more all-reduce and added back. Its passes and commits are added
+        to ``work``. A census that is not all 0s and 1s is left
         for the caller to reject."""
         missing = missing_shards(self.flat.extra, ctx.plan.num_shards)
         if not missing:
