@@ -239,7 +239,7 @@ class JobController:
 
     def _plan(self, step: int) -> StepPlan:
         plan = self._stragglers().plan(step)
-        if plan.mitigating:
+        if plan.mitigating and not plan.clean:  # a clean step's claims are made only if someone is late
             claims = self.store.claims
             trips, sent = claims.round_trips, claims.bytes
             self.store.call(f"opening step {step}'s shard claims", open_step, claims, step, plan)

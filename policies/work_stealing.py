@@ -101,6 +101,12 @@ class StepPlan:
     def mitigating(self) -> bool:
         return self.steal or self.speculate
 
+    @property
+    def clean(self) -> bool:
+        """Mitigating with nobody suspected: every rank runs its own shards at once, and the
+        step needs no claims unless someone turns out late (``workers/claims.py``)."""
+        return self.mitigating and not self.suspects
+
 
 @dataclass(frozen=True)
 class RunShards:

@@ -19,6 +19,17 @@ shards up to the step's rescue pass.
 
 Keys live in ``SLOTS`` rotating slots (step mod SLOTS), reset to free when a step opens, so
 the store does not grow with the run; SLOTS exceeds the steps the driver keeps in flight.
+
+A *clean* step (``StepPlan.clean``: mitigation on, nobody suspected) has no claims opened and
+none made: every rank runs its own shards without sealing them, so a step where nobody is late
+costs the store nothing. Its keys live apart, under the step's own number (``clean/<step>/``),
+and a missing key there means free: a watcher opens a late peer's block by creating it
+(compare-and-set from absent), the owner finds it opened by its existence (``block_taken``,
+``check``), and a rescue pass creates the keys of the shards it runs (``open_rescue``) before it
+claims them as ever. Nothing seals a clean step's block, so an opening only asks its owner to
+give its shards up; an owner that does not see it in time brings them itself, and the census
+(which the rescue pass follows) counts each shard once either way. Those keys are made only
+when someone is late, and are not reused.
 """
 
 from __future__ import annotations
@@ -65,6 +76,12 @@ class CountingStore:
         self.store.multi_set(keys, values)
         self._count(sum(map(len, keys)) + sum(map(len, values)), 0)
 
+    def check(self, keys: list[str]) -> bool:
+        """Whether every one of ``keys`` exists (never blocks, unlike a read of a missing key)."""
+        exists = self.store.check(keys)
+        self._count(sum(map(len, keys)), 1)
+        return exists
+
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         value = self.store.compare_set(key, expected, desired)
         self._count(len(key) + len(expected) + len(desired), len(value))
@@ -86,28 +103,37 @@ def open_step(store: dist.Store | CountingStore, step: int, plan: StepPlan) -> N
 
 
 class ShardClaims:
-    """One worker's handle on the claims of ``step``. Every method is one store round trip."""
+    """One worker's handle on the claims of ``step``. Every method is one store round trip,
+    but ``open_rescue``."""
 
     def __init__(self, store: CountingStore, step: int, plan: StepPlan, me: int) -> None:
         self.store = store
-        self.all_keys = claim_keys(step, plan)
         self.num_shards = plan.num_shards
-        self.keys = self.all_keys[: self.num_shards]
-        self.blocks = self.all_keys[self.num_shards :]
         self.owner_of = plan.owners
         self.shards_of = plan.shards_by_rank
         self.me = me
+        self.clean = plan.clean
+        # A clean step's keys: its own, made only when needed, a missing block meaning free.
+        self._prefix = f"clean/{step}/" if self.clean else f"claim/{step % SLOTS}/"
+        self._free_block = "" if self.clean else FREE.encode()
         self._opened: set[int] = set()
+
+    def _shard_key(self, shard: int) -> str:
+        return f"{self._prefix}{shard}"
+
+    def _block_key(self, rank: int) -> str:
+        return f"{self._prefix}block{rank}"
 
     def read(self, ranks: Sequence[int] | None = None) -> tuple[dict[int, ClaimState], dict[int, str]]:
         """The states of the planned shards of ``ranks`` (default: every rank, shards in id
         order) and their block values (``free``, ``open`` or ``sealed:<rank>``), in one round
         trip: a rank watching a few peers reads O(their shards), not the whole step."""
         if ranks is None:
-            ranks, shards = range(len(self.blocks)), list(range(self.num_shards))
+            ranks, shards = range(len(self.shards_of)), list(range(self.num_shards))
         else:
             shards = [s for rank in ranks for s in self.shards_of[rank]]
-        values = [v.decode() for v in self.store.multi_get([self.keys[s] for s in shards] + [self.blocks[r] for r in ranks])]
+        keys = [self._shard_key(s) for s in shards] + [self._block_key(r) for r in ranks]
+        values = [v.decode() for v in self.store.multi_get(keys)]
         blocks = dict(zip(ranks, values[len(shards):]))
         sealed = {rank for rank, v in blocks.items() if v == f"sealed:{rank}"}
         states = {
@@ -127,27 +153,50 @@ class ShardClaims:
             s: read[s] if s in read else ClaimState(ClaimKind.DONE, self.owner_of[s]) for s in range(self.num_shards)
         }
 
+    def of(self, shards: Sequence[int]) -> dict[int, ClaimState]:
+        """The states of ``shards``, claimed one by one (none sealed whole), from their keys alone."""
+        values = self.store.multi_get([self._shard_key(s) for s in shards])
+        return {shard: ClaimState.decode(value.decode()) for shard, value in zip(shards, values)}
+
     def block_taken(self) -> bool:
         """Whether someone has opened my block (only I open it otherwise, by claiming one of
         my shards alone): my shards are no longer all mine to seal."""
-        return self.store.get(self.blocks[self.me]).decode() == OPEN
+        if self.clean:
+            return self.store.check([self._block_key(self.me)])
+        return self.store.get(self._block_key(self.me)).decode() == OPEN
 
     def claim_block(self) -> bool:
         """Seal all my planned shards at once: fails if someone has opened my block."""
         mine = ClaimState(ClaimKind.SEALED, self.me).encode()
-        return self.store.compare_set(self.blocks[self.me], FREE.encode(), mine).decode() == mine
+        return self.store.compare_set(self._block_key(self.me), self._free_block, mine).decode() == mine
 
     def open_block(self, rank: int) -> bool:
         """Open ``rank``'s block for single-shard moves; False if its owner sealed it whole."""
         if rank not in self._opened:
-            if self.store.compare_set(self.blocks[rank], FREE.encode(), OPEN).decode() != OPEN:
+            if self.store.compare_set(self._block_key(rank), self._free_block, OPEN).decode() != OPEN:
                 return False
             self._opened.add(rank)
         return True
 
+    def open_rescue(self, missing: Sequence[int]) -> None:
+        """Make a clean step's claims for its rescue pass, before anything reads them (a read of
+        a missing key would block): the ``missing`` shards free, their owners' other shards
+        done (the census counted them) and their blocks open. Every rank does this, and only
+        the first to make a key decides its value (compare-and-set from absent), so a shard
+        claimed meanwhile stays claimed. Nothing to do on a step whose claims the driver opened."""
+        if not self.clean:
+            return
+        owners = sorted({self.owner_of[s] for s in missing})
+        lost = set(missing)
+        for rank in owners:
+            for shard in self.shards_of[rank]:
+                state = FREE.encode() if shard in lost else ClaimState(ClaimKind.DONE, rank).encode()
+                self.store.compare_set(self._shard_key(shard), "", state)
+            self.store.compare_set(self._block_key(rank), "", OPEN)
+
     def _move(self, shard: int, old: ClaimState, new: ClaimState) -> ClaimState:
         """Compare-and-set; returns the state after the attempt (``new`` if it won)."""
-        after = self.store.compare_set(self.keys[shard], old.encode(), new.encode())
+        after = self.store.compare_set(self._shard_key(shard), old.encode(), new.encode())
         return ClaimState.decode(after.decode())
 
     def claim(self, shard: int, *, seal: bool = False) -> bool:

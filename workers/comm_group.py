@@ -34,6 +34,7 @@ import math
 import os
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from datetime import timedelta
@@ -87,6 +88,10 @@ class PendingOp:
     def done(self) -> bool:
         """Whether the operation has ended (``wait`` then returns or raises at once)."""
         return self._future.done()
+
+    def ended_within(self, timeout_s: float) -> bool:
+        """Block until the operation has ended or ``timeout_s`` passed; whether it has ended."""
+        return bool(futures.wait([self._future], timeout=max(0.0, timeout_s)).done)
 
     def wait(self) -> None:
         """Block until done. Raises CollectiveAborted, CollectiveTimeout (both break the group)

@@ -17,6 +17,10 @@ class PendingReduce(Protocol):
         """Whether the sum has ended (``wait`` then returns or raises at once)."""
         ...
 
+    def ended_within(self, timeout_s: float) -> bool:
+        """Block until the sum has ended or ``timeout_s`` passed; whether it has ended."""
+        ...
+
     def wait(self) -> None:
         """Block until the sum is in place; raises CollectiveTimeout/CollectiveAborted."""
         ...

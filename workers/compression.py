@@ -16,6 +16,7 @@ never goes through them: the reducer sums it separately, exactly.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -41,6 +42,10 @@ class _InOrder:
 
     def done(self) -> bool:
         return all(op.done() for op in self._ops)
+
+    def ended_within(self, timeout_s: float) -> bool:
+        until = time.monotonic() + timeout_s
+        return all(op.ended_within(until - time.monotonic()) for op in self._ops)
 
     def wait(self) -> None:
         for op in self._ops:

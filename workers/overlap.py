@@ -43,8 +43,6 @@ from workers.training import FlatParameters
 FIRST_BUCKET_BYTES = 1 << 20
 # Buckets of an explicitly chosen algorithm when the job sets no bucket_mb.
 DEFAULT_BUCKET_BYTES = 4 << 20
-# How often a rank waiting for the all-reduce looks at the step's claims (a store round trip).
-WATCH_POLL_S = 0.002
 
 
 @runtime_checkable
@@ -228,10 +226,10 @@ class GradientReducer:
     def finish(self, watch: Callable[[], bool] | None = None) -> float:
         """Launch what backward did not, wait for every bucket; returns seconds waited.
 
-        ``watch`` (the step's rescue watch, ``workers/rescue_watch.py``) is called every
-        ``WATCH_POLL_S`` while a bucket is still being summed, until it returns False; it must
-        return False once it has nothing more to do or the abort flag is up (the wait proper,
-        with its abort and timeout, comes after it)."""
+        ``watch`` (the step's rescue watch, ``workers/rescue_watch.py``) is called while a
+        bucket is still being summed: at once, then again after the seconds it returns each
+        time, until it returns None; it must return None once it has nothing more to do or the
+        abort flag is up (the wait proper, with its abort and timeout, comes after it)."""
         started = time.perf_counter()
         if not self._armed:
             self._pending = []
@@ -244,14 +242,24 @@ class GradientReducer:
             self._pending.append(self._start(self.extra_comm, self.grads.extra, after))
         try:
             if watch is not None:
-                while not all(p.done() for p in self._pending) and watch():
-                    time.sleep(WATCH_POLL_S)
+                self._watch_while_summing(watch)
             for pending in self._pending:
                 pending.wait()
         finally:
             self._pending, self._taken = [], []
         self.grads.check_taken()
         return time.perf_counter() - started
+
+    def _watch_while_summing(self, watch: Callable[[], float | None]) -> None:
+        """Call ``watch`` while a bucket is still being summed (see ``finish``); between its
+        looks the wait ends as soon as the last bucket is summed, not at the next look."""
+        next_look = time.monotonic()
+        for pending in self._pending:
+            while not pending.ended_within(next_look - time.monotonic()):
+                delay = watch()
+                if delay is None:
+                    return
+                next_look = time.monotonic() + delay
 
     def sum_whole(self) -> float:
         """Sum the whole buffer, bookkeeping included, exactly (never compressed) in one

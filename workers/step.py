@@ -40,7 +40,7 @@ import torch
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from jobspec.wire import Phase
-from policies.work_stealing import FREE, Backup, ClaimKind, Finished, RunShards, StepPlan, Wait, pick_work
+from policies.work_stealing import FREE, RESCUE_AFTER_MIN_S, Backup, ClaimKind, Finished, RunShards, StepPlan, Wait, pick_work
 from workers.census import census_slots, missing_shards, write_census
 from workers.chaos import ChaosSchedule
 from workers.claims import ShardClaims
@@ -211,12 +211,24 @@ class StepRunner:
             first = self._indices(step, self._groups(first_pass)[0])
             started = time.monotonic()
             self.prefetch.start(first[: self.max_samples_per_pass or len(first)], lambda: self.chaos.stall(step, "fetch"))
-            work.gave_up = not self.prefetch.wait(lambda: ctx.abort.is_set() or claims.block_taken())
+            # A clean step's first look comes later: a watcher opens a block no sooner than
+            # RESCUE_AFTER_MIN_S after it began to wait, so a read that takes a few ms (not
+            # late) costs the store nothing, and one that did start late gives up a little later.
+            look_from = started + (RESCUE_AFTER_MIN_S / 2 if ctx.plan.clean else 0.0)
+            work.gave_up = not self.prefetch.wait(
+                lambda: ctx.abort.is_set() or (time.monotonic() >= look_from and claims.block_taken())
+            )
             if ctx.abort.is_set():
                 raise CollectiveAborted(f"step {step} aborted by the driver while reading its data")
             work.stalled_s = time.monotonic() - started
             work.data_ready = self.prefetch.ready
         self.on_phase(Phase.COMPUTE)
+        if ctx.plan.clean:  # nothing to claim: my shards are mine unless I gave them up
+            if mine and not work.gave_up:
+                self._run_block(ctx, work)
+            else:
+                self._write_bookkeeping(work, ctx.plan.num_shards)
+            return work
         if not work.gave_up and not (mine and self._sealed_at_once(ctx, work, opening)):
             self._claim_loop(ctx, ctx.plan, work, overlap=True)
         if work.gave_up:
@@ -242,6 +254,7 @@ class StepRunner:
         # made rescue passes the store's heaviest load at 32-64 workers.
         owners = sorted({ctx.plan.owner_of(shard) for shard in missing})
         started = time.perf_counter()
+        ctx.claims.open_rescue(missing)
         reduced = self.flat.buffer.clone()
         self.flat.zero()
         self.on_phase(Phase.COMPUTE)
@@ -270,11 +283,17 @@ class StepRunner:
         whole = isinstance(opening, RunShards) and opening.seal and opening.shards == mine
         if not whole or not ctx.claims.claim_block():
             return False
+        self._run_block(ctx, work)
+        return True
+
+    def _run_block(self, ctx: ClaimedStep, work: StepWork) -> None:
+        """Run all my planned shards as my final pass, its all-reduce overlapped with backward
+        (they are mine: sealed, or a clean step's)."""
+        mine = list(ctx.plan.shards_by_rank[ctx.claims.me])
         if self.chaos.stall_s(ctx.step, "compute") > 0:  # held up in my own shards' compute
             self._compute_stall(ctx.step, work)
         work.slowed_s += self.chaos.slow_down(ctx.step, len(mine), lambda: False)
-        self._final_passes(ctx.step, list(mine), ctx.plan.num_shards, ctx.reducer, work)
-        return True
+        self._final_passes(ctx.step, mine, ctx.plan.num_shards, ctx.reducer, work)
 
     def _compute_stall(self, step: int, work: StepWork) -> None:
         """Sit out an injected stall in this rank's own shards' compute (``chaos.stall``)."""
@@ -359,10 +378,10 @@ class StepRunner:
         """Run shards claimed (not sealed) by me; only those whose commit wins keep their gradient."""
 
         def raced() -> bool:
-            return any(claims.states()[s].kind is ClaimKind.RACE for s in claimed)
+            return any(state.kind is ClaimKind.RACE for state in claims.of(claimed).values())
 
         work.slowed_s += self.chaos.slow_down(step, len(claimed), raced)
-        states = claims.states()  # a backup that started while we were slow takes the shard over
+        states = claims.of(claimed)  # a backup that started while we were slow takes the shard over
         claimed = [s for s in claimed if states[s].kind is not ClaimKind.RACE]
         work.shards_run += len(claimed)
         total = PassResult()
