@@ -6,7 +6,7 @@ Times are seconds unless a name says otherwise."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -161,10 +161,35 @@ class Scenario(StrictModel):
 
 
 def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:
-    """Read and validate a scenario file (``--set a.b=value`` overrides as for jobs). Raises
-    ConfigError naming the file and every bad field."""
-    raw = apply_overrides(read_mapping(path, str(path), "scenario"), overrides or [])
+    """Read and validate a scenario file (``--set a.b=value`` overrides as for jobs). A file may
+    name another as ``extends`` (a path relative to it): that one is read first and this one's
+    fields laid over it, section by section. Raises ConfigError naming the file and every bad
+    field (or the chain of files extending each other in a loop)."""
+    raw = apply_overrides(_read_extended(Path(path), ()), overrides or [])
     try:
         return Scenario.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(describe_errors(err, str(path), "scenario")) from None
+
+
+def _read_extended(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    """``path``'s mapping laid over the one it ``extends``, if any (``chain``: the files
+    extending it, to refuse a loop)."""
+    raw = read_mapping(path, str(path), "scenario")
+    base = raw.pop("extends", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: field 'extends': expected the path of another scenario file, got {base!r}")
+    parent = (path.parent / base).resolve()
+    if parent in chain or parent == path.resolve():
+        raise ConfigError(f"{path}: field 'extends': {base} extends this file again (a loop)")
+    return _laid_over(_read_extended(parent, (*chain, path.resolve())), raw)
+
+
+def _laid_over(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over``'s fields over ``base``'s, sections (mappings) merged field by field."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _laid_over(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

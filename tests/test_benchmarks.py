@@ -192,12 +192,13 @@ def test_control_plane_benchmark_measures_a_real_null_job_and_fits_the_growth(tm
     for row in rows:
         assert row["steps_measured"] >= 5
         assert row["driver_cpu_ms"] > 0 and 0 < row["driver_busy_ms"] <= row["step_wall_ms"]
-        # Each worker seals its block (one round trip at least) and the driver opens the step.
-        assert row["store_round_trips"] >= row["workers"] + 1 and row["store_bytes"] > 0
+        # Mitigation on, nobody slow: clean steps, which make no claims (the median step sends
+        # the store nothing; before, each worker sealed its block and the driver opened the step).
+        assert row["store_round_trips"] == row["store_bytes"] == 0
         assert "store_cpu_ms" in row  # its own process, read apart (tests/test_control_meter.py reads it)
     fitted = fit(rows)
     assert "store_cpu_ms" in fitted
-    assert fitted["store_round_trips"]["per_worker"] > 0
+    assert fitted["store_round_trips"]["at_4096"] == pytest.approx(0.0, abs=1e-9)
     assert "at 4096" in format_report(rows, fitted)
     # The fit itself: exact on a line, and it needs two worker counts.
     line = [{"workers": n, "driver_cpu_ms": 1 + 0.5 * n, "driver_busy_ms": 2.0, "store_round_trips": 3 * n,

@@ -102,6 +102,25 @@ def test_the_shipped_4096_scenario_loads_and_runs_from_the_cli(tmp_path, capsys)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_16384_scenario_extends_the_4096_one_with_its_own_failure_rate():
+    big, base = load_scenario(REPO / "examples" / "sim-16384.yaml"), load_scenario(REPO / "examples" / "sim-4096.yaml")
+    assert big.workers == 16384 and big.nodes == 2048 and big.name == "sim-16384"
+    assert big.failures.node_mtbf_h == 3700 and base.failures.node_mtbf_h == 2000
+    # A section set in part keeps the base's other fields; sections not set are the base's.
+    assert big.transient.factor == base.transient.factor and big.slow_nodes.count == 16
+    assert big.collective == base.collective and big.workload == base.workload and big.restart == base.restart
+
+
+def test_extends_refuses_a_loop_and_a_path_that_is_not_one(tmp_path):
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\nworkers: 16\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="field 'extends': a.yaml extends this file again"):
+        load_scenario(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="field 'extends': expected the path of another scenario file"):
+        load_scenario(tmp_path / "c.yaml")
+
+
 @pytest.mark.parametrize("content, message", [
     ("workers: 4096\nworkrs_per_node: 8\n", "field 'workrs_per_node': unknown field"),
     ("workers: 100\nworkers_per_node: 8\n", "must be a multiple of workers_per_node"),

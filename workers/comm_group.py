@@ -85,10 +85,6 @@ class PendingOp:
         self._group = group
         self._what = what
 
-    def done(self) -> bool:
-        """Whether the operation has ended (``wait`` then returns or raises at once)."""
-        return self._future.done()
-
     def ended_within(self, timeout_s: float) -> bool:
         """Block until the operation has ended or ``timeout_s`` passed; whether it has ended."""
         return bool(futures.wait([self._future], timeout=max(0.0, timeout_s)).done)

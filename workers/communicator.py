@@ -13,10 +13,6 @@ from workers.ring import HierarchicalAllReduce, RingAllReduce
 
 
 class PendingReduce(Protocol):
-    def done(self) -> bool:
-        """Whether the sum has ended (``wait`` then returns or raises at once)."""
-        ...
-
     def ended_within(self, timeout_s: float) -> bool:
         """Block until the sum has ended or ``timeout_s`` passed; whether it has ended."""
         ...

@@ -40,9 +40,6 @@ class _InOrder:
         self._ops = ops
         self._then = then
 
-    def done(self) -> bool:
-        return all(op.done() for op in self._ops)
-
     def ended_within(self, timeout_s: float) -> bool:
         until = time.monotonic() + timeout_s
         return all(op.ended_within(until - time.monotonic()) for op in self._ops)
