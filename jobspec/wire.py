@@ -6,7 +6,7 @@ Requests the driver sends: ``JoinRequest`` (form a generation's process group) a
 ``SnapshotRequest`` (checkpoint a part of the state); ``train_step`` takes a
 ``policies.work_stealing.StepPlan``, ``abort`` a generation number. Answers a worker gives:
 ``WorkerInfo`` (``describe``), ``Progress`` (``progress``), ``Joined`` (``join_group``),
-``StepTelemetry`` (``train_step``) and ``FileEntry`` lists (``checkpoint_written``).
+``StepTelemetry`` (``train_step``) and ``PartWritten`` (``checkpoint_written``).
 
 Pure: no torch, no Ray; the driver's policies read these types too.
 """
@@ -234,3 +234,13 @@ class FileEntry:
     path: str
     sha256: str
     bytes: int
+
+
+@dataclass(frozen=True)
+class PartWritten:
+    """A worker's part of a checkpoint, written: its ``files`` and the CPU seconds the write
+    took on the writer's thread (serialising, hashing, writing: on a host with no idle core,
+    what the write took from training)."""
+
+    files: tuple[FileEntry, ...]
+    cpu_s: float

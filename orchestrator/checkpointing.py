@@ -22,7 +22,7 @@ from typing import Any, Callable
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
 from jobspec.redaction import redact_all
-from jobspec.wire import FileEntry, SnapshotRequest
+from jobspec.wire import FileEntry, PartWritten, SnapshotRequest
 from orchestrator.checkpoint_namespace import namespace_root, run_namespace
 from orchestrator.errors import JobFailed
 from orchestrator.group import Call, CallFailed, WorkerGroup
@@ -131,6 +131,7 @@ class CheckpointRecord:
     copy_s: float  # the longest in-memory snapshot: what training was held up
     write_s: float  # from the snapshot to the manifest
     bytes: int
+    write_cpu_s: float  # the parts' writes' CPU, all workers together
 
 
 #: Tries of a checkpoint that is waited for (final, before failing) when storage fails it.
@@ -242,10 +243,11 @@ class CheckpointCoordinator:
             return
         try:
             copy_s = max(group.result(c) for c in pending.copies)
-            files: list[FileEntry] = [f for c in pending.writes for f in group.result(c)]
+            parts: list[PartWritten] = [group.result(c) for c in pending.writes]
         except CallFailed as err:
             self.abandon(f"a part failed: {err}")
             return
+        files = [f for part in parts for f in part.files]
         problem = self._missing(pending.name, files) or self._not_held()
         if problem is not None:
             self.abandon(problem)
@@ -266,7 +268,8 @@ class CheckpointCoordinator:
             deleted = []
             self.run.event("checkpoint_prune_failed", reason=f"{type(err).__name__}: {err}")
         record = CheckpointRecord(
-            pending.name, pending.step, pending.why, copy_s, time.perf_counter() - pending.started, sum(f.bytes for f in files)
+            pending.name, pending.step, pending.why, copy_s, time.perf_counter() - pending.started,
+            sum(f.bytes for f in files), sum(part.cpu_s for part in parts),
         )
         self.written.append(record)
         self.committed_step = pending.step
@@ -363,5 +366,6 @@ class CheckpointCoordinator:
             "interval_steps": self.policy.decide().every_steps if self.enabled else None,
             "copy_s": [r.copy_s for r in self.written],
             "write_s": [r.write_s for r in self.written],
+            "write_cpu_s": [r.write_cpu_s for r in self.written],
             "last": self.written[-1].name if self.written else None,
         }

@@ -143,8 +143,9 @@ class WorkerGroup(Protocol):
 
     def snapshot(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> tuple[list[Call], list[Call]]:
         """Queue ``requests[i]`` on rank i; returns (the copies' calls, each answering the
-        seconds training was held up; the writes' calls, each answering the files written,
-        a list of ``workers.checkpoint_storage.FileEntry``). ``timeout_s`` bounds each write."""
+        seconds training was held up; the writes' calls, each answering a
+        ``jobspec.wire.PartWritten``: the files written and the write's CPU). ``timeout_s``
+        bounds each write."""
         ...
 
     def restore(self, root: str, name: str, manifest: dict[str, Any]) -> None: ...

@@ -147,8 +147,10 @@ def test_recovery_benchmark_our_side_loses_no_committed_step_and_no_sample(tmp_p
     setup = {"checkpoint_every": 4, "steps": 16, "kill_step": 5, "exact_steps": 16, "exact_kill_step": 5}
     text = format_result({"contenders": {"ringleader": ours, "ray_train": theirs, "torchft": torchft},
                           "checkpoint_overhead": 0.01, "checkpoint_overhead_spread": [-0.02, 0.03], "setup": setup,
-                          "checkpoint_samples_per_s": {}, "checkpoint_snapshot_share": 0.001})
+                          "checkpoint_samples_per_s": {}, "checkpoint_snapshot_share": 0.001,
+                          "checkpoint_write_cpu_s": 0.004})
     assert "recovery vs ours: ray_train" in text and "overhead +1.0%" in text and "spread -2.0% to +3.0%" in text
+    assert "its write took 4.0 ms of CPU" in text
     torchft_line = next(line for line in text.splitlines() if line.startswith("torchft"))
     assert "never" in torchft_line and " 128 " in torchft_line and " no " in torchft_line
 

@@ -151,6 +151,10 @@ def test_auto_checkpoint_interval_follows_the_policy(tmp_path):
     steps = [e["step"] for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "checkpoint"]
     # Measured cost (milliseconds) and no failures give Young/Daly hundreds of steps: the cap.
     assert steps == [6, 12, 18, 24, 25] and result.summary["checkpoints"]["interval_steps"] == 6
+    # Each checkpoint's write measured on its writers' threads: CPU spent, well under its wall time.
+    written = result.summary["checkpoints"]
+    assert len(written["write_cpu_s"]) == 5 and all(0 < cpu for cpu in written["write_cpu_s"])
+    assert all(cpu < 2 * wall for cpu, wall in zip(written["write_cpu_s"], written["write_s"]))
 
 
 def test_topk_residuals_survive_recovery_and_travel_in_checkpoints(tmp_path):

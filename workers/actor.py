@@ -28,10 +28,10 @@ from jobspec.failures import CollectiveAborted, CollectiveTimeout, ShardCensusEr
 from jobspec.job import JobConfig
 from jobspec.targets import optional_callable
 from jobspec.wire import (
-    FileEntry,
     Joined,
     JoinRequest,
     Phase,
+    PartWritten,
     Progress,
     SnapshotRequest,
     StepTelemetry,
@@ -382,10 +382,10 @@ class TrainWorker:
             self._enter(step, phase)
 
     @ray.method(concurrency_group="io")
-    def checkpoint_written(self, name: str, tag: str, timeout_s: float) -> list[FileEntry]:
+    def checkpoint_written(self, name: str, tag: str, timeout_s: float) -> PartWritten:
         """Wait (up to ``timeout_s``) for attempt ``tag`` of checkpoint ``name`` to be written;
-        returns the files written (path, sha256, bytes) or raises the write's error or
-        TimeoutError."""
+        returns the files written (path, sha256, bytes) and the write's CPU seconds, or raises
+        the write's error or TimeoutError."""
         return self.checkpoints.written(name, tag, timeout_s)
 
     @compute_method

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from jobspec.wire import FileEntry, SnapshotRequest
+from jobspec.wire import PartWritten, SnapshotRequest
 from policies.sharding import Span
 from workers.chaos import ChaosSchedule, kill_self
 from workers.checkpoint_storage import CheckpointStorage
@@ -106,7 +106,7 @@ class CheckpointWriter:
         self.chaos = chaos
         self.on_death = on_death
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ringleader-checkpoint", initializer=lowest_priority)
-        self._writes: dict[str, Future[list[FileEntry]]] = {}
+        self._writes: dict[str, Future[PartWritten]] = {}
         self._writes_lock = threading.Lock()
 
     def snapshot(
@@ -135,9 +135,10 @@ class CheckpointWriter:
         writing.add_done_callback(lambda done: chain_future(done, written))
         return part.copy_s
 
-    def written(self, name: str, tag: str, timeout_s: float) -> list[FileEntry]:
+    def written(self, name: str, tag: str, timeout_s: float) -> PartWritten:
         """Wait (up to ``timeout_s``) for attempt ``tag`` of checkpoint ``name`` to be written;
-        returns the files written or raises the write's error or TimeoutError."""
+        returns what was written (the files, the write's CPU) or raises the write's error or
+        TimeoutError."""
         attempt = f"{name}/{tag}"
         try:
             return self._future(attempt).result(timeout=timeout_s)
@@ -145,13 +146,15 @@ class CheckpointWriter:
             with self._writes_lock:
                 self._writes.pop(attempt, None)
 
-    def _future(self, attempt: str) -> Future[list[FileEntry]]:
+    def _future(self, attempt: str) -> Future[PartWritten]:
         """The outcome of one checkpoint attempt's write (``name/tag``), shared by ``snapshot``
         and ``written``, whichever asks first."""
         with self._writes_lock:
             return self._writes.setdefault(attempt, Future())
 
-    def _write(self, storage: CheckpointStorage, name: str, tag: str, part: PartSnapshot, rank: int) -> list[FileEntry]:
+    def _write(self, storage: CheckpointStorage, name: str, tag: str, part: PartSnapshot, rank: int) -> PartWritten:
         if self.chaos.kill_due("checkpoint", part.step - 1):
             kill_self(self.on_death)  # mid-write: some parts may be on disk, no manifest
-        return write_snapshot(storage, name, tag, rank, part)
+        started = time.thread_time()
+        files = write_snapshot(storage, name, tag, rank, part)
+        return PartWritten(tuple(files), time.thread_time() - started)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from jobspec.job import JobConfig
-from jobspec.wire import FileEntry, Phase, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
+from jobspec.wire import FileEntry, PartWritten, Phase, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
 from orchestrator.group import Call, CallFailed, FailureKind
 from orchestrator.membership import Membership
 from orchestrator.rendezvous import RendezvousStore
@@ -351,7 +351,8 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
                 self._kill(member)
                 write.error = CallFailed(member.worker, FailureKind.DIED, "ActorDiedError: died writing")
             else:
-                write.value = [_write_part(request, written=(member.worker, request.step) not in self.faults.unwritten)]
+                part = _write_part(request, written=(member.worker, request.step) not in self.faults.unwritten)
+                write.value = PartWritten((part,), 0.001)
             copies.append(self._call(copy))
             writes.append(self._call(write))
         return copies, writes
