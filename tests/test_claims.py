@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -169,24 +170,61 @@ def test_a_clean_step_with_mitigation_on_sends_the_claim_store_nothing():
 
 def test_a_clean_steps_claims_are_made_by_whoever_finds_a_rank_late():
     """A clean step's keys exist only once someone is late: the watcher opens the late block by
-    making it, the owner sees it by its existence (never blocking on a missing key), and the
-    rescue pass makes its shards' keys, the first maker deciding, then claims them as ever."""
+    making it, the owner sees it by its existence (never blocking on a missing key), the rescue
+    pass makes its shards' keys (the first maker deciding) and claims them as ever, and once
+    the step is summed the keys are deleted."""
     plan = StepPlan(((0, 1), (2, 3)), expected_shard_s=0.01)
     store = CountingStore(_store())
+    keys = store.store.num_keys()
     owner, watcher = ShardClaims(store, 5, plan, me=0), ShardClaims(store, 5, plan, me=1)
     assert not owner.block_taken()
     assert watcher.open_block(0) and owner.block_taken()
     assert not owner.claim_block()  # nothing seals an opened block
-    watcher.open_rescue([0, 1])
+    watcher.open_rescue([0])  # shard 0 missing (as if its owner had brought shard 1 alone)
     assert watcher.claim(0)
-    owner.open_rescue([0, 1])  # late: rank 1's claim stands
-    states = owner.states([0])
-    assert states[0] == ClaimState(ClaimKind.RUN, 1) and states[1].kind is ClaimKind.FREE
-    assert states[2] == states[3] == ClaimState(ClaimKind.DONE, 1) or {states[2].kind, states[3].kind} == {ClaimKind.DONE}
-    assert watcher.of([0, 1]) == {0: ClaimState(ClaimKind.RUN, 1), 1: ClaimState(ClaimKind.FREE)}
-    assert watcher.commit(0, owner=1) and owner.claim(1) and owner.commit(1, owner=0)
+    owner.open_rescue([0])  # late: rank 1's claim stands
+    assert owner.of([0, 1]) == {0: ClaimState(ClaimKind.RUN, 1), 1: ClaimState(ClaimKind.DONE, 0)}
+    assert owner.states([0]) == {0: ClaimState(ClaimKind.RUN, 1), 1: ClaimState(ClaimKind.DONE, 0),
+                                 2: ClaimState(ClaimKind.DONE, 1), 3: ClaimState(ClaimKind.DONE, 1)}
+    assert watcher.commit(0, owner=1) and not owner.claim(0)
     # The same slot of a later step (a claimed step's keys rotate) is untouched: its own keys.
     assert not ShardClaims(store, 5 + SLOTS, plan, me=0).block_taken()
+    assert store.store.num_keys() == keys + 3
+    watcher.forget()  # rank 1: the block it opened
+    owner.forget()  # rank 0: the rescue pass's keys
+    assert store.store.num_keys() == keys and not owner.block_taken()
+
+
+def test_a_clean_rescue_counts_each_shard_once_under_racing_threads():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.PrefixStore("gen1/", master)
+    shards, workers = 12, 4
+    plan = StepPlan(tuple(tuple(range(r, shards, workers)) for r in range(workers)), expected_shard_s=0.01)
+    clients = [CountingStore(_store(master.port)) for _ in range(workers)]
+    for step in range(20):
+        missing = sorted(plan.shards_by_rank[step % workers] + plan.shards_by_rank[(step + 1) % workers])
+        winners: dict[int, list[int]] = {s: [] for s in missing}
+        lock = threading.Lock()
+
+        def worker(me: int, step: int = step) -> None:
+            rng = random.Random(step * 31 + me)
+            claims = ShardClaims(clients[me], step, plan, me)
+            time.sleep(rng.random() * 0.002)
+            claims.open_rescue(missing)
+            for shard in rng.sample(missing, len(missing)):
+                if claims.of([shard])[shard].kind is ClaimKind.FREE and claims.claim(shard) and claims.commit(shard, me):
+                    with lock:
+                        winners[shard].append(me)
+
+        threads = [threading.Thread(target=worker, args=(me,)) for me in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(len(w) == 1 for w in winners.values()), (step, winners)
+        assert all(v.kind is ClaimKind.DONE for v in ShardClaims(clients[0], step, plan, 0).states(
+            sorted({plan.owner_of(s) for s in missing})).values())
+    del store
 
 
 def test_a_focused_read_costs_the_focused_blocks_and_takes_every_other_shard_as_done():
@@ -203,3 +241,26 @@ def test_a_focused_read_costs_the_focused_blocks_and_takes_every_other_shard_as_
     assert store.bytes - before < whole_bytes / 8  # one block of 16, not the step
     assert focused[21] == whole[21] and focused[21].kind is ClaimKind.RUN and focused[20].kind is ClaimKind.FREE
     assert all(focused[s].kind is ClaimKind.DONE and focused[s].owner == s // 4 for s in range(64) if s // 4 != 5)
+
+
+def test_the_watch_of_a_clean_step_reads_nothing_and_opens_a_late_peer_when_it_is_due():
+    from workers.comm_group import ABORT_POLL_S
+    from workers.rescue_watch import rescue_watch
+    from workers.step_work import ClaimedStep, StepWork
+
+    plan = StepPlan(((0,), (1,), (2,)), expected_shard_s=0.01, late_factor=3.0)  # late after 50 ms (the floor)
+    store = CountingStore(_store())
+    abort = threading.Event()
+    step = ClaimedStep(7, plan, ShardClaims(store, 7, plan, me=0), None, 30.0, abort)  # type: ignore[arg-type]
+    look = rescue_watch(step, StepWork())
+    delay = look()
+    assert delay == ABORT_POLL_S and store.round_trips == 0  # nothing read, nothing late yet
+    time.sleep(0.06)
+    assert look() is None and store.round_trips == 2  # both watched peers opened: nothing left to watch
+    assert all(ShardClaims(store, 7, plan, me=r).block_taken() for r in (1, 2))
+    # The abort flag, or no stealing, ends the watch at its next look.
+    abort.set()
+    assert rescue_watch(step, StepWork())() is None
+    abort.clear()
+    no_steal = StepPlan(plan.shards_by_rank, expected_shard_s=0.01, steal=False)
+    assert rescue_watch(ClaimedStep(8, no_steal, ShardClaims(store, 8, no_steal, 0), None, 30.0, abort), StepWork())() is None  # type: ignore[arg-type]

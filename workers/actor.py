@@ -299,6 +299,7 @@ class TrainWorker:
         if plan.mitigating:
             rescue = self.runner.rescue(claimed, work)
             comm_s += rescue.comm_s
+            claims.forget()
         self.chaos.record(step, work.compute_s, work.shards_run)
         census = check_census(self.flat.extra, plan.num_shards, step)
         link.commit_residuals()

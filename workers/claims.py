@@ -29,7 +29,8 @@ and a missing key there means free: a watcher opens a late peer's block by creat
 claims them as ever. Nothing seals a clean step's block, so an opening only asks its owner to
 give its shards up; an owner that does not see it in time brings them itself, and the census
 (which the rescue pass follows) counts each shard once either way. Those keys are made only
-when someone is late, and are not reused.
+when someone is late, and deleted once the step is summed (``forget``): the store holds a
+clean step's keys only while it runs.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class CountingStore:
         values = self.store.multi_get(keys)
         self._count(sum(map(len, keys)), sum(map(len, values)))
         return values
+
+    def delete_key(self, key: str) -> None:
+        self.store.delete_key(key)
+        self._count(len(key), 1)
 
     def multi_set(self, keys: list[str], values: list[bytes]) -> None:
         self.store.multi_set(keys, values)
@@ -117,6 +122,7 @@ class ShardClaims:
         self._prefix = f"clean/{step}/" if self.clean else f"claim/{step % SLOTS}/"
         self._free_block = "" if self.clean else FREE.encode()
         self._opened: set[int] = set()
+        self._rescued: list[str] = []  # the keys of a clean step's rescue pass
 
     def _shard_key(self, shard: int) -> str:
         return f"{self._prefix}{shard}"
@@ -188,11 +194,25 @@ class ShardClaims:
             return
         owners = sorted({self.owner_of[s] for s in missing})
         lost = set(missing)
-        for rank in owners:
-            for shard in self.shards_of[rank]:
-                state = FREE.encode() if shard in lost else ClaimState(ClaimKind.DONE, rank).encode()
-                self.store.compare_set(self._shard_key(shard), "", state)
-            self.store.compare_set(self._block_key(rank), "", OPEN)
+        made = {self._shard_key(s): FREE.encode() if s in lost else ClaimState(ClaimKind.DONE, r).encode()
+                for r in owners for s in self.shards_of[r]}
+        made.update({self._block_key(r): OPEN for r in owners})
+        self._rescued = list(made)
+        if self.store.check(self._rescued):
+            return  # a faster rank made them all (and may have claimed some already)
+        for key, value in made.items():
+            self.store.compare_set(key, "", value)
+
+    def forget(self) -> None:
+        """After a clean step is summed (its rescue pass too, if it had one: every rank is past
+        its last look at it): delete the keys this rank made for it, so that the store does
+        not grow with the run. Rank 0 deletes the rescue pass's; every rank the blocks it
+        opened. Nothing to do on a step nobody was late in, or whose claims the driver opened."""
+        if not self.clean:
+            return
+        doomed = (self._rescued if self.me == 0 else []) + [self._block_key(r) for r in self._opened]
+        for key in dict.fromkeys(doomed):
+            self.store.delete_key(key)
 
     def _move(self, shard: int, old: ClaimState, new: ClaimState) -> ClaimState:
         """Compare-and-set; returns the state after the attempt (``new`` if it won)."""

@@ -223,7 +223,7 @@ class GradientReducer:
         self._pending = []
         self._armed = self.overlap
 
-    def finish(self, watch: Callable[[], bool] | None = None) -> float:
+    def finish(self, watch: Callable[[], float | None] | None = None) -> float:
         """Launch what backward did not, wait for every bucket; returns seconds waited.
 
         ``watch`` (the step's rescue watch, ``workers/rescue_watch.py``) is called while a

@@ -30,6 +30,7 @@ after the all-reduce, which carries it with the gradient (in the census slots,
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -56,6 +57,19 @@ from workers.training import FlatParameters, autocast, fetch_batch, move_to
 
 # How often an idle worker looks at the claims again (store round trips are ~50-150 us).
 POLL_S = 0.002
+
+
+def _first_look_s(plan: StepPlan) -> float:
+    """How long a rank waits for its data before it first looks whether its block was opened.
+    On a step with claims at once (a thief may open it any time). On a clean step only a
+    watcher opens a block, no sooner than RESCUE_AFTER_MIN_S after it began to wait: a read of
+    a few ms (not late) costs the store nothing, and one that started late gives up a little
+    later; where no watcher could open it (no stealing, nothing expected yet, no peer), never."""
+    if not plan.clean:
+        return 0.0
+    if plan.steal and plan.expected_shard_s > 0 and len(plan.shards_by_rank) > 1:
+        return RESCUE_AFTER_MIN_S / 2
+    return math.inf
 
 
 class StepRunner:
@@ -211,10 +225,7 @@ class StepRunner:
             first = self._indices(step, self._groups(first_pass)[0])
             started = time.monotonic()
             self.prefetch.start(first[: self.max_samples_per_pass or len(first)], lambda: self.chaos.stall(step, "fetch"))
-            # A clean step's first look comes later: a watcher opens a block no sooner than
-            # RESCUE_AFTER_MIN_S after it began to wait, so a read that takes a few ms (not
-            # late) costs the store nothing, and one that did start late gives up a little later.
-            look_from = started + (RESCUE_AFTER_MIN_S / 2 if ctx.plan.clean else 0.0)
+            look_from = started + _first_look_s(ctx.plan)
             work.gave_up = not self.prefetch.wait(
                 lambda: ctx.abort.is_set() or (time.monotonic() >= look_from and claims.block_taken())
             )
