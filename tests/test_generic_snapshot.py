@@ -100,7 +100,7 @@ def test_a_snapshot_copies_on_the_compute_thread_and_serializes_in_the_backgroun
         writer.snapshot(SnapshotRequest(3, str(tmp_path), "step-00000003", "a1", index, 2), source, {}, index)
     copying_s = time.perf_counter() - started
     source.train(2)  # training goes on while the parts are written, and changes nothing in them
-    files = [f for writer in writers for f in writer.written("step-00000003", "a1", timeout_s=60)]
+    files = [f for writer in writers for f in writer.written("step-00000003", "a1", timeout_s=60).files]
     assert copying_s < SLOW_S / 2, f"the snapshots held training up {copying_s:.2f}s"
     on_compute = [size for thread, size in calls if thread == threading.current_thread().name]
     assert not any(on_compute), f"tensor data serialized on the compute thread: {on_compute} bytes"
@@ -193,7 +193,7 @@ def _restored(tmp_path, source: FakeReplica) -> FakeReplica:
     for index, writer in enumerate(writers):
         writer.snapshot(SnapshotRequest(source.next_step, str(tmp_path), name, "a1", index, 2), source, {}, index)
     storage = CheckpointStorage(str(tmp_path))
-    write_manifest(storage, source.next_step, [f for w in writers for f in w.written(name, "a1", timeout_s=60)], {})
+    write_manifest(storage, source.next_step, [f for w in writers for f in w.written(name, "a1", timeout_s=60).files], {})
     restored = FakeReplica(source.optimizer_name, source.kwargs, dtype=source.dtype)
     restore_state(restored, storage, name, verify_checkpoint(storage, name))
     return restored

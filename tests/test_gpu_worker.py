@@ -252,7 +252,7 @@ def _write_checkpoint(root: str, source: DeviceReplica) -> CheckpointStorage:
     for index, writer in enumerate(writers):
         writer.snapshot(SnapshotRequest(source.next_step, root, name, "a1", index, 2), source, {}, index)
     storage = CheckpointStorage(root)
-    write_manifest(storage, source.next_step, [f for w in writers for f in w.written(name, "a1", timeout_s=60)], {})
+    write_manifest(storage, source.next_step, [f for w in writers for f in w.written(name, "a1", timeout_s=60).files], {})
     return storage
 
 
