@@ -63,3 +63,112 @@ def test_a_manifest_listing_one_part_twice_is_refused(tmp_path):
     manifest = verify_checkpoint(storage, "step-00000007")
     with pytest.raises(CheckpointCorrupt, match="part 0 is listed twice"):
         load_state(storage, "step-00000007", manifest)
+
+
+def test_a_tensor_file_holds_every_dtype_and_shape_at_aligned_offsets():
+    from workers.tensor_file import ALIGN, decode, encode
+
+    tensors = {
+        "a": torch.arange(10, dtype=torch.float32).reshape(2, 5).t(),  # not contiguous
+        "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+        "c": torch.tensor(7, dtype=torch.int64),  # 0-dim
+        "d": torch.zeros(0, 3),
+        "e": torch.tensor([True, False, True]),
+        "f": torch.randint(0, 255, (5000,), dtype=torch.uint8),
+    }
+    laid_out = encode({"step": 3, "name": "x"}, tensors)
+    assert len(laid_out) % ALIGN == 0
+    meta, got = decode(bytes(laid_out))
+    assert meta == {"step": 3, "name": "x"} and got.keys() == tensors.keys()
+    for key, tensor in tensors.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    with pytest.raises(ValueError, match="CPU tensors of"):
+        encode({}, {"z": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(ValueError, match="no magic"):
+        decode(b"PK\x03\x04" + bytes(100))
+    broken = bytearray(laid_out)
+    broken[20:40] = b"x" * 20  # inside the JSON header
+    with pytest.raises(ValueError, match="header"):
+        decode(bytes(broken))
+
+
+def test_a_checkpoint_of_torch_save_parts_written_before_tensor_files_still_loads(tmp_path):
+    import hashlib
+    import io
+
+    from jobspec.wire import FileEntry
+
+    storage = CheckpointStorage(str(tmp_path))
+    flat = {"params": torch.arange(6.0)}
+    entries = []
+    for index in range(2):
+        lo, hi = part_range(6, index, 2)
+        payload = {"format": 1, "step": 4, "index": index, "count": 2, "numel": 6, "slices": {"params": flat["params"][lo:hi].clone()},
+                   "whole": {"rng/torch": torch.get_rng_state()} if index == 0 else {}}
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        data = buffer.getvalue()
+        path = f"part-{index:05d}-of-00002-a1.pt"
+        storage.write_bytes(f"step-00000004/{path}", data)
+        entries.append(FileEntry(path, hashlib.sha256(data).hexdigest(), len(data)))
+    write_manifest(storage, 4, entries, {})
+    got_flat, got_whole = load_state(storage, "step-00000004", verify_checkpoint(storage, "step-00000004"))
+    assert torch.equal(got_flat["params"], flat["params"]) and "rng/torch" in got_whole
+
+
+def test_a_tensor_file_that_does_not_read_is_refused_as_corrupt(tmp_path):
+    import hashlib
+
+    from jobspec.wire import FileEntry
+    from workers.tensor_file import MAGIC
+
+    storage = CheckpointStorage(str(tmp_path))
+    data = MAGIC + (10**6).to_bytes(8, "little") + b"{}"
+    storage.write_bytes("step-00000002/part-00000-of-00001-a1.pt", data)
+    write_manifest(storage, 2, [FileEntry("part-00000-of-00001-a1.pt", hashlib.sha256(data).hexdigest(), len(data))], {})
+    with pytest.raises(CheckpointCorrupt, match="not a readable part: its header claims"):
+        load_state(storage, "step-00000002", verify_checkpoint(storage, "step-00000002"))
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_tensor_file_is_written_past_the_page_cache_where_the_file_system_takes_it(tmp_path, monkeypatch, refused):
+    """ext4 (tmp_path here) takes O_DIRECT; a file system that refuses it (EINVAL at the write:
+    older tmpfs, some network ones) gets the bytes through the page cache instead. Either way
+    the file holds exactly the bytes."""
+    import errno
+    import fcntl
+    import os
+
+    from workers import checkpoint_storage
+    from workers.checkpoint_storage import write_direct
+    from workers.tensor_file import encode
+
+    write = os.write
+
+    def refusing(fd: int, data: object) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "direct I/O refused")
+        return write(fd, data)
+
+    if refused:
+        monkeypatch.setattr(checkpoint_storage.os, "write", refusing)
+    laid_out = encode({}, {"x": torch.randn(3000)})
+    path = tmp_path / "part"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        assert write_direct(fd, laid_out) is not refused
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == bytes(laid_out)
+
+
+def test_a_thread_reuses_its_buffer_and_an_earlier_files_bytes_never_show_in_a_later_one():
+    from workers.tensor_file import decode, encode
+
+    big = bytes(encode({"n": 1}, {"x": torch.full((5000,), 7.0)}))
+    small = encode({"n": 2}, {"y": torch.ones(10)})
+    # After the ten ones (40 bytes from the second page) only zeros: the padding, not the 7s.
+    assert len(small) == 8192 < len(big) and set(bytes(small)[4096 + 40 :]) == {0}
+    assert decode(bytes(small))[0] == {"n": 2}
+    bigger = encode({"n": 3}, {"z": torch.arange(20000.0)})
+    assert torch.equal(decode(bytes(bigger))[1]["z"], torch.arange(20000.0))

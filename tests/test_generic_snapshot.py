@@ -24,7 +24,8 @@ from tests.helpers.slow_save import float_bytes, slowed
 from workers.chaos import ChaosSchedule
 from workers.checkpoint_manifest import verify_checkpoint, write_manifest
 from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpointing import FlatPieces
+from workers import tensor_file
+from workers.checkpointing import FlatPieces, read_part
 from workers.generic_optimizer import STATE_ENTRY, GenericOptimizer
 from workers.loss_scaler import LossScaler
 from workers.optimizer_state import as_loaded
@@ -80,9 +81,15 @@ def _same_state(got: GenericOptimizer, want: GenericOptimizer) -> None:
 
 
 def _saves_on(monkeypatch) -> list[tuple[str, int]]:
-    """Slow ``torch.save`` down (``SLOW_S`` for the test state) and record (thread, float bytes) of each call."""
+    """Slow the serializers down (``torch.save``, a part file's ``encode``: ``SLOW_S`` for the
+    test state) and record (thread, float bytes) of each call."""
     calls: list[tuple[str, int]] = []
-    monkeypatch.setattr(torch, "save", slowed(torch.save, SAVE_RATE, lambda size: calls.append((threading.current_thread().name, size))))
+
+    def record(size: int) -> None:
+        calls.append((threading.current_thread().name, size))
+
+    monkeypatch.setattr(torch, "save", slowed(torch.save, SAVE_RATE, record))
+    monkeypatch.setattr(tensor_file, "encode", slowed(tensor_file.encode, SAVE_RATE, record))
     return calls
 
 
@@ -108,7 +115,7 @@ def test_a_snapshot_copies_on_the_compute_thread_and_serializes_in_the_backgroun
     storage = CheckpointStorage(str(tmp_path))
     write_manifest(storage, 3, files, {})
     manifest = verify_checkpoint(storage, "step-00000003")
-    parts = [torch.load(tmp_path / "step-00000003" / f.path, weights_only=True) for f in files]
+    parts = [read_part((tmp_path / "step-00000003" / f.path).read_bytes()) for f in files]
     # The moments are sliced across the parts like the parameters; part 1 holds nothing whole.
     assert {k for p in parts for k in p["slices"]} == {"params", "optim/state/exp_avg", *(["optim/state/exp_avg_sq"] if name == "RAdam" else [])}
     assert all(0 < p["slices"]["optim/state/exp_avg"].numel() < source.flat.numel for p in parts)

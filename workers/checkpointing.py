@@ -4,8 +4,9 @@ The training state is replicated on every worker, so each of the ``count`` worke
 checkpoint writes a contiguous ``index``-th slice of every flat tensor (parameters and optimizer
 state), in parallel; part 0 also carries what is small and whole (optimizer step, model
 buffers, RNG). A worker also writes its own top-k residuals (per-worker state), if any. Files
-are ``torch.save`` dicts of tensors, ints and strings only, so they load with
-``weights_only=True``: no arbitrary pickle is ever run when a checkpoint is read. Which of the
+are ``workers/tensor_file.py``'s (a JSON header and raw tensor bytes, laid out for direct I/O);
+those written before were ``torch.save`` dicts of tensors, ints and strings only, still read
+with ``weights_only=True``: no arbitrary pickle is ever run when a checkpoint is read. Which of the
 replica's tensors go in, the background writer and restoring are ``workers/replica_checkpoint.py``.
 
 Why not torch.distributed.checkpoint: its ``.metadata`` file is read back with plain
@@ -25,12 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.serialization import config as serialization_config
 
 from jobspec.wire import FileEntry
 from policies.split import even_bounds
 from workers.checkpoint_manifest import CheckpointCorrupt
 from workers.checkpoint_storage import CheckpointStorage
+from workers import tensor_file
 
 FORMAT = 1
 
@@ -154,42 +155,52 @@ def take_snapshot(
 def write_snapshot(
     storage: CheckpointStorage, name: str, tag: str, rank: int, snapshot: PartSnapshot
 ) -> list[FileEntry]:
-    """Write ``snapshot`` under checkpoint ``name`` as attempt ``tag``; returns the FileEntry
+    """Write ``snapshot`` under checkpoint ``name`` as attempt ``tag`` (``workers/tensor_file.py``
+    files, written past the page cache where the file system allows); returns the FileEntry
     of each file written, for the manifest."""
-    payload = {
-        "format": FORMAT,
-        "step": snapshot.step,
-        "index": snapshot.index,
-        "count": snapshot.count,
-        "numel": snapshot.numel,
-        "slices": snapshot.slices,
-        "whole": snapshot.whole,
-    }
-    files = [_save(storage, name, part_file(snapshot.index, snapshot.count, tag), payload)]
+    meta = {"format": FORMAT, "step": snapshot.step, "index": snapshot.index, "count": snapshot.count, "numel": snapshot.numel}
+    tensors = {**{f"slices/{k}": t for k, t in snapshot.slices.items()}, **{f"whole/{k}": t for k, t in snapshot.whole.items()}}
+    files = [_save(storage, name, part_file(snapshot.index, snapshot.count, tag), meta, tensors)]
     if snapshot.residuals:
-        files.append(_save(storage, name, residual_file(rank, tag), {"format": FORMAT, "residuals": snapshot.residuals}))
+        residuals = {f"residuals/{k}": t for k, t in snapshot.residuals.items()}
+        files.append(_save(storage, name, residual_file(rank, tag), {"format": FORMAT}, residuals))
     return files
 
 
-def _save(storage: CheckpointStorage, name: str, filename: str, payload: dict[str, Any]) -> FileEntry:
-    # The manifest's sha256 covers every byte, so the zip format's own CRC32 per record is a
-    # second checksum; skipping it cuts serialising to a third (CPU a write takes from training).
-    saved = serialization_config.save.compute_crc32
-    serialization_config.save.compute_crc32 = False
-    try:
-        sha256, size = storage.write_file_from(f"{name}/{filename}", lambda handle: torch.save(payload, handle))
-    finally:
-        serialization_config.save.compute_crc32 = saved
+def _save(storage: CheckpointStorage, name: str, filename: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> FileEntry:
+    sha256, size = storage.write_aligned(f"{name}/{filename}", tensor_file.encode(meta, tensors))
     return FileEntry(path=filename, sha256=sha256, bytes=size)
 
 
 def _load(storage: CheckpointStorage, name: str, entry: dict[str, Any]) -> dict[str, Any]:
-    """Read one file of a checkpoint, checking it against its manifest entry as it is read."""
+    """Read one file of a checkpoint, checking it against its manifest entry as it is read: a
+    part file as the payload it holds (``meta``, its tensors grouped by the name's first
+    component), or one written before part files (``torch.save``, read with weights only)."""
     relpath = f"{name}/{entry['path']}"
     data = storage.read_bytes(relpath)
     if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise CheckpointCorrupt(name, storage.location(relpath), "changed since it was verified (size or sha256)")
-    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    try:
+        return read_part(data)
+    except ValueError as err:
+        raise CheckpointCorrupt(name, storage.location(relpath), f"not a readable part: {err}") from None
+
+
+def read_part(data: bytes) -> dict[str, Any]:
+    """A part's or residuals' file as the payload it holds: its ``meta`` with its tensors under
+    ``slices``, ``whole`` and ``residuals`` (by the name's first component); a file written
+    before part files, by ``torch.load`` with weights only. Raises ValueError for a part file
+    that does not read."""
+    if not tensor_file.is_tensor_file(data):
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    meta, tensors = tensor_file.decode(data)
+    payload: dict[str, Any] = {**meta, "slices": {}, "whole": {}, "residuals": {}}
+    for key, tensor in tensors.items():
+        group, _, inner = key.partition("/")
+        if group not in ("slices", "whole", "residuals") or not inner:
+            raise ValueError(f"it holds an unknown tensor {key!r}")
+        payload[group][inner] = tensor
+    return payload
 
 
 def load_state(

@@ -1,4 +1,4 @@
-"""A serializer slowed on purpose: ``torch.save`` taking time in proportion to the floating-point
+"""A serializer slowed on purpose: ``torch.save`` (and a checkpoint part's ``encode``) taking time in proportion to the floating-point
 tensor data it writes, as saving a large optimizer state does. What a generic optimizer's
 checkpoint or join costs on the thread that trains shows as seconds, on a model small enough
 for tests."""
@@ -24,25 +24,29 @@ def float_bytes(value: Any) -> int:
 
 
 def slowed(save: Callable[..., Any], bytes_per_s: float, on_call: Callable[[int], None] | None = None) -> Callable[..., Any]:
-    """``save`` (``torch.save``), sleeping first a second per ``bytes_per_s`` bytes of
-    floating-point data; ``on_call(bytes)`` is told of each call before it sleeps."""
+    """``save`` (``torch.save``, a part file's ``encode``), sleeping first a second per
+    ``bytes_per_s`` bytes of floating-point data in its arguments; ``on_call(bytes)`` is told
+    of each call before it sleeps."""
 
-    def slow_save(obj: Any, *args: Any, **kwargs: Any) -> Any:
-        size = float_bytes(obj)
+    def slow_save(*args: Any, **kwargs: Any) -> Any:
+        size = float_bytes(args)
         if on_call is not None:
             on_call(size)
         time.sleep(size / bytes_per_s)
-        return save(obj, *args, **kwargs)
+        return save(*args, **kwargs)
 
     return slow_save
 
 
 def make_model_slow_to_save(hidden: int = 32, bytes_per_s: float = 4000.0) -> torch.nn.Module:
-    """The digits model, built by a worker whose ``torch.save`` is ``slowed`` (a model
-    factory runs in the worker process only, so the driver's is untouched)."""
+    """The digits model, built by a worker whose serializers (``torch.save``, and the part
+    files' ``encode``) are ``slowed`` (a model factory runs in the worker process only, so the
+    driver's are untouched)."""
     from ringleader_examples.digits import make_model
+    from workers import tensor_file
 
     if not getattr(torch.save, "slowed", False):
         torch.save = slowed(torch.save, bytes_per_s)
         torch.save.slowed = True  # type: ignore[attr-defined]
+        tensor_file.encode = slowed(tensor_file.encode, bytes_per_s)
     return make_model(hidden=hidden)
