@@ -4,11 +4,11 @@ that bypasses the page cache (docs/architecture.md, "Checkpoints").
 A part is written while training goes on, on a host whose cores training keeps busy. Written
 through the page cache, each byte is copied once more by the CPU (13 ms of CPU for 8 MB here,
 twice a sha256 of it); written with ``O_DIRECT`` the disk reads it from memory (0.3 ms). Direct
-I/O wants the buffer's address, the file offset and the length aligned, so a part is laid out
-as: ``MAGIC``, the header's length (8 bytes, little-endian), the header (JSON: the caller's
-``meta`` and each tensor's name, dtype, shape and byte range), then each tensor's bytes from an
-``ALIGN``-aligned offset, the whole padded to ``ALIGN``; ``encode`` builds it in page-aligned
-memory. Reading it runs no pickle (as ``torch.load(weights_only=True)`` for the parts written
+I/O wants the buffer's address and the length aligned (the file is written whole, from offset
+0), so a part is laid out as: ``MAGIC``, the header's length (8 bytes, little-endian), the
+header (JSON: the caller's ``meta`` and each tensor's name, dtype, shape and byte range), then
+the tensors' bytes packed at ``PACK``-byte offsets, the whole padded to ``ALIGN``; ``encode``
+builds it in page-aligned memory. Reading it runs no pickle (as ``torch.load(weights_only=True)`` for the parts written
 before, which ``workers/checkpointing.py`` still reads).
 """
 
@@ -22,40 +22,37 @@ from typing import Any
 import torch
 
 MAGIC = b"RLPART\x00\x01"
-#: Direct I/O's alignment (the page size; a multiple of every common logical block size).
+#: Direct I/O's alignment (the page size; a multiple of every common logical block size): of
+#: the buffer's address and the file's length. Tensors inside need none, only ``PACK``.
 ALIGN = 4096
+PACK = 64
 _LENGTH_BYTES = 8
-#: The dtypes a part may hold (what checkpoints carry: parameters, optimizer state, buffers, RNG).
-DTYPES = {
-    str(dtype): dtype
-    for dtype in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-        torch.int8, torch.uint8, torch.bool,
-    )
-}
+#: Parts larger than this get a buffer of their own, dropped after: a thread keeps no more than
+#: this much for the next checkpoint (faulting fresh pages in costs ~0.3 ms a MB).
+SCRATCH_KEEP_BYTES = 256 << 20
 
 
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
+def _rounded(offset: int, to: int) -> int:
+    return -(-offset // to) * to
 
 
 def encode(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> memoryview:
-    """``meta`` (JSON-able) and ``tensors`` (CPU, any layout) as one part file, in page-aligned
-    memory whose length is a multiple of ``ALIGN``: this thread's scratch buffer, valid until
-    its next ``encode`` (kept, so a checkpoint's write does not fault fresh pages in; a
-    worker's writer thread encodes and writes one file at a time). Raises ValueError for a
-    dtype not in ``DTYPES`` or a tensor not on the CPU."""
+    """``meta`` (JSON-able) and ``tensors`` (CPU, any dtype and layout) as one part file, in
+    page-aligned memory whose length is a multiple of ``ALIGN``: this thread's scratch buffer,
+    valid until its next ``encode`` (kept, up to ``SCRATCH_KEEP_BYTES``, so a checkpoint's
+    write does not fault fresh pages in; a worker's writer thread encodes and writes one file
+    at a time). Raises ValueError for a tensor not on the CPU."""
     entries = []
     offset = 0
     for name, tensor in tensors.items():
-        if str(tensor.dtype) not in DTYPES or tensor.device.type != "cpu":
-            raise ValueError(f"tensor {name!r}: a part holds CPU tensors of {sorted(DTYPES)}, got {tensor.dtype} on {tensor.device}")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"tensor {name!r}: a part holds CPU tensors, got one on {tensor.device}")
         nbytes = tensor.numel() * tensor.element_size()
         entries.append({"name": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape), "offset": offset, "bytes": nbytes})
-        offset = _aligned(offset + nbytes)
+        offset = _rounded(offset + nbytes, PACK)
     header = json.dumps({"meta": meta, "tensors": entries}, allow_nan=False).encode()
-    start = _aligned(len(MAGIC) + _LENGTH_BYTES + len(header))
-    size = max(ALIGN, start + offset)
+    start = _rounded(len(MAGIC) + _LENGTH_BYTES + len(header), PACK)
+    size = _rounded(max(1, start + offset), ALIGN)
     out = _scratch(size)
     out[: len(MAGIC)] = MAGIC
     out[len(MAGIC) : len(MAGIC) + _LENGTH_BYTES] = len(header).to_bytes(_LENGTH_BYTES, "little")
@@ -63,7 +60,8 @@ def encode(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> memoryview
     for entry, tensor in zip(entries, tensors.values()):
         if entry["bytes"]:
             into = torch.frombuffer(out, dtype=torch.uint8, count=entry["bytes"], offset=start + entry["offset"])
-            into.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+            into.copy_(flat.view(torch.uint8))
     return memoryview(out)[:size]
 
 
@@ -71,11 +69,14 @@ _thread_scratch = threading.local()
 
 
 def _scratch(size: int) -> mmap.mmap:
-    """This thread's page-aligned buffer of at least ``size`` bytes, zeroed (its padding is
-    part of the file, and must not carry an earlier file's bytes)."""
+    """A page-aligned buffer of at least ``size`` bytes, zeroed (its padding is part of the
+    file, and must not carry an earlier file's bytes): this thread's own, kept for the next
+    call, unless ``size`` is over ``SCRATCH_KEEP_BYTES``."""
+    if size > SCRATCH_KEEP_BYTES:
+        return mmap.mmap(-1, size)  # anonymous: page-aligned, zero-filled
     held: mmap.mmap | None = getattr(_thread_scratch, "buffer", None)
-    if held is None or len(held) < size:  # (the smaller one goes once no view of it is left)
-        held = _thread_scratch.buffer = mmap.mmap(-1, size)  # anonymous: page-aligned, zero-filled
+    if held is None or len(held) < size:  # (a smaller one goes once no view of it is left)
+        held = _thread_scratch.buffer = mmap.mmap(-1, size)
         return held
     torch.frombuffer(held, dtype=torch.uint8, count=size).zero_()
     return held
@@ -85,29 +86,47 @@ def is_tensor_file(data: bytes | bytearray | memoryview) -> bool:
     return bytes(data[: len(MAGIC)]) == MAGIC
 
 
-def decode(data: bytes | bytearray) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The ``meta`` and tensors (copies, by name) of a part file. Raises ValueError if it is not
-    one, or its header does not fit its bytes."""
+def _dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) and name.startswith("torch.") else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def _count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+    return value
+
+
+def decode(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The ``meta`` and tensors (by name, each in memory of its own) of a part file. Raises
+    ValueError if it is not one, or its header does not describe its bytes."""
     if not is_tensor_file(data):
         raise ValueError("not a tensor file (no magic)")
-    length = int.from_bytes(data[len(MAGIC) : len(MAGIC) + _LENGTH_BYTES], "little")
+    view = memoryview(data).cast("B")
+    length = int.from_bytes(view[len(MAGIC) : len(MAGIC) + _LENGTH_BYTES], "little")
     begin = len(MAGIC) + _LENGTH_BYTES
-    if begin + length > len(data):
-        raise ValueError(f"its header claims {length} bytes, the file has {len(data) - begin} after the magic")
+    if begin + length > len(view):
+        raise ValueError(f"its header claims {length} bytes, the file has {len(view) - begin} after the magic")
     try:
-        header = json.loads(bytes(data[begin : begin + length]))
-        start = _aligned(begin + length)
+        header = json.loads(bytes(view[begin : begin + length]))
+        start = _rounded(begin + length, PACK)
         tensors: dict[str, torch.Tensor] = {}
-        buffer = bytearray(data) if isinstance(data, bytes) else data  # frombuffer wants a writable buffer
         for entry in header["tensors"]:
-            dtype, shape, offset, nbytes = DTYPES[entry["dtype"]], entry["shape"], int(entry["offset"]), int(entry["bytes"])
+            name, dtype = str(entry["name"]), _dtype(entry["dtype"])
+            if name in tensors or not isinstance(entry["shape"], list):
+                raise ValueError(f"tensor {name!r} is listed twice or has no shape")
+            shape = [_count(size, f"tensor {name!r}'s shape") for size in entry["shape"]]
+            offset, nbytes = _count(entry["offset"], "an offset"), _count(entry["bytes"], "a size")
             numel = 1
             for size in shape:
-                numel *= int(size)
-            if numel * torch.empty((), dtype=dtype).element_size() != nbytes or start + offset + nbytes > len(data):
-                raise ValueError(f"tensor {entry['name']!r}: {nbytes} bytes at {offset} do not hold {shape} of {dtype}")
-            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=start + offset) if nbytes else torch.empty(0, dtype=torch.uint8)
-            tensors[str(entry["name"])] = raw.view(dtype).reshape(shape).clone()
+                numel *= size
+            if numel * dtype.itemsize != nbytes or start + offset + nbytes > len(view):
+                raise ValueError(f"tensor {name!r}: {nbytes} bytes at {offset} do not hold {shape} of {dtype}")
+            own = bytearray(view[start + offset : start + offset + nbytes])  # frombuffer wants it writable
+            raw = torch.frombuffer(own, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            tensors[name] = raw.view(dtype).reshape(shape)
         return dict(header["meta"]), tensors
-    except (KeyError, TypeError, json.JSONDecodeError) as err:
+    except (KeyError, TypeError, AttributeError, RuntimeError, OverflowError, RecursionError, json.JSONDecodeError) as err:
         raise ValueError(f"its header is not a part's: {type(err).__name__}: {err}") from None
