@@ -102,6 +102,13 @@ class StepPlan:
         return self.steal or self.speculate
 
     @property
+    def rescues(self) -> bool:
+        """Whether a peer found late can be rescued (its block opened by a watcher): stealing
+        on, and the shards' expected time known (nothing is late before the driver knows what
+        to expect)."""
+        return self.steal and self.expected_shard_s > 0
+
+    @property
     def clean(self) -> bool:
         """Mitigating with nobody suspected: every rank runs its own shards at once, and the
         step needs no claims unless someone turns out late (``workers/claims.py``)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -20,6 +21,16 @@ def _store(port: int = 0) -> dist.Store:
 
 
 # A suspect about: the driver opens the step's claims (a clean step makes none, see below).
+def _race(worker: Callable[[int], None], workers: int) -> None:
+    """Run ``worker(me)`` for every rank on a thread of its own, all at once; each is joined for
+    at most 30 s (a claim that hung would fail the test's counts, not hang it)."""
+    threads = [threading.Thread(target=worker, args=(me,)) for me in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+
+
 PLAN3 = StepPlan(((0, 2), (1,)), suspects=frozenset({1}))
 
 
@@ -96,11 +107,7 @@ def test_exactly_once_under_racing_threads():
                     with lock:
                         winners[shard].append(me)
 
-        threads = [threading.Thread(target=worker, args=(me,)) for me in range(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+        _race(worker, workers)
         assert all(len(w) == 1 for w in winners.values()), (step, winners)
         final = ShardClaims(store, step, plan, me=-1).states()
         for shard, (winner,) in winners.items():
@@ -197,7 +204,6 @@ def test_a_clean_steps_claims_are_made_by_whoever_finds_a_rank_late():
 
 def test_a_clean_rescue_counts_each_shard_once_under_racing_threads():
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    store = dist.PrefixStore("gen1/", master)
     shards, workers = 12, 4
     plan = StepPlan(tuple(tuple(range(r, shards, workers)) for r in range(workers)), expected_shard_s=0.01)
     clients = [CountingStore(_store(master.port)) for _ in range(workers)]
@@ -216,15 +222,10 @@ def test_a_clean_rescue_counts_each_shard_once_under_racing_threads():
                     with lock:
                         winners[shard].append(me)
 
-        threads = [threading.Thread(target=worker, args=(me,)) for me in range(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        _race(worker, workers)
         assert all(len(w) == 1 for w in winners.values()), (step, winners)
         assert all(v.kind is ClaimKind.DONE for v in ShardClaims(clients[0], step, plan, 0).states(
             sorted({plan.owner_of(s) for s in missing})).values())
-    del store
 
 
 def test_a_focused_read_costs_the_focused_blocks_and_takes_every_other_shard_as_done():

@@ -125,7 +125,7 @@ class CheckpointStorage:
         sha, _ = self.write_file_from(relpath, lambda handle: handle.write(data))
         return sha
 
-    def write_aligned(self, relpath: str, data: memoryview | bytes | Any) -> tuple[str, int]:
+    def write_aligned(self, relpath: str, data: memoryview) -> tuple[str, int]:
         """Write ``data`` (a buffer whose address and length are multiples of the page size, as
         ``workers/tensor_file.py`` makes them) to ``relpath`` atomically, as ``write_file_from``
         does; returns ``(sha256 hex, size in bytes)``. A local file is written with direct I/O
@@ -293,7 +293,7 @@ class CheckpointStorage:
         return hashed.hexdigest(), hashed.size
 
 
-def write_direct(fd: int, data: Any) -> bool:
+def write_direct(fd: int, data: memoryview) -> bool:
     """Write all of ``data`` to the file ``fd`` (freshly opened, nothing written to it yet) with
     ``O_DIRECT`` where the file system takes it (ext4, xfs: the disk reads the buffer, no CPU
     copy), else through the page cache (tmpfs and others refuse it: EINVAL). ``data``'s address

@@ -29,9 +29,9 @@ import torch
 
 from jobspec.wire import FileEntry
 from policies.split import even_bounds
+from workers import tensor_file
 from workers.checkpoint_manifest import CheckpointCorrupt
 from workers.checkpoint_storage import CheckpointStorage
-from workers import tensor_file
 
 FORMAT = 1
 

@@ -10,8 +10,9 @@ Each rank also has a *block* key for its planned shards: the owner can seal them
 compare-and-set (free -> sealed), the common case when nobody is late, tried before reading
 anything (``StepRunner._sealed_at_once``), so such a step costs each worker one round trip,
 whatever the number of shards and workers, instead of one per shard (or a read of them all).
-Anyone else must first open the block (free -> open) before touching one of its shards; whichever of the two moves wins decides, so
-a shard is never both sealed by block and claimed alone.
+Anyone else must first open the block (free -> open) before touching one of its shards;
+whichever of the two moves wins decides, so a shard is never both sealed by block and claimed
+alone.
 
 A peer also opens a block to rescue its owner, found late before it sealed (see
 ``workers/rescue_watch.py``); the owner, seeing its block opened (``block_taken``), gives its

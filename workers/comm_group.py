@@ -34,7 +34,6 @@ import math
 import os
 import threading
 import time
-from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from datetime import timedelta
@@ -87,7 +86,7 @@ class PendingOp:
 
     def ended_within(self, timeout_s: float) -> bool:
         """Block until the operation has ended or ``timeout_s`` passed; whether it has ended."""
-        return bool(futures.wait([self._future], timeout=max(0.0, timeout_s)).done)
+        return bool(wait_futures([self._future], timeout=max(0.0, timeout_s)).done)
 
     def wait(self) -> None:
         """Block until done. Raises CollectiveAborted, CollectiveTimeout (both break the group)

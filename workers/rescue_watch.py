@@ -61,8 +61,8 @@ def rescue_watch(ctx: ClaimedStep, work: StepWork) -> Callable[[], float | None]
         return clean_look(ctx, work, peers, until)
 
     def look() -> float | None:
-        if not peers or not plan.steal or plan.expected_shard_s <= 0 or ctx.abort.is_set() or time.monotonic() > until:
-            return None  # (nothing is ever late before the driver knows what to expect)
+        if not peers or _stopped(ctx, until):
+            return None
         states, blocks = claims.read(peers)
         ages = work.ages(states, time.monotonic())
         undecided = [rank for rank in peers if blocks[rank] == FREE.encode()]
@@ -72,6 +72,12 @@ def rescue_watch(ctx: ClaimedStep, work: StepWork) -> Callable[[], float | None]
         return WATCH_POLL_S if undecided else None
 
     return look
+
+
+def _stopped(ctx: ClaimedStep, until: float) -> bool:
+    """Whether a watch has nothing more to do: nobody can be rescued on its plan
+    (``StepPlan.rescues``), the driver aborted the step, or its deadline passed."""
+    return not ctx.plan.rescues or ctx.abort.is_set() or time.monotonic() > until
 
 
 def clean_look(ctx: ClaimedStep, work: StepWork, peers: list[int], until: float) -> Callable[[], float | None]:
@@ -85,7 +91,7 @@ def clean_look(ctx: ClaimedStep, work: StepWork, peers: list[int], until: float)
     unstarted = {s: FREE for rank in peers for s in plan.shards_by_rank[rank]}
 
     def look() -> float | None:
-        if not unopened or not plan.steal or plan.expected_shard_s <= 0 or ctx.abort.is_set() or time.monotonic() > until:
+        if not unopened or _stopped(ctx, until):
             return None
         ages = work.ages(unstarted, time.monotonic())
         for rank in list(unopened):

@@ -67,7 +67,7 @@ def _first_look_s(plan: StepPlan) -> float:
     later; where no watcher could open it (no stealing, nothing expected yet, no peer), never."""
     if not plan.clean:
         return 0.0
-    if plan.steal and plan.expected_shard_s > 0 and len(plan.shards_by_rank) > 1:
+    if plan.rescues and len(plan.shards_by_rank) > 1:
         return RESCUE_AFTER_MIN_S / 2
     return math.inf
 

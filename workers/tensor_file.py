@@ -8,8 +8,8 @@ I/O wants the buffer's address and the length aligned (the file is written whole
 0), so a part is laid out as: ``MAGIC``, the header's length (8 bytes, little-endian), the
 header (JSON: the caller's ``meta`` and each tensor's name, dtype, shape and byte range), then
 the tensors' bytes packed at ``PACK``-byte offsets, the whole padded to ``ALIGN``; ``encode``
-builds it in page-aligned memory. Reading it runs no pickle (as ``torch.load(weights_only=True)`` for the parts written
-before, which ``workers/checkpointing.py`` still reads).
+builds it in page-aligned memory. Reading it runs no pickle (as ``torch.load(weights_only=True)``
+for the parts written before, which ``workers/checkpointing.py`` still reads).
 """
 
 from __future__ import annotations
