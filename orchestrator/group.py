@@ -54,6 +54,18 @@ class Call:
     handle: Any
 
 
+@dataclass(frozen=True)
+class Submitted:
+    """A batch's calls: ``reporting`` answer its reports (each a list of ``StepTelemetry``: of
+    one rank, or of every rank, by step and rank, from the leader of published plans);
+    ``watched`` answer no report and end early only if their worker fails: the followers'
+    runs on published plans (docs/architecture.md, "Published plans"), shared by the batches
+    of one run."""
+
+    reporting: tuple[Call, ...]
+    watched: tuple[Call, ...] = ()
+
+
 class Member(Protocol):
     """A worker in the group (or ready to join it)."""
 
@@ -96,9 +108,16 @@ class WorkerGroup(Protocol):
         (died) and WorkerGroupError if it timed out."""
         ...
 
-    def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> list[Call]:
+    def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> Submitted:
         """Queue steps ``first``, ``first + 1``... (``plans[i]`` for step ``first + i``) on every
-        member: one call per rank, answering a list of ``StepTelemetry``, one per step."""
+        member. Rank 0 leads: it publishes the plans to the others (running on published plans
+        until ``release_followers``) and answers every rank's reports."""
+        ...
+
+    def release_followers(self) -> None:
+        """End the followers' run on published plans after the batches queued (the driver
+        stops submitting for a while); the next ``submit_steps`` starts another. Every other
+        call into the members that runs between steps ends it first by itself."""
         ...
 
     def kept_reports(self, workers: Sequence[int], first: int, end: int, timeout_s: float) -> list[StepTelemetry]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from jobspec.job import JobConfig
 from jobspec.wire import StepTelemetry
@@ -26,16 +26,28 @@ KEPT_REPORTS_S = 5.0
 
 @dataclass(frozen=True)
 class InFlight:
-    """A submitted batch: steps ``step`` to ``step + count - 1``, one call per rank in rank
-    order, each answering a report per step."""
+    """A submitted batch: steps ``step`` to ``step + count - 1`` on ``workers`` (rank order).
+    ``calls`` answer its reports (the leader's: every rank's); ``watched`` end early only if a
+    follower fails (``orchestrator.group.Submitted``)."""
 
     step: int
     calls: tuple[Call, ...]
     count: int = 1
+    watched: tuple[Call, ...] = ()
+    workers: tuple[int, ...] = ()
 
     @property
     def steps(self) -> range:
         return range(self.step, self.step + self.count)
+
+
+def calls_of(batches: Sequence[InFlight]) -> list[Call]:
+    """Every call of ``batches``, each once (the batches of one run share their watched calls)."""
+    seen: dict[int, Call] = {}
+    for batch in batches:
+        for call in batch.calls + batch.watched:
+            seen.setdefault(id(call), call)
+    return list(seen.values())
 
 
 @dataclass
@@ -96,8 +108,14 @@ class StepPipeline:
             before_submit(first)
             count = self.run_ahead.batch(first, num_steps, self._boundary)
             plans = [self._plan(step) for step in range(first, first + count)]
-            self.in_flight.append(InFlight(first, tuple(self.group.submit_steps(first, plans)), count))
+            workers = tuple(self.group.workers)
+            submitted = self.group.submit_steps(first, plans)
+            self.in_flight.append(InFlight(first, submitted.reporting, count, submitted.watched, workers))
             self.next_step += count
+        if len(self.in_flight) < BATCHES_IN_FLIGHT:
+            # Nothing more for now (held, or the last steps): the followers must not sit in a
+            # wait for the next batch, which ends in a timeout.
+            self.group.release_followers()
 
     def drain(self) -> tuple[InFlight, ...]:
         """Take every queued batch out of the pipeline (for a recovery)."""
@@ -128,11 +146,11 @@ def await_step(
     deadline = time.monotonic() + job.timeouts.step_s
     furthest = batch.step
     silent_s = job.stragglers.silent_s
-    rank_of = {id(call): rank for rank, call in enumerate(batch.calls)}
+    reporting = {id(call) for call in batch.calls}
     outcome = StepOutcome()
-    pending = list(batch.calls)
+    pending = list(batch.calls) + [c for c in batch.watched if c not in batch.calls]
     looked = time.monotonic()
-    while pending:
+    while any(id(call) in reporting for call in pending):
         now = time.monotonic()
         if now >= deadline:
             reached = [p.step for p in group.progress(timeout_s=5.0).values() if p is not None]
@@ -145,14 +163,23 @@ def await_step(
         # One call ending wakes the driver; the others, ending about then, are gathered in one
         # more wait (not a wake-up each: a wait looks at every pending call).
         ended, pending = group.wait(pending, 1, max(0.0, wake - now))
-        if ended and pending:
-            more, pending = group.wait(pending, len(pending), GATHER_S)
+        left = sum(id(call) in reporting for call in pending)
+        if ended and left:  # (a follower's watched call ends only if it fails: not waited for)
+            more, pending = group.wait(pending, left, GATHER_S)
             ended += more
         outcome.waited_s += time.perf_counter() - blocked
-        for call in ended:
-            try:
-                outcome.reports[rank_of[id(call)]] = group.result(call)
-            except CallFailed as failure:
+        lost = [failure for call in ended if (failure := _take(group, call, id(call) in reporting, outcome))]
+        if lost and not outcome.failed:
+            # A follower's run failed. In this batch, the leader is blocked in it until the
+            # abort; in a later one, the leader's answer for this batch is due: then this batch
+            # is whole, and the failure is seen with the batch it happened in.
+            left = [call for call in pending if id(call) in reporting]
+            done, pending = group.wait(left, len(left), GATHER_S) if left else ([], pending)
+            for call in done:
+                _take(group, call, True, outcome)
+            if len(done) == len(left) and not outcome.failed:
+                return outcome
+            for failure in lost:
                 outcome.record(failure)
         if outcome.failed:
             return outcome
@@ -168,29 +195,43 @@ def await_step(
     return outcome
 
 
+def _take(group: WorkerGroup, call: Call, reporting: bool, outcome: StepOutcome) -> CallFailed | None:
+    """Take an ended call's answer into ``outcome``: a reporting call's reports, or its failure.
+    A watched call's failure is returned for the caller to judge (its answer otherwise: the
+    count of batches a released follower ran, is of no use)."""
+    try:
+        value = group.result(call)
+    except CallFailed as failure:
+        if not reporting:
+            return failure
+        outcome.record(failure)
+        return None
+    if reporting:
+        for report in value:
+            outcome.reports.setdefault(report.rank, []).append(report)
+    return None
+
+
 def batch_reports(group: WorkerGroup, batch: InFlight, known: Mapping[int, list[StepTelemetry]]) -> dict[int, list[StepTelemetry]]:
     """The reports of ``batch``'s steps that came in, by step, in rank order: ``known`` (by
-    rank), those of calls that have ended well, and for the others what their workers kept of
-    the steps they applied before their call failed."""
+    rank), those of calls that have ended well, and for the ranks still without any what their
+    workers kept of the steps they applied before their call failed."""
     ended, _ = group.wait(batch.calls, len(batch.calls), 0.0)
-    done = {id(c) for c in ended}
-    reports: list[StepTelemetry] = []
-    missing = []
-    for rank, call in enumerate(batch.calls):
-        if rank in known:
-            reports += known[rank]
+    reports: dict[int, list[StepTelemetry]] = {rank: list(kept) for rank, kept in known.items()}
+    for call in ended:
+        try:
+            value = group.result(call)
+        except CallFailed:
             continue
-        if id(call) in done:
-            try:
-                reports += group.result(call)
-                continue
-            except CallFailed:
-                pass
-        missing.append(call.worker)
+        for report in value:
+            if report.rank not in known:
+                reports.setdefault(report.rank, []).append(report)
+    flat = [report for rank_reports in reports.values() for report in rank_reports]
+    missing = [worker for rank, worker in enumerate(batch.workers) if rank not in reports]
     if missing:
-        reports += group.kept_reports(missing, batch.step, batch.step + batch.count, KEPT_REPORTS_S)
+        flat += group.kept_reports(missing, batch.step, batch.step + batch.count, KEPT_REPORTS_S)
     by_step: dict[int, list[StepTelemetry]] = {step: [] for step in batch.steps}
-    for report in sorted(reports, key=lambda r: r.rank):
+    for report in sorted(flat, key=lambda r: r.rank):
         if report.step in by_step:
             by_step[report.step].append(report)
     return by_step

@@ -20,7 +20,7 @@ from jobspec.wire import Progress
 from orchestrator.errors import JobFailed
 from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.membership import JoinerPool
-from orchestrator.pipeline import InFlight
+from orchestrator.pipeline import InFlight, calls_of
 from orchestrator.rendezvous import RendezvousStore
 from policies.elasticity import after_failure, pick_root
 from policies.sharding import ShardingLayout, Span, first_gap
@@ -141,11 +141,12 @@ def settle(group: WorkerGroup, generation: int, in_flight: Sequence[InFlight], l
     """Abort every member's pending steps of ``generation`` and wait (up to ``stuck_s``) until
     the survivors' (not ``leaving`` ones') have ended, so what each survivor applied can no
     longer change."""
-    group.abort_all(generation, [c for s in in_flight for c in s.calls], PROBE_S)
+    calls = calls_of(in_flight)
+    group.abort_all(generation, calls, PROBE_S)
     alive, silent = group.probe(PROBE_S)
     # Dead workers' calls may take a while to fail (a lost node); the survivors' end within
     # the abort poll, and only they matter now.
-    theirs = [c for s in in_flight for c in s.calls if c.worker in alive and c.worker not in leaving]
+    theirs = [c for c in calls if c.worker in alive and c.worker not in leaving]
     _, stuck = group.wait(theirs, len(theirs), stuck_s)
     stuck_workers = {c.worker for c in stuck}
     alive, more = group.probe(PROBE_S)

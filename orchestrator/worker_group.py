@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from jobspec.job import JobConfig
 from jobspec.runtime import ScalingConfig
 from jobspec.wire import JoinRequest, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
-from orchestrator.group import Call, WorkerGroupError
+from orchestrator.group import Call, Submitted, WorkerGroupError
 from orchestrator.membership import Membership
 from orchestrator.ray_calls import failure_of, ray_errors_as_group_errors
 from orchestrator.rendezvous import RendezvousStore
@@ -92,6 +92,8 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         self.scaling = job.scaling
         self.timeouts = job.timeouts
         self.placement = SlotPlacement(job.scaling, within)
+        #: The followers' calls while they run on published plans (None: they are not).
+        self._followers: tuple[Call, ...] | None = None
 
     @property
     def actors(self) -> list[Any]:
@@ -167,6 +169,7 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         generation) and take rank 0's training state. Returns the state transfer's seconds (the
         slowest rank's). Raises WorkerGroupError on a timeout and CallFailed if a member
         failed (died) meanwhile."""
+        self.release_followers()
         prefix = store.next_prefix()
         nodes = tuple(info.node_id for info in self.info)  # topology for the hierarchical all-reduce
         requests = [
@@ -183,14 +186,24 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         return max(j.transfer_s for j in joined)
 
     @ray_errors_as_group_errors
-    def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> list[Call]:
+    def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> Submitted:
+        """One call, into rank 0, per batch: it publishes the plans to the other ranks, which
+        run on them (one ``follow`` call each until ``release_followers``), and answers every
+        rank's reports (docs/architecture.md, "Published plans")."""
         for plan in plans:
             if len(plan.shards_by_rank) != self.size:
                 raise ValueError(f"plan is for {len(plan.shards_by_rank)} ranks, group has {self.size}")
-        # Put once, passed by reference: each plan holds every rank's shards (O(N)), so sent by
-        # value it would be pickled once per call, O(N^2) per batch (1.8 s at 4096 ranks).
-        batch = ray.put(list(plans))
-        return [Call(m.info.worker, m.actor.train_steps.remote(first, batch)) for m in self.members]
+        leader, *followers = self.members
+        if self._followers is None:
+            self._followers = tuple(Call(m.info.worker, m.actor.follow.remote()) for m in followers)
+        lead = Call(leader.info.worker, leader.actor.lead_steps.remote(first, list(plans)))
+        return Submitted((lead,), self._followers)
+
+    def release_followers(self) -> None:
+        """Queue the end of the followers' run on rank 0, behind its batches (see ``submit_steps``)."""
+        if self._followers and self.members:
+            self.members[0].actor.release_followers.remote()
+        self._followers = None
 
     def kept_reports(self, workers: Sequence[int], first: int, end: int, timeout_s: float) -> list[StepTelemetry]:
         asked = set(workers)
@@ -241,6 +254,7 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         until ``pending`` calls end; they end in errors, which are expected and dropped."""
         refs = [actor.abort.remote(generation) for actor in self.actors] + [c.handle for c in pending]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        self._followers = None  # aborted: the followers' run ends in an error
 
     def _kill(self, member: Member) -> None:
         ray.kill(member.actor, no_restart=True)
@@ -287,6 +301,7 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         """Load checkpoint ``name``: rank 0 the training state (the others take it from rank 0
         when the group forms), or with sharded state every rank the slice it will own, and
         every rank its saved top-k residuals."""
+        self.release_followers()
         world, sharded = len(self.members), self.job.sharding.enabled
         self._gather(
             [
@@ -299,6 +314,7 @@ class RayWorkerGroup(Membership[Member, Joiner]):
 
     @ray_errors_as_group_errors
     def snapshot(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> tuple[list[Call], list[Call]]:
+        self.release_followers()  # a snapshot runs between two steps, off the published plans
         members = self.members[: len(requests)]
         copies = [Call(m.info.worker, m.actor.snapshot.remote(r)) for m, r in zip(members, requests)]
         writes = [Call(m.info.worker, m.actor.checkpoint_written.remote(r.name, r.tag, timeout_s)) for m, r in zip(members, requests)]
@@ -306,10 +322,12 @@ class RayWorkerGroup(Membership[Member, Joiner]):
 
     def evaluate(self, timeout_s: float) -> dict[str, float]:
         """Rank 0's evaluation metrics ({} without an eval dataset)."""
+        self.release_followers()
         return self._gather([Call(self.workers[0], self.actors[0].evaluate.remote())], timeout_s, "evaluate")[0]
 
     def model_state(self, timeout_s: float) -> dict[str, Any]:
         """Rank 0's parameters and buffers, on the CPU."""
+        self.release_followers()
         return self._gather([Call(self.workers[0], self.actors[0].model_state.remote())], timeout_s, "model_state")[0]
 
     def _gather(self, calls: list[Call], timeout_s: float, what: str) -> list[Any]:

@@ -16,7 +16,7 @@ from jobspec.job import JobConfig
 from jobspec.wire import FileEntry, Phase, Progress
 from orchestrator.chaos_control import ChaosControl
 from orchestrator.controller import JobController
-from orchestrator.group import WorkerGroupError
+from orchestrator.group import FailureKind, WorkerGroupError
 from orchestrator.job_file import load_job
 from orchestrator.metrics import MetricsListener
 from orchestrator.pipeline import InFlight, StepOutcome
@@ -600,3 +600,63 @@ def test_a_sharded_group_starts_after_a_step_whose_slices_were_all_stepped():
     # Slice [0, 5) stepped, [5, 10) not: whole at neither step (named: the first gap at step 7).
     assert sharded_start({0: held(0, 5, 7, 8), 3: held(5, 10, 7, 7)}, 0, 7) == StateLost(7, (0, 5))
     assert sharded_start({0: held(0, 5, 7, 7), 3: held(5, 10, 7, 7)}, 3, 7) == ShardedStart(3, 7)
+
+
+# Published plans: every batch is one call into rank 0 (the leader); the other ranks run on the
+# plans it publishes, each in one call per run (docs/architecture.md, "Published plans").
+
+
+def _runs_of(group: FakeWorkerGroup, worker: int) -> list:
+    return [f for f in group.follows if f.worker.worker == worker]
+
+
+def test_a_followers_death_on_published_plans_ends_its_run_and_the_group_goes_on_without_it(tmp_path):
+    ran = _run(tmp_path, Faults(die_in_step={(2, 9): False}))
+    ran.assert_exact()
+    group = ran.group
+    assert len(group.leaders) == len(group.batches)  # one call per batch, into the leader
+    # The follower's run ended in its death; the leader of its batch was blocked in the step
+    # until the driver aborted it (a lost peer, not a death), and so was the other follower.
+    assert _runs_of(group, 2)[-1].error.kind is FailureKind.DIED
+    failed_leader = next(leader for leader in group.leaders if leader.error is not None)
+    assert failed_leader.worker.worker == 0 and failed_leader.error.kind is FailureKind.PEER_LOST
+    assert any(run.error is not None and run.error.kind is FailureKind.PEER_LOST for run in _runs_of(group, 1))
+    (recovery,) = ran.summary["recoveries"]
+    assert recovery["at_step"] == 9 and recovery["redo_steps"] == [9]
+    # The re-formed group runs on published plans again: new runs, the dead worker in none.
+    survivors = {m.worker for m in group.at_shutdown} - {0}
+    assert all(_runs_of(group, w)[-1].error is None for w in survivors)
+    assert 2 not in {m.worker for m in group.at_shutdown}
+
+
+def test_the_leaders_death_is_a_failure_of_its_batch_and_a_survivor_leads_the_next(tmp_path):
+    ran = _run(tmp_path, Faults(die_in_step={(0, 9): False}))
+    ran.assert_exact()
+    group = ran.group
+    failed = [leader for leader in group.leaders if leader.error is not None]
+    # Its call of the batch it died in, and of the batch queued behind it.
+    assert failed and {(leader.worker.worker, leader.error.kind) for leader in failed} == {(0, FailureKind.DIED)}
+    # The followers waited in the step for it until the abort.
+    assert {run.error.kind for run in group.follows if run.error is not None} == {FailureKind.PEER_LOST}
+    (recovery,) = ran.summary["recoveries"]
+    assert recovery["at_step"] == 9
+    after = group.leaders[group.leaders.index(failed[-1]) + 1 :]
+    assert after and all(leader.worker.worker != 0 for leader in after)
+
+
+def test_a_plan_changed_while_a_batch_runs_on_the_old_one_takes_the_next_batch(tmp_path):
+    # Worker 1 is five times slower: the rebalancer moves shards off it while the batches
+    # handed out (published with the old split) still run; each step runs the plan it was
+    # published with, every shard once, and run-ahead starts over at one step per batch.
+    ran = _run(tmp_path, Faults(shard_s={1: 0.05}), "stragglers.rebalance=true", "shards=12")
+    ran.assert_exact()
+    telemetry = jsonl(ran.run_dir / "telemetry.jsonl")
+    by_step: dict[int, dict[int, tuple[int, ...]]] = {}
+    for record in telemetry:
+        by_step.setdefault(record["step"], {})[record["worker"]] = tuple(record["shards"])
+    for step, shards in by_step.items():
+        assert sorted(s for owned in shards.values() for s in owned) == list(range(12)), step
+    assert len(by_step[0][1]) == 4 and len(by_step[STEPS - 1][1]) < 4  # the split changed
+    changed = next(step for step in sorted(by_step) if len(by_step[step][1]) < 4)
+    starts = dict(ran.group.batches)
+    assert changed in starts and starts[changed] == 1  # the new plan began a batch of its own

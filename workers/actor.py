@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import socket
 import threading
 import time
@@ -49,6 +50,7 @@ from workers.devices import make_current, on_worker_device, worker_device
 from workers.group_link import GroupLink
 from workers.loss_scaler import LossScaler
 from workers.objective import Objective
+from workers.plan_channel import PlanChannel
 from workers.replica_checkpoint import CheckpointWriter, restore_state
 from workers.rescue_watch import rescue_watch
 from workers.sampler import ShardSampler
@@ -236,6 +238,46 @@ class TrainWorker:
         reports in order. Raises as ``train_step`` does at the first step that fails; the steps
         applied before it stay applied and their reports stay in ``kept_reports``."""
         return [self.train_step(first + i, plan) for i, plan in enumerate(plans)]
+
+    @compute_method
+    def lead_steps(self, first: int, plans: list[StepPlan]) -> list[StepTelemetry]:
+        """Rank 0: publish the batch to the followers (``follow``), run it as ``train_steps``
+        does, and gather every rank's reports: the batch's reports of all ranks, by step and
+        then rank (docs/architecture.md, "Published plans"). Raises as ``train_steps``, or
+        CollectiveAborted/CollectiveTimeout if a follower is gone."""
+        channel = self._channel()
+        channel.publish(first, plans)
+        mine = self.train_steps(first, plans)
+        blobs = channel.gather(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL))
+        assert blobs is not None, "rank 0 gathers"
+        reports = [report for blob in blobs for report in pickle.loads(blob)]
+        return sorted(reports, key=lambda r: (r.step, r.rank))
+
+    @compute_method
+    def follow(self) -> int:
+        """A rank but 0: run the batches rank 0 publishes (``lead_steps``), each as
+        ``train_steps`` does, sending its reports back, until rank 0 ends the run
+        (``release_followers``); returns how many batches it ran. Raises as ``train_steps``,
+        or CollectiveAborted/CollectiveTimeout (an abort, or no batch within the collective
+        timeout)."""
+        channel = self._channel()
+        batches = 0
+        while (batch := channel.receive()) is not None:
+            first, plans = batch
+            channel.gather(pickle.dumps(self.train_steps(first, plans), protocol=pickle.HIGHEST_PROTOCOL))
+            batches += 1
+        return batches
+
+    @compute_method
+    def release_followers(self) -> None:
+        """Rank 0: end the followers' run after the batches queued before this call."""
+        self._channel().end()
+
+    def _channel(self) -> PlanChannel:
+        group = self.link.group
+        if group is None:
+            raise RuntimeError("published plans need a group: join_group first")
+        return PlanChannel(group, self.device)
 
     @ray.method(concurrency_group="control")
     def kept_reports(self, first: int, end: int) -> list[StepTelemetry]:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from jobspec.job import JobConfig
 from jobspec.wire import FileEntry, PartWritten, Phase, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
-from orchestrator.group import Call, CallFailed, FailureKind
+from orchestrator.group import Call, CallFailed, FailureKind, Submitted
 from orchestrator.membership import Membership
 from orchestrator.rendezvous import RendezvousStore
 from policies.work_stealing import StepPlan
@@ -110,6 +110,65 @@ class FakeBatch:
         return [p.value for p in self.parts]
 
 
+@dataclass
+class FakeLeader:
+    """Rank 0's call of a batch on published plans: every member's ``batches`` (by rank, its
+    own first). It answers every rank's reports once all have ended; its own failure fails it;
+    a follower's failure leaves it blocked in a collective until the driver aborts it."""
+
+    worker: FakeWorker
+    batches: list[FakeBatch]
+    aborted: CallFailed | None = None
+
+    @property
+    def blocked(self) -> bool:
+        return self.batches[0].error is None and any(b.error is not None for b in self.batches[1:])
+
+    @property
+    def ended(self) -> bool:
+        return self.error is not None or (not self.blocked and all(b.ended for b in self.batches))
+
+    @property
+    def ends_at(self) -> float:
+        return min((b.ends_at for b in self.batches if not b.ended), default=BLOCKED)
+
+    @property
+    def error(self) -> CallFailed | None:
+        return self.aborted or self.batches[0].error
+
+    @property
+    def value(self) -> list[StepTelemetry]:
+        return sorted((r for b in self.batches for r in b.value), key=lambda r: (r.step, r.rank))
+
+
+@dataclass
+class FakeFollow:
+    """A follower's run on published plans: its part of every batch submitted until released.
+    It ends early in its first failure (or an abort: waiting for the next batch is a collective
+    too); released, once its batches have ended, answering how many it ran."""
+
+    worker: FakeWorker
+    batches: list[FakeBatch] = field(default_factory=list)
+    released: bool = False
+    aborted: CallFailed | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.error is not None or (self.released and all(b.ended for b in self.batches))
+
+    @property
+    def ends_at(self) -> float:
+        return min((b.ends_at for b in self.batches if not b.ended), default=0.0 if self.released else BLOCKED)
+
+    @property
+    def error(self) -> CallFailed | None:
+        return self.aborted or next((b.error for b in self.batches if b.error is not None), None)
+
+    @property
+    def value(self) -> int:
+        return len(self.batches)
+
+
 class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
     """Implements ``orchestrator.group.WorkerGroup`` in-process, its membership bookkeeping
     ``Membership``'s as the Ray group's is. ``replacements``: whether free slots get new workers
@@ -133,6 +192,9 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
         self.at_shutdown: list[FakeWorker] = []
         self.generations = 0
         self._num_steps = job.steps or 0
+        self.leaders: list[FakeLeader] = []  # every batch's leader call
+        self.follows: list[FakeFollow] = []  # every run on published plans, of every follower
+        self._following: list[FakeFollow] | None = None  # the open run's
 
     # Membership
 
@@ -175,8 +237,10 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
                 call.ends_at, call.error = time.monotonic(), CallFailed(member.worker, FailureKind.DIED, "ActorDiedError: killed")
             elif call.step is not None:
                 call.ends_at = BLOCKED
+        self._end_runs(member, FailureKind.DIED, "ActorDiedError: killed")
 
     def form_group(self, store: RendezvousStore, step: int = -1) -> float:
+        self.release_followers()
         store.next_prefix()
         self.generations += 1
         for member in self.members:
@@ -208,14 +272,36 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
         self.calls.append(call)
         return Call(call.worker.worker, call)
 
-    def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> list[Call]:
+    def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> Submitted:
         self.batches.append((first, len(plans)))
         by_member: list[list[FakeCall]] = [[] for _ in self.members]
         for index, plan in enumerate(plans):
             for parts, call in zip(by_member, self._submit_step(first + index, plan)):
                 call.before = parts[-1] if parts else None
                 parts.append(call)
-        return [Call(member.worker, FakeBatch(parts)) for member, parts in zip(self.members, by_member)]
+        batches = [FakeBatch(parts) for parts in by_member]
+        if self._following is None:
+            self._following = [FakeFollow(member) for member in self.members[1:]]
+            self.follows += self._following
+        for follow, batch in zip(self._following, batches[1:]):
+            follow.batches.append(batch)
+        leader = FakeLeader(self.members[0], batches)
+        self.leaders.append(leader)
+        return Submitted(
+            (Call(self.members[0].worker, leader),), tuple(Call(f.worker.worker, f) for f in self._following)
+        )
+
+    def release_followers(self) -> None:
+        for follow in self._following or ():
+            follow.released = True
+        self._following = None
+
+    def _end_runs(self, worker: FakeWorker | None, kind: FailureKind | None, reason: str) -> None:
+        """Fail the open leader and follower calls (of ``worker`` only, if given) as aborted or dead."""
+        for handle in [*self.leaders, *self.follows]:
+            if not handle.ended and (worker is None or handle.worker is worker):
+                failed = kind or (FailureKind.PEER_LOST if handle.worker.alive else FailureKind.DIED)
+                handle.aborted = CallFailed(handle.worker.worker, failed, reason)
 
     def kept_reports(self, workers: Sequence[int], first: int, end: int, timeout_s: float) -> list[StepTelemetry]:
         self._settle_calls()
@@ -320,6 +406,8 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
                 kind = FailureKind.PEER_LOST if call.worker.alive else FailureKind.DIED
                 call.error = call.error or CallFailed(call.worker.worker, kind, "CollectiveAborted: aborted by the driver")
         self._settle_calls()
+        self._end_runs(None, None, "CollectiveAborted: aborted by the driver")
+        self._following = None
 
     def progress(self, timeout_s: float) -> dict[int, Progress | None]:
         self._settle_calls()
@@ -340,6 +428,7 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
     # Checkpoints, evaluation, shutdown
 
     def snapshot(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> tuple[list[Call], list[Call]]:
+        self.release_followers()  # as the Ray group: a snapshot runs off the published plans
         copies, writes = [], []
         for member, request in zip(self.members, requests):
             # Queued behind the member's steps in flight, as on the actor's compute thread.
