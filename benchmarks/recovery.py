@@ -32,8 +32,8 @@ from benchmarks.recovery_baseline import run_ray_train_recovery, run_torchft_rec
 from benchmarks.throughput import BenchmarkError, model_file, read_run, run_and_report, run_once, run_ringleader
 from benchmarks.torchft_loop import torchft_refusal
 from benchmarks.workloads import workload_job
-from jobspec.durable import read_jsonl
 from jobspec.job import JobConfig
+from jobspec.step_record import read_telemetry
 from workers.sampler import ShardSampler
 
 RUN_TIMEOUT_S = 900.0
@@ -74,7 +74,7 @@ def ours_recovery(job: JobConfig, workdir: Path, kill_step: int, kill_rank: int,
     committed_before = sum(1 for e in steps.values() if e["time"] < died)
     # Ranks that reported each committed step: the group's size in it. By step, not time: a
     # step the full group finished before the death may be committed a moment after it.
-    telemetry = read_jsonl(workdir / "run" / "telemetry.jsonl")
+    telemetry = read_telemetry(workdir / "run" / "telemetry.jsonl")
     ranks = Counter(r["step"] for r in telemetry)
     full = [e["time"] for s, e in steps.items() if s >= recovery["at_step"] and ranks[s] == job.scaling.workers]
     sampler = ShardSampler(1, job.batch_size, job.shards, job.seed)  # only batch sizes are read

@@ -43,12 +43,19 @@ from benchmarks.ranks import RankError
 from benchmarks.sharding_memory import format_memory, measure_memory, ratios
 from benchmarks.sharding_recovery import measure_recoveries, recovery_lines, recovery_skipped, recovery_targets
 from benchmarks.throughput import (
-    RUN_TIMEOUT_S, BenchmarkError, RunRow, ringleader_result, run_and_report, run_command, run_once, timed_row,
+    RUN_TIMEOUT_S,
+    BenchmarkError,
+    RunRow,
+    ringleader_result,
+    run_and_report,
+    run_command,
+    run_once,
+    timed_row,
     torchrun_command,
 )
 from benchmarks.workloads import sharded_job
-from jobspec.durable import read_jsonl
 from jobspec.job import JobConfig
+from jobspec.step_record import read_telemetry
 
 PEERS = ("zero", "fsdp2")
 #: Peers tried in the first repeat only (a quick attempt, not a timing series).
@@ -136,7 +143,7 @@ def measure_throughput(
 def step_phases(run_dir: Path) -> dict[str, float]:
     """Median seconds of each of ``PHASES`` over every rank's steps after the first (the
     run's ``telemetry.jsonl``)."""
-    records = [r for r in read_jsonl(run_dir / "telemetry.jsonl") if r.get("step", 0) > 0]
+    records = [r for r in read_telemetry(run_dir / "telemetry.jsonl") if r.get("step", 0) > 0]
     return {phase: statistics.median(r[phase] for r in records if phase in r) for phase in PHASES}
 
 

@@ -35,8 +35,8 @@ from typing import Any, Callable
 from benchmarks.throughput import RunRow, run_once
 from benchmarks.torchft_loop import torchft_refusal
 from benchmarks.workloads import workload_job
-from jobspec.durable import read_jsonl
 from jobspec.job import JobConfig
+from jobspec.step_record import read_telemetry
 
 VARIANTS = ("clean", "unmitigated", "mitigated", "ray_train", "torchft", "clean_unmitigated")
 #: Variants that are a peer framework, not ringleader: they run the chaos, never our mitigation.
@@ -93,7 +93,7 @@ def calibrate(base: JobConfig, workdir: Path) -> tuple[float, float]:
     """(median step seconds, median compute seconds per shard) of a clean ringleader run."""
     framework, job = variant_job(base, "clean", {})
     row = run_once(framework, job, workdir)
-    telemetry = read_jsonl(workdir / "run" / "telemetry.jsonl")
+    telemetry = read_telemetry(workdir / "run" / "telemetry.jsonl")
     measured = [r for r in telemetry if r["shards_run"]]
     warm = [r["shard_s"] for r in measured if r["step"] >= 3] or [r["shard_s"] for r in measured]
     return row.step_s, statistics.median(warm)

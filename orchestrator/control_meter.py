@@ -20,9 +20,9 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from jobspec.wire import StepTelemetry
+from jobspec.step_record import StepRecord
 
 # The first steps after entering Running are warm-up (first calls, lazy imports, JIT'd paths).
 WARMUP_STEPS = 3
@@ -71,20 +71,20 @@ class ControlPlaneMeter:
         self._driver_trips += round_trips
         self._driver_bytes += sent_bytes
 
-    def committed(self, by_rank: list[list[StepTelemetry]]) -> None:
-        """A batch committed with every rank's reports (``by_rank[r]``: rank r's, one per step):
-        close its interval and open the next. The interval's cost is spread evenly over the
-        batch's steps (the driver's work for a batch happens once, between its commits)."""
+    def committed(self, records: Sequence[StepRecord]) -> None:
+        """A batch committed with every rank's reports (``records``: one per step): close its
+        interval and open the next. The interval's cost is spread evenly over the batch's steps
+        (the driver's work for a batch happens once, between its commits)."""
         now = (time.process_time(), time.perf_counter(), self.server_cpu_s())
-        steps = len(by_rank[0]) if by_rank else 1
+        steps = len(records) or 1
         if self._since is not None and self._seen >= WARMUP_STEPS:
             wall = now[1] - self._since[1]
             cost = StepCost(
                 cpu_s=(now[0] - self._since[0]) / steps,
                 busy_s=max(0.0, wall - self._waited_s) / steps,
                 wall_s=wall / steps,
-                store_round_trips=round((self._driver_trips + sum(r.store_round_trips for rs in by_rank for r in rs)) / steps),
-                store_bytes=round((self._driver_bytes + sum(r.store_bytes for rs in by_rank for r in rs)) / steps),
+                store_round_trips=round((self._driver_trips + _total(records, "store_round_trips")) / steps),
+                store_bytes=round((self._driver_bytes + _total(records, "store_bytes")) / steps),
                 store_cpu_s=None if now[2] is None or self._since[2] is None else (now[2] - self._since[2]) / steps,
             )
             self.steps += [cost] * steps
@@ -115,3 +115,8 @@ class ControlPlaneMeter:
             "store_round_trips": median([s.store_round_trips for s in self.steps]),
             "store_bytes": median([s.store_bytes for s in self.steps]),
         }
+
+
+def _total(records: Sequence[StepRecord], column: str) -> float:
+    """The sum of ``column`` over every row of ``records``."""
+    return float(sum(record.column(column).sum() for record in records))

@@ -211,7 +211,7 @@ class JobController:
         except JobFailed:
             # A step timed out: the steps before it every replica applied are done all the same.
             self._pipeline = None
-            self.recovery.commit_applied((batch, *pipeline.drain()), {}, self.group.progress(PROBE_S))
+            self.recovery.commit_applied((batch, *pipeline.drain()), (), self.group.progress(PROBE_S))
             raise
         self.meter.waited(outcome.waited_s)
         if outcome.evict or outcome.failed:
@@ -219,12 +219,11 @@ class JobController:
             self._pipeline = None
             return Recovering(outcome, in_flight)
         quiet = True
-        by_rank = [outcome.reports[r] for r in sorted(outcome.reports)]
-        for index, step in enumerate(batch.steps):
-            self.accounting.commit(step, [reports[index] for reports in by_rank], complete=True)
+        for record in outcome.records:
+            self.accounting.commit(record.step, record, complete=True)
             quiet = quiet and self._stragglers().quiet
         self.run_ahead.observe(quiet)
-        self.meter.committed(by_rank)
+        self.meter.committed(outcome.records)
         return Running(pipeline.next_step)
 
     def _hold(self, step: int) -> bool:
@@ -277,7 +276,7 @@ class JobController:
             root, step = pick_root(dict(state.holders))
             self.group.lead_with(root)
             if self.checkpoints.save_now(self.group, step, self._policy_state(), "before failing", ranks=1, force=True):
-                self.recovery.commit_held(state.in_flight, state.reports, step)  # held by the checkpoint now
+                self.recovery.commit_held(state.in_flight, state.records, step)  # held by the checkpoint now
         raise JobFailed(state.reason)
 
     # Growing

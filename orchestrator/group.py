@@ -56,8 +56,8 @@ class Call:
 
 @dataclass(frozen=True)
 class Submitted:
-    """A batch's calls: ``reporting`` answer its reports (each a list of ``StepTelemetry``: of
-    one rank, or of every rank, by step and rank, from the leader of published plans);
+    """A batch's calls: ``reporting`` answer its reports (the leader of published plans: a
+    ``jobspec.step_record.StepRecord`` per step, every rank's row in it);
     ``watched`` answer no report and end early only if their worker fails: the followers'
     runs on published plans (docs/architecture.md, "Published plans"), shared by the batches
     of one run."""

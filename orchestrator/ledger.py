@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import time
 
-from jobspec.wire import StepTelemetry
+import numpy as np
+
+from jobspec.step_record import StepRecord
 from orchestrator.errors import JobFailed
 
 
@@ -49,39 +51,41 @@ class CommitLedger:
         self.samples -= sum(self._samples_of.pop(s, 0) for s in range(step, self.steps_done))
         self.resume_at(step)
 
-    def commit(self, step: int, reports: list[StepTelemetry], *, complete: bool) -> None:
-        """Account ``step`` as committed from its ``reports`` (every rank's if ``complete``).
+    def commit(self, step: int, record: StepRecord, *, complete: bool) -> None:
+        """Account ``step`` as committed from its ``record`` (every rank's row if ``complete``).
         Raises JobFailed if the step is not the next one, or its shards are not each counted
         once."""
         if step != self.steps_done:
             raise JobFailed(f"step {step} committed out of order (next is {self.steps_done})")
-        counted = {r.shards_counted for r in reports}
+        counted = {int(c) for c in np.unique(record.column("shards_counted"))}
         if counted - {self.num_shards}:
             raise JobFailed(f"step {step}: the census counted {sorted(counted)} shards, expected {self.num_shards}")
-        if len({r.skipped for r in reports}) > 1:
+        if len(np.unique(record.column("skipped"))) > 1:
             raise JobFailed(f"step {step}: replicas disagree on skipping the step (loss scaling): they have diverged")
-        committed = sorted(s for r in reports for s in r.shards)
+        committed = sorted(s for shards in record.shards for s in shards)
         if complete and committed != list(range(self.num_shards)):
             raise JobFailed(f"step {step}: committed shards {committed} are not each shard exactly once")
         if len(set(committed)) != len(committed):
             raise JobFailed(f"step {step}: shards {committed} were committed more than once")
         self.steps_done += 1
-        if reports:
+        if len(record):
             # The reduced figures, the same on every rank: any report's will do.
-            self.shards_committed += reports[0].shards_counted
-            self.samples += reports[0].global_samples
-            self._samples_of[step] = reports[0].global_samples
-            self.final_loss = reports[0].loss
-            self.straggler_wait_s += straggler_wait(reports)
+            self.shards_committed += record.first("shards_counted")
+            self.samples += record.first("global_samples")
+            self._samples_of[step] = record.first("global_samples")
+            self.final_loss = record.first("loss")
+            self.straggler_wait_s += straggler_wait(record)
         self.last_commit_s = time.perf_counter()
 
 
-def straggler_wait(reports: list[StepTelemetry]) -> float:
+def straggler_wait(record: StepRecord) -> float:
     """Seconds a step lost to its slowest workers: the mean over workers of how long each
     waited for the others. A worker arrives at the all-reduce after its compute, its idle time
     (waiting for others' shards, with mitigation) and any stall; it then waits for the last
     arrival. So the wait of worker r is ``max(arrival) - arrival_r + idle_r``: with mitigation
     off it is all in the all-reduce, with it on mostly idle time."""
-    arrivals = [r.compute_s + r.idle_s + r.stalled_s for r in reports]
-    last = max(arrivals, default=0.0)
-    return sum(last - arrival + r.idle_s for r, arrival in zip(reports, arrivals)) / max(len(reports), 1)
+    if not len(record):
+        return 0.0
+    idle = record.column("idle_s")
+    arrivals = record.column("compute_s") + idle + record.column("stalled_s")
+    return float((arrivals.max() - arrivals + idle).sum()) / len(record)

@@ -15,11 +15,11 @@ the recording: metrics never fail a job.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from jobspec.wire import StepTelemetry
+from jobspec.step_record import StepRecord
 from policies.goodput import Goodput
 
 #: name -> (description, tag keys) of every gauge.
@@ -57,21 +57,20 @@ class JobMetrics:
         self._gauges[name].set(float(value), tags={"ringleader_job": self.job, **tags})
 
     def observe_step(
-        self, reports: Sequence[StepTelemetry], step_s: float, steps_done: int, workers: int,
+        self, record: StepRecord | None, step_s: float, steps_done: int, workers: int,
         counters: Mapping[str, int], goodput: Goodput,
     ) -> None:
-        """After a committed step: its figures (``reports``: the ranks' accounts, which agree on
+        """After a committed step: its figures (``record``: the ranks' accounts, which agree on
         the step's totals), the job's event counters (recorded as increments) and goodput."""
-        if reports:
-            first = reports[0]
+        if record is not None and len(record):
             self._set("ringleader_step_seconds", step_s)
             if step_s > 0:
-                self._set("ringleader_samples_per_second", first.global_samples / step_s)
-                self._set("ringleader_tokens_per_second", first.weight / step_s)
-            self._set("ringleader_loss", first.loss)
-            self._set("ringleader_learning_rate", first.lr)
-            for report in reports:
-                self._set("ringleader_worker_shard_seconds", report.shard_s, worker=str(report.worker))
+                self._set("ringleader_samples_per_second", record.first("global_samples") / step_s)
+                self._set("ringleader_tokens_per_second", record.first("weight") / step_s)
+            self._set("ringleader_loss", record.first("loss"))
+            self._set("ringleader_learning_rate", record.first("lr"))
+            for worker, shard_s in zip(record.column("worker").astype(int).tolist(), record.column("shard_s").tolist()):
+                self._set("ringleader_worker_shard_seconds", shard_s, worker=str(worker))
         self._set("ringleader_steps_committed", steps_done)
         self._set("ringleader_workers_alive", workers)
         self.observe_counters(counters)
@@ -105,7 +104,7 @@ class LiveAccount(Protocol):
     (``orchestrator/step_accounting.py``'s StepAccounting)."""
 
     @property
-    def last_reports(self) -> Sequence[StepTelemetry]: ...
+    def last_record(self) -> StepRecord | None: ...
     @property
     def workers(self) -> int: ...
     @property
@@ -139,7 +138,7 @@ class MetricsListener:
             steps_done = record["step"] + 1  # steps commit in order: step s is the (s + 1)th
             self._record(
                 lambda metrics: metrics.observe_step(
-                    account.last_reports, record["step_s"], steps_done, account.workers, account.counters, account.goodput()
+                    account.last_record, record["step_s"], steps_done, account.workers, account.counters, account.goodput()
                 )
             )
         elif kind == "recovered":

@@ -7,9 +7,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 from jobspec.job import JobConfig
+from jobspec.step_record import StepRecord
 from jobspec.wire import StepTelemetry
 from orchestrator.errors import JobFailed
 from orchestrator.group import Call, CallFailed, FailureKind, WorkerGroup
@@ -52,13 +53,13 @@ def calls_of(batches: Sequence[InFlight]) -> list[Call]:
 
 @dataclass
 class StepOutcome:
-    """How waiting for one batch ended: every report in (``reports`` by rank: the rank's
-    report of each step of the batch, in order), workers to ``evict`` for holding it up, or a
-    failure: ``errors`` by worker id (``dead`` for those that died; ``user_error`` for a call
-    that raised an error of its own, which re-forming cannot cure), with the reports that did
-    come in. ``waited_s``: seconds blocked on the workers."""
+    """How waiting for one batch ended: every report in (``records``: one ``StepRecord`` per
+    step of the batch, in order, every rank's row in it), workers to ``evict`` for holding it
+    up, or a failure: ``errors`` by worker id (``dead`` for those that died; ``user_error`` for
+    a call that raised an error of its own, which re-forming cannot cure), with the records if
+    they came in. ``waited_s``: seconds blocked on the workers."""
 
-    reports: dict[int, list[StepTelemetry]] = field(default_factory=dict)
+    records: list[StepRecord] = field(default_factory=list)
     evict: list[Evict] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
     dead: set[int] = field(default_factory=set)
@@ -103,7 +104,7 @@ class StepPipeline:
         for a later turn (a checkpoint due before it is still being written)."""
         while self.next_step < num_steps and len(self.in_flight) < BATCHES_IN_FLIGHT:
             if self.in_flight and hold(self.next_step):
-                return
+                break
             first = self.next_step
             before_submit(first)
             count = self.run_ahead.batch(first, num_steps, self._boundary)
@@ -167,20 +168,19 @@ def await_step(
         if ended and left:  # (a follower's watched call ends only if it fails: not waited for)
             more, pending = group.wait(pending, left, GATHER_S)
             ended += more
-        outcome.waited_s += time.perf_counter() - blocked
         lost = [failure for call in ended if (failure := _take(group, call, id(call) in reporting, outcome))]
-        if lost and not outcome.failed:
-            # A follower's run failed. In this batch, the leader is blocked in it until the
-            # abort; in a later one, the leader's answer for this batch is due: then this batch
-            # is whole, and the failure is seen with the batch it happened in.
-            left = [call for call in pending if id(call) in reporting]
-            done, pending = group.wait(left, len(left), GATHER_S) if left else ([], pending)
-            for call in done:
-                _take(group, call, True, outcome)
-            if len(done) == len(left) and not outcome.failed:
-                return outcome
+        if lost and not outcome.failed and _whole(group, batch, pending, reporting, outcome):
+            # The follower failed in a later batch: seen with that one.
+            outcome.waited_s += time.perf_counter() - blocked
+            return outcome
+        if lost or outcome.failed:
+            # Every failure that comes about then, followers' included: the dead must be known
+            # as dead (they never carry the state on), whoever's call ended first.
+            more, pending = group.wait(pending, len(pending), GATHER_S) if pending else ([], [])
+            lost += [failure for call in more if (failure := _take(group, call, id(call) in reporting, outcome))]
             for failure in lost:
                 outcome.record(failure)
+        outcome.waited_s += time.perf_counter() - blocked
         if outcome.failed:
             return outcome
         # A batch's calls end only at its end: look at the workers' progress every half
@@ -195,6 +195,26 @@ def await_step(
     return outcome
 
 
+def _whole(group: WorkerGroup, batch: InFlight, pending: list[Call], reporting: set[int], outcome: StepOutcome) -> bool:
+    """After a follower's run failed: whether ``batch`` is whole all the same, its leader's
+    answer in ``outcome`` (taken here if it comes). If the leader applied every step of the
+    batch (its progress says so), the follower failed in a later batch and the answer is due:
+    waited for up to ``KEPT_REPORTS_S``. Otherwise the leader is blocked in the failed step
+    until the abort, and the batch failed."""
+    left = [call for call in pending if id(call) in reporting]
+    if left:
+        leader = group.progress(timeout_s=KEPT_REPORTS_S).get(batch.workers[0]) if batch.workers else None
+        if leader is None or leader.next_step < batch.step + batch.count:
+            return False
+        done, _ = group.wait(left, len(left), KEPT_REPORTS_S)
+        for call in done:
+            pending.remove(call)
+            _take(group, call, True, outcome)
+        if len(done) < len(left):
+            return False
+    return not outcome.failed
+
+
 def _take(group: WorkerGroup, call: Call, reporting: bool, outcome: StepOutcome) -> CallFailed | None:
     """Take an ended call's answer into ``outcome``: a reporting call's reports, or its failure.
     A watched call's failure is returned for the caller to judge (its answer otherwise: the
@@ -207,31 +227,29 @@ def _take(group: WorkerGroup, call: Call, reporting: bool, outcome: StepOutcome)
         outcome.record(failure)
         return None
     if reporting:
-        for report in value:
-            outcome.reports.setdefault(report.rank, []).append(report)
+        outcome.records += value
     return None
 
 
-def batch_reports(group: WorkerGroup, batch: InFlight, known: Mapping[int, list[StepTelemetry]]) -> dict[int, list[StepTelemetry]]:
-    """The reports of ``batch``'s steps that came in, by step, in rank order: ``known`` (by
-    rank), those of calls that have ended well, and for the ranks still without any what their
-    workers kept of the steps they applied before their call failed."""
-    ended, _ = group.wait(batch.calls, len(batch.calls), 0.0)
-    reports: dict[int, list[StepTelemetry]] = {rank: list(kept) for rank, kept in known.items()}
-    for call in ended:
-        try:
-            value = group.result(call)
-        except CallFailed:
-            continue
-        for report in value:
-            if report.rank not in known:
-                reports.setdefault(report.rank, []).append(report)
-    flat = [report for rank_reports in reports.values() for report in rank_reports]
-    missing = [worker for rank, worker in enumerate(batch.workers) if rank not in reports]
-    if missing:
-        flat += group.kept_reports(missing, batch.step, batch.step + batch.count, KEPT_REPORTS_S)
-    by_step: dict[int, list[StepTelemetry]] = {step: [] for step in batch.steps}
-    for report in sorted(flat, key=lambda r: r.rank):
-        if report.step in by_step:
-            by_step[report.step].append(report)
-    return by_step
+def batch_reports(group: WorkerGroup, batch: InFlight, known: Sequence[StepRecord]) -> dict[int, StepRecord]:
+    """The record of each of ``batch``'s steps, by step: ``known`` (the batch's records, if
+    they came in), else the leader's answer if it ended well, else a record of what the
+    survivors kept of the steps they applied before the batch failed (``kept_reports``: the
+    rows of the ranks that answer)."""
+    records = list(known)
+    if not records:
+        ended, _ = group.wait(batch.calls, len(batch.calls), 0.0)
+        for call in ended:
+            try:
+                records += group.result(call)
+            except CallFailed:
+                pass
+    by_step = {record.step: record for record in records if record.step in batch.steps}
+    if len(by_step) == batch.count:
+        return by_step
+    kept = group.kept_reports(list(batch.workers), batch.step, batch.step + batch.count, KEPT_REPORTS_S)
+    rows: dict[int, list[StepTelemetry]] = {step: [] for step in batch.steps}
+    for report in kept:
+        if report.step in rows:
+            rows[report.step].append(report)
+    return {step: by_step.get(step) or StepRecord.of(step, rows[step]) for step in batch.steps}

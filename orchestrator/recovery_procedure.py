@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import InitVar, dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from jobspec.job import JobConfig
-from jobspec.wire import Progress, StepTelemetry
+from jobspec.step_record import StepRecord
+from jobspec.wire import Progress
 from orchestrator.chaos_control import ChaosControl
 from orchestrator.checkpointing import CheckpointCoordinator, find_resume_point
 from orchestrator.errors import JobFailed
@@ -26,6 +27,7 @@ from orchestrator.recovery import (
     PROBE_S,
     GiveUp,
     Recovery,
+    Reformed,
     Reformer,
     StateLost,
     first_uncommitted,
@@ -65,7 +67,7 @@ class RecoveryProcedure:
             sharded=self.job.sharding.enabled,
         )
 
-    def step_completed(self, step: int, reports: list[StepTelemetry]) -> None:
+    def step_completed(self, step: int, record: StepRecord) -> None:
         """A step completed (every rank's report in): the failures in a row are over."""
         self._failed_in_a_row = 0
 
@@ -112,9 +114,9 @@ class RecoveryProcedure:
         if isinstance(reformed, StateLost):
             reformed = self._roll_back(reformed, dead + evicted, state.without_state)
         if isinstance(reformed, GiveUp):
-            return CheckpointingBeforeFailure(reformed.holders, reformed.reason, state.in_flight, outcome.reports)
+            return CheckpointingBeforeFailure(reformed.holders, reformed.reason, state.in_flight, tuple(outcome.records))
         next_step = reformed.next_step
-        self.commit_held(state.in_flight, outcome.reports, next_step)
+        self.commit_held(state.in_flight, outcome.records, next_step)
         reached = max((p.step for p in alive.values()), default=next_step)
         redo = steps_to_redo(state.in_flight, next_step, reached)
         if next_step < steps_done:  # rolled back to a checkpoint: committed steps run again too
@@ -199,13 +201,13 @@ class RecoveryProcedure:
             if self._failed_in_a_row <= MAX_REFORMS:
                 return
         self.store.check_alive()  # a dead store makes every worker's call fail too
-        failed = self.commit_applied(in_flight, outcome.reports, alive)
+        failed = self.commit_applied(in_flight, outcome.records, alive)
         if outcome.user_error is not None:
             raise JobFailed(f"step {failed}: {outcome.user_error}")
         raise JobFailed(f"step {failed} failed {MAX_REFORMS} times in a row: {outcome.errors}")
 
     def commit_applied(
-        self, in_flight: tuple[InFlight, ...], known: Mapping[int, list[StepTelemetry]], progress: Mapping[int, Progress | None]
+        self, in_flight: tuple[InFlight, ...], known: Sequence[StepRecord], progress: Mapping[int, Progress | None]
     ) -> int:
         """Before the job fails: commit the steps in flight that every member applied (by
         ``progress``; one that did not answer counts for nothing), so the summary and
@@ -218,19 +220,19 @@ class RecoveryProcedure:
         return through
 
     def commit_held(
-        self, in_flight: tuple[InFlight, ...], known: Mapping[int, list[StepTelemetry]], through: int
+        self, in_flight: tuple[InFlight, ...], known: Sequence[StepRecord], through: int
     ) -> None:
         """Commit the steps in flight before ``through``, the next step of the state the group
         (or the checkpoint) now holds: a survivor applied them and the census proved each.
-        ``known``: the reports of the first batch in flight that came in, by rank."""
+        ``known``: the records of the first batch in flight, if its reports came in."""
         for batch in in_flight:
             if batch.step >= through:
                 break
-            reports = batch_reports(self.group, batch, known if batch is in_flight[0] else {})
+            records = batch_reports(self.group, batch, known if batch is in_flight[0] else ())
             for step in batch.steps:
                 if step >= through:
                     break
-                self.accounting.commit(step, reports[step], complete=False)
+                self.accounting.commit(step, records[step], complete=False)
 
     def _failed_join(self, lost: list[int], error: str) -> None:
         """A re-forming attempt failed; ``lost``: the workers it found dead (removed)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.durable import read_jsonl, write_atomic
+from jobspec.step_record import read_telemetry
 
 #: Event kinds marked on the time plots: (label, colour).
 MARKERS: dict[str, tuple[str, str]] = {
@@ -68,7 +69,7 @@ def read_run(directory: Path) -> Run:
         raise ReportError(f"{summary_path} is not JSON ({err})") from None
     events = _jsonl(directory / "events.jsonl")
     start = min((e["time"] for e in events), default=0.0)
-    return Run(directory, events, _jsonl(directory / "telemetry.jsonl"), summary, start)
+    return Run(directory, events, read_telemetry(directory / "telemetry.jsonl"), summary, start)
 
 
 def marker_times(run: Run) -> dict[str, list[float]]:

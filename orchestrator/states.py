@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Mapping, Union
 
-from jobspec.wire import StepTelemetry
+from jobspec.step_record import StepRecord
 from orchestrator.pipeline import InFlight, StepOutcome
 
 
@@ -111,13 +111,13 @@ class Growing:
 class CheckpointingBeforeFailure:
     """Too few workers are left: save the state of the survivor that applied the most steps
     (``holders``: worker id -> next step), then fail with ``reason``. ``in_flight`` and
-    ``reports`` (the first batch's reports that came in, by rank) are the steps the failure
+    ``records`` (the first batch's step records, if its reports came in) are the steps the failure
     caught: those the saved state holds are committed first."""
 
     holders: Mapping[int, int]
     reason: str
     in_flight: tuple[InFlight, ...] = ()
-    reports: Mapping[int, list[StepTelemetry]] = field(default_factory=dict)
+    records: tuple[StepRecord, ...] = ()
     kind = JobState.CHECKPOINTING_BEFORE_FAILURE
 
 

@@ -17,7 +17,8 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from jobspec.job import JobConfig
-from jobspec.wire import StepTelemetry, WorkerInfo
+from jobspec.step_record import StepRecord
+from jobspec.wire import WorkerInfo
 from orchestrator.checkpointing import CheckpointCoordinator
 from orchestrator.group import WorkerGroup
 from orchestrator.ledger import CommitLedger
@@ -27,8 +28,8 @@ from orchestrator.states import Failed, Finished, State, Stopped
 from orchestrator.summary import job_goodput, job_summary
 from policies.goodput import Goodput
 
-#: Told of every step committed with every rank's report: ``(step, reports)``.
-StepObserver = Callable[[int, list[StepTelemetry]], None]
+#: Told of every step committed with every rank's report: ``(step, record)``.
+StepObserver = Callable[[int, StepRecord], None]
 
 
 @dataclass(eq=False)
@@ -49,8 +50,8 @@ class StepAccounting:
     recoveries: RecoveryLog = field(init=False, default_factory=RecoveryLog)
     startup_s: dict[str, float] = field(init=False, default_factory=dict)
     observers: list[StepObserver] = field(init=False, default_factory=list)
-    #: The latest committed step's reports (none if no rank's came back).
-    last_reports: list[StepTelemetry] = field(init=False, default_factory=list)
+    #: The latest committed step's record (None before the first; it may hold no row if no rank's came back).
+    last_record: StepRecord | None = field(init=False, default=None)
     _bar: tqdm | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -83,24 +84,24 @@ class StepAccounting:
         if self._bar is not None:
             self._bar.close()
 
-    def commit(self, step: int, reports: list[StepTelemetry], *, complete: bool) -> None:
-        """Account a committed step (``complete``: every rank's report is here) in every sink."""
-        self.ledger.commit(step, reports, complete=complete)
+    def commit(self, step: int, record: StepRecord, *, complete: bool) -> None:
+        """Account a committed step (``complete``: every rank's row is in ``record``) in every sink."""
+        self.ledger.commit(step, record, complete=complete)
         if "first_step" not in self.startup_s:
             self.mark("first_step")
-        if reports:
-            self.run.telemetry(reports)
+        if len(record):
+            self.run.telemetry(record)
         if complete:
             for observe in self.observers:
-                observe(step, reports)
-        step_s = max((r.step_s for r in reports), default=0.0)
+                observe(step, record)
+        step_s = float(record.column("step_s").max()) if len(record) else 0.0
         self.checkpoints.observe_step(step_s)
-        self.last_reports = reports
+        self.last_record = record
         # Closed before the step event, whose listeners read the goodput so far.
         closed = self.recoveries.committed(step)
         self.run.event(
-            "step", step=step, loss=self.ledger.final_loss, samples=reports[0].global_samples if reports else None,
-            step_s=step_s, **_step_figures(reports[0], step_s) if reports else {},
+            "step", step=step, loss=self.ledger.final_loss, samples=record.first("global_samples") if len(record) else None,
+            step_s=step_s, **_step_figures(record, step_s) if len(record) else {},
         )
         if closed is not None:
             self.run.event("recovered", **closed.to_json())
@@ -141,12 +142,13 @@ class StepAccounting:
         )
 
 
-def _step_figures(report: StepTelemetry, step_s: float) -> dict[str, Any]:
+def _step_figures(record: StepRecord, step_s: float) -> dict[str, Any]:
     """What a step event tells of the step's optimisation, from one rank's report (they agree)."""
+    weight = record.first("weight")
     figures: dict[str, Any] = {
-        "lr": report.lr, "grad_norm": report.grad_norm, "weight": report.weight,
-        "weight_per_s": report.weight / step_s if step_s > 0 else None,
+        "lr": record.first("lr"), "grad_norm": record.first("grad_norm"), "weight": weight,
+        "weight_per_s": weight / step_s if step_s > 0 else None,
     }
-    if report.skipped:
+    if record.first("skipped"):
         figures["skipped"] = True
     return figures

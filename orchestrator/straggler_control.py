@@ -6,8 +6,10 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
+import numpy as np
+
 from jobspec.job import JobConfig
-from jobspec.wire import StepTelemetry
+from jobspec.step_record import StepRecord
 from policies.assignment import ShardAssignment
 from policies.eviction import Evict
 from policies.sharding import slices_kept
@@ -15,6 +17,8 @@ from policies.straggler_policies import StepColumns, StragglerPolicies
 from policies.work_stealing import StepPlan
 
 EventSink = Callable[..., None]
+#: A step's mitigation figures per worker, as reported (``StepTelemetry``'s fields).
+MITIGATION = ("stolen", "backups", "backups_won", "races_lost")
 
 
 class StragglerControl:
@@ -74,12 +78,12 @@ class StragglerControl:
             speculate=mitigation and self.config.speculate,
         )
 
-    def observe(self, step: int, reports: list[StepTelemetry]) -> None:
+    def observe(self, step: int, record: StepRecord) -> None:
         """Account one finished step: counters, detection, rebalancing."""
-        mitigated = {}
-        for report in reports:
-            if report.stolen or report.backups or report.races_lost:
-                mitigated[report.worker] = (report.stolen, report.backups, report.backups_won, report.races_lost)
+        workers = record.column("worker").astype(np.int64)
+        figures = np.stack([record.column(name) for name in MITIGATION], axis=1).astype(np.int64)
+        active = np.flatnonzero(figures[:, 0] + figures[:, 1] + figures[:, 3])  # stolen, backups, races lost
+        mitigated = {int(workers[i]): tuple(int(v) for v in figures[i]) for i in active}
         if mitigated:
             # One event a step, whoever did what: at scale, an event per worker per step would
             # cost the driver more than the step.
@@ -90,20 +94,24 @@ class StragglerControl:
             self.counters["races_lost"] += lost
             self.event(
                 "mitigation", step=step, stolen=stolen, backups=backups, backups_won=won, races_lost=lost,
-                workers={w: dict(zip(("stolen", "backups", "backups_won", "races_lost"), m)) for w, m in mitigated.items()},
+                workers={w: dict(zip(MITIGATION, m)) for w, m in mitigated.items()},
             )
-        if reports and reports[0].rescued:
+        if len(record) and record.first("rescued"):
             # The census that starts a rescue pass is the same on every rank: count it once.
             self.counters["rescues"] += 1
-            self.counters["rescued_shards"] += reports[0].rescued
+            self.counters["rescued_shards"] += record.first("rescued")
+            stalled = record.column("stalled_s")
             self.event(
-                "rescue", step=step, shards=reports[0].rescued,
-                gave_up={r.worker: round(r.stalled_s, 3) for r in reports if r.gave_up},
-                rescue_s=round(max(r.rescue_s for r in reports), 4),
+                "rescue", step=step, shards=record.first("rescued"),
+                gave_up={int(workers[i]): round(float(stalled[i]), 3) for i in np.flatnonzero(record.column("gave_up"))},
+                rescue_s=round(float(record.column("rescue_s").max()), 4),
             )
         # Lateness is judged on arrival at the all-reduce (stalls included), speed on shard_s.
+        columns = StepColumns.of_arrays(
+            workers, *(record.column(name) for name in ("shards_run", "shard_s", "compute_s", "stalled_s", "gave_up"))
+        )
         decided = self.policies.observe(
-            step, StepColumns.of_reports(reports), rebalance=self.job.rebalancing, evict=self.evicting and not self.pending_evictions
+            step, columns, rebalance=self.job.rebalancing, evict=self.evicting and not self.pending_evictions
         )
         verdict = decided.verdict
         for worker in verdict.late:
@@ -128,7 +136,7 @@ class StragglerControl:
                     "evict_skipped", step=step, workers=[e.worker for e in decided.evict],
                     reason="sharded optimizer state: no replica of its slice would stay (a rollback to a checkpoint costs more)",
                 )
-        measured = {r.worker: r.shard_s for r in reports if r.shards_run}
+        measured = {int(workers[i]): float(columns.shard_s[i]) for i in np.flatnonzero(columns.shards)}
         healthy = [s for w, s in measured.items() if w not in self.suspects] or list(measured.values())
         if healthy:
             self.expected_shard_s = statistics.median(healthy)

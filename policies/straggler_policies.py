@@ -15,13 +15,6 @@ from policies.rebalance import Rebalance, Rebalancer
 from policies.straggler import StragglerDetector, StragglerReport
 
 
-def arrival_s(shards_run: int, compute_s: float, stalled_s: float, gave_up: bool) -> float:
-    """A worker's arrival at the step's all-reduce, as the detector judges lateness: its compute
-    and stalls. One that ran nothing (none planned) arrives at once and says nothing (0), but
-    one that gave its shards up held the step up for as long as it waited."""
-    return compute_s + stalled_s if shards_run or gave_up else 0.0
-
-
 class WorkerStepFigures(Protocol):
     """One worker's figures of one step (``jobspec.wire.StepTelemetry`` is one)."""
 
@@ -47,7 +40,7 @@ class WorkerStepFigures(Protocol):
 @dataclass(frozen=True)
 class StepColumns:
     """One step's telemetry as columns, one entry per worker (ids ascending or in rank order):
-    ``shards`` run, ``shard_s`` seconds per shard (0: none run), ``arrival`` (``arrival_s``)."""
+    ``shards`` run, ``shard_s`` seconds per shard (0: none run), ``arrival`` (see ``of_arrays``)."""
 
     workers: np.ndarray
     shards: np.ndarray
@@ -57,12 +50,21 @@ class StepColumns:
     @classmethod
     def of_reports(cls, reports: Sequence[WorkerStepFigures]) -> "StepColumns":
         """The columns of the workers' reports of one step, in their order."""
-        return cls(
-            workers=np.array([r.worker for r in reports], np.int64),
-            shards=np.array([r.shards_run for r in reports], np.int64),
-            shard_s=np.array([r.shard_s for r in reports], float),
-            arrival=np.array([arrival_s(r.shards_run, r.compute_s, r.stalled_s, r.gave_up) for r in reports], float),
-        )
+        names = ("worker", "shards_run", "shard_s", "compute_s", "stalled_s", "gave_up")
+        return cls.of_arrays(*(np.array([getattr(r, name) for r in reports], float) for name in names))
+
+    @classmethod
+    def of_arrays(
+        cls, workers: np.ndarray, shards_run: np.ndarray, shard_s: np.ndarray, compute_s: np.ndarray,
+        stalled_s: np.ndarray, gave_up: np.ndarray,
+    ) -> "StepColumns":
+        """The columns from the reports' own columns (a step record's). A worker's arrival at the
+        step's all-reduce, as the detector judges lateness, is its compute and stalls; one that
+        ran nothing (none planned) arrives at once and says nothing (0), but one that gave its
+        shards up held the step up for as long as it waited."""
+        shards = np.asarray(shards_run, np.int64)
+        arrival = np.where((shards > 0) | (np.asarray(gave_up) != 0), np.asarray(compute_s) + np.asarray(stalled_s), 0.0)
+        return cls(workers=np.asarray(workers, np.int64), shards=shards, shard_s=np.array(shard_s, float), arrival=arrival)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 from jobspec.durable import read_jsonl
 from jobspec.job import JobConfig
+from jobspec.step_record import read_telemetry
 from jobspec.wire import StepTelemetry
 from policies.straggler_policies import StepColumns, StragglerPolicies
 
@@ -41,7 +42,7 @@ def replayed_decisions(run_dir: Path) -> list[tuple[Any, ...]]:
     if any(e["event"] in ("failure", "group_reformed", "evict", "grow") for e in read_jsonl(run_dir / "events.jsonl")):
         raise ValueError(f"{run_dir}: the group changed during the run; replay needs a run without failures, evictions or growth")
     by_step: dict[int, list[StepTelemetry]] = defaultdict(list)
-    for record in read_jsonl(run_dir / "telemetry.jsonl"):
+    for record in read_telemetry(run_dir / "telemetry.jsonl"):
         by_step[record["step"]].append(StepTelemetry(**record))
     if not by_step:
         raise ValueError(f"{run_dir}: telemetry.jsonl holds no step")

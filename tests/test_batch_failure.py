@@ -4,10 +4,10 @@ names the step that failed, not the batch's first."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
+from jobspec.step_record import read_telemetry
 from orchestrator.job_file import load_job
 from orchestrator.launch import run_job
 from tests.helpers.fake_group import Faults
@@ -22,7 +22,7 @@ def _assert_committed_through_the_failure(run_dir, summary: dict, failing: int) 
     assert summary["status"] == "failed"
     assert summary["steps"] == failing, summary.get("error")
     assert [e["step"] for e in jsonl(run_dir / "events.jsonl") if e["event"] == "step"] == list(range(failing))
-    telemetry = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    telemetry = read_telemetry(run_dir / "telemetry.jsonl")
     assert sorted({r["step"] for r in telemetry}) == list(range(failing))
 
 

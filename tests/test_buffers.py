@@ -11,6 +11,7 @@ import pytest
 import ray
 import torch
 
+from jobspec.step_record import read_telemetry
 from orchestrator.worker_group import RayWorkerGroup
 from tests.helpers.factories import make_norm_cnn
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
@@ -237,7 +238,7 @@ def test_batchnorm_buffers_count_each_shard_once_through_steals_backups_and_a_re
     assert events["stolen_shards"] > 0, events
     # Worker 1 stopped waiting for its data: its shards went to the rescue pass (or, were it
     # suspected by then on a busy machine, were stolen within the step).
-    assert any(r["gave_up"] for r in jsonl(result.run_dir / "telemetry.jsonl") if r["step"] == 10)
+    assert any(r["gave_up"] for r in read_telemetry(result.run_dir / "telemetry.jsonl") if r["step"] == 10)
     _assert_same_state(result.run_dir, norm_alone, "1 vs 3 workers, steals, backups and a rescue", replicas, 3)
 
 

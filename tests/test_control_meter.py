@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from jobspec.step_record import StepRecord
 from jobspec.wire import StepTelemetry
 from orchestrator.control_meter import WARMUP_STEPS, ControlPlaneMeter
 
@@ -17,17 +18,22 @@ def _report(trips: int, nbytes: int) -> StepTelemetry:
     )
 
 
+def _batch(by_rank: list[list[StepTelemetry]]) -> list[StepRecord]:
+    """A batch's records from each rank's reports (``by_rank[r]``: one per step)."""
+    return [StepRecord.of(index, [reports[index] for reports in by_rank]) for index in range(len(by_rank[0]))]
+
+
 def test_intervals_between_commits_after_warm_up_with_the_wait_taken_out():
     meter = ControlPlaneMeter()
     meter.restart()
     for _ in range(WARMUP_STEPS):  # the first steps are warm-up: not counted
-        meter.committed([[_report(1, 10)]])
+        meter.committed(_batch([[_report(1, 10)]]))
     assert meter.summary() == {}
     for _ in range(3):
         time.sleep(0.02)
         meter.waited(0.015)  # blocked on the workers for most of the interval
         meter.driver_store(1, 100)
-        meter.committed([[_report(2, 30)], [_report(3, 40)]])  # two ranks
+        meter.committed(_batch([[_report(2, 30)], [_report(3, 40)]]))  # two ranks
     summary = meter.summary()
     assert summary["steps_measured"] == 3
     assert summary["store_round_trips"] == 1 + 2 + 3 and summary["store_bytes"] == 100 + 30 + 40
@@ -52,11 +58,11 @@ def test_a_recovery_between_two_commits_is_not_a_step():
 def test_a_batch_spreads_its_interval_over_its_steps():
     meter = ControlPlaneMeter()
     for _ in range(WARMUP_STEPS):
-        meter.committed([[_report(1, 10)]])
+        meter.committed(_batch([[_report(1, 10)]]))
     time.sleep(0.04)
     meter.waited(0.02)
     # Two ranks, four steps each: one interval, four steps of a quarter of it.
-    meter.committed([[_report(2, 20)] * 4, [_report(2, 20)] * 4])
+    meter.committed(_batch([[_report(2, 20)] * 4, [_report(2, 20)] * 4]))
     summary = meter.summary()
     assert summary["steps_measured"] == 4
     assert 9.5 <= summary["step_wall_ms"] < 20
@@ -69,10 +75,10 @@ def test_the_store_process_cpu_is_measured_apart_as_a_mean():
     ticks = iter([0.0, 0.0, 0.0, 0.01, 0.01, 0.05])  # /proc's 10 ms ticks, read at each commit
     meter = ControlPlaneMeter(server_cpu_s=lambda: next(ticks))
     for _ in range(WARMUP_STEPS):
-        meter.committed([[_report(1, 10)]])
-    meter.committed([[_report(1, 10)]])  # +10 ms over one step
-    meter.committed([[_report(1, 10)]])  # nothing this step
-    meter.committed([[_report(1, 10)] * 2])  # +40 ms over a batch of two
+        meter.committed(_batch([[_report(1, 10)]]))
+    meter.committed(_batch([[_report(1, 10)]]))  # +10 ms over one step
+    meter.committed(_batch([[_report(1, 10)]]))  # nothing this step
+    meter.committed(_batch([[_report(1, 10)] * 2]))  # +40 ms over a batch of two
     assert meter.summary()["store_cpu_ms"] == pytest.approx(50 / 4)
     assert "store_cpu_ms" not in ControlPlaneMeter().summary()  # in-process store: in the driver's CPU
 

@@ -42,12 +42,13 @@ def _report(compute_s: float, idle_s: float = 0.0, stalled_s: float = 0.0):
 
 
 def test_straggler_wait_is_what_workers_waited_for_the_last_one():
+    from jobspec.step_record import StepRecord
     from orchestrator.ledger import straggler_wait
 
     # Mitigation off: a worker 3x slower makes the two others wait 2 s each in the all-reduce.
-    assert straggler_wait([_report(1.0), _report(1.0), _report(3.0)]) == pytest.approx(4.0 / 3)
+    assert straggler_wait(StepRecord.of(0, [_report(1.0), _report(1.0), _report(3.0)])) == pytest.approx(4.0 / 3)
     # A stall of 5 s on one worker: the others wait for it.
-    assert straggler_wait([_report(1.0), _report(1.0, stalled_s=5.0)]) == pytest.approx(2.5)
+    assert straggler_wait(StepRecord.of(0, [_report(1.0), _report(1.0, stalled_s=5.0)])) == pytest.approx(2.5)
     # Mitigation on: the fast worker took shards and sat idle 0.5 s at the end; arrivals equal.
-    assert straggler_wait([_report(1.5, idle_s=0.5), _report(2.0)]) == pytest.approx(0.25)
-    assert straggler_wait([_report(1.0), _report(1.0)]) == 0.0
+    assert straggler_wait(StepRecord.of(0, [_report(1.5, idle_s=0.5), _report(2.0)])) == pytest.approx(0.25)
+    assert straggler_wait(StepRecord.of(0, [_report(1.0), _report(1.0)])) == 0.0

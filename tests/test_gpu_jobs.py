@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from jobspec.step_record import read_telemetry
+
 pytest.importorskip("ray", reason="the GPU suite's whole jobs need Ray (tests/test_gpu_worker.py does not)")
 
 from orchestrator.job_file import load_job  # noqa: E402 - after the skip: these import Ray
@@ -151,7 +153,7 @@ def test_fp16_skips_the_same_steps_on_every_rank_sharing_the_device(tmp_path, de
     _ran_on(result.run_dir, device)
     skipped = {s for s, e in _steps(result.run_dir).items() if e.get("skipped")}
     assert skipped  # the hot sample was in some step
-    records = jsonl(result.run_dir / "telemetry.jsonl")
+    records = read_telemetry(result.run_dir / "telemetry.jsonl")
     assert {r["rank"] for r in records} == {0, 1, 2}
     assert all(r["skipped"] == (r["step"] in skipped) for r in records)  # every rank alike
 

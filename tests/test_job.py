@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from jobspec.step_record import read_telemetry
 from orchestrator.job_file import load_job
 from orchestrator.launch import run_job
 from orchestrator.summary import EVENT_COUNTERS
@@ -62,7 +63,7 @@ def test_dropout_model_is_invariant_with_unfused_shards(tmp_path):
 
 def test_shuffled_assignment_really_moves_shards(tmp_path):
     result = run(tmp_path, "moves", "scaling.workers=4", "chaos.shuffle_shards=true", "steps=3")
-    lines = [json.loads(l) for l in (result.run_dir / "telemetry.jsonl").read_text().splitlines()]
+    lines = read_telemetry(result.run_dir / "telemetry.jsonl")
     counts = {(r["step"], r["rank"]): len(r["shards"]) for r in lines}
     assert len(set(counts.values())) > 1
 
@@ -106,7 +107,7 @@ def test_builtin_example_end_to_end(tmp_path, capsys):
     # On CPU workers the bucket is the largest size probed (at least 1 MB): fewest calls.
     assert choice["bucket_mb"] == round(max(1.0, choice["probe_bytes"][-1] / 2**20), 3)
 
-    telemetry = [json.loads(l) for l in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    telemetry = read_telemetry(run_dir / "telemetry.jsonl")
     assert len(telemetry) == 300 * 4
     assert {r["rank"] for r in telemetry} == {0, 1, 2, 3}
     assert all(r["compute_s"] > 0 and r["comm_s"] > 0 for r in telemetry)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from jobspec.failures import ShardCensusError
+from jobspec.step_record import StepRecord
 from jobspec.wire import StepTelemetry
 from orchestrator.errors import JobFailed
 from orchestrator.ledger import CommitLedger
@@ -26,8 +27,8 @@ def _report(rank: int, shards: tuple[int, ...], *, counted: int = SHARDS, skippe
 
 def test_a_step_whose_ranks_cover_every_shard_once_is_committed():
     ledger = CommitLedger(SHARDS)
-    ledger.commit(0, [_report(0, (0, 1)), _report(1, (2, 3))], complete=True)
-    ledger.commit(1, [_report(0, (0,), step=1)], complete=False)  # rank 1's report was lost with it
+    ledger.commit(0, StepRecord.of(0, [_report(0, (0, 1)), _report(1, (2, 3))]), complete=True)
+    ledger.commit(1, StepRecord.of(1, [_report(0, (0,), step=1)]), complete=False)  # rank 1's report was lost with it
     assert ledger.steps_done == 2 and ledger.shards_committed == 2 * SHARDS and ledger.samples == 2 * 2 * SHARDS
     ledger.resume_at(5)
     assert ledger.steps_done == 5 and ledger.shards_committed == 5 * SHARDS
@@ -53,14 +54,14 @@ def test_a_step_whose_ranks_cover_every_shard_once_is_committed():
 def test_a_step_that_is_not_each_shard_exactly_once_fails_and_is_not_committed(reports, complete, error):
     ledger = CommitLedger(SHARDS)
     with pytest.raises(JobFailed, match=error.replace("[", r"\[").replace("]", r"\]")):
-        ledger.commit(0, reports, complete=complete)
+        ledger.commit(0, StepRecord.of(0, reports), complete=complete)
     assert ledger.steps_done == 0 and ledger.shards_committed == 0 and ledger.samples == 0 and ledger.final_loss is None
 
 
 def test_a_step_out_of_order_fails():
     ledger = CommitLedger(SHARDS)
     with pytest.raises(JobFailed, match="step 1 committed out of order"):
-        ledger.commit(1, [_report(0, (0, 1, 2, 3), step=1)], complete=True)
+        ledger.commit(1, StepRecord.of(1, [_report(0, (0, 1, 2, 3), step=1)]), complete=True)
 
 
 def _census(counts: list[float]) -> torch.Tensor:
@@ -132,11 +133,11 @@ def test_two_ranks_committing_one_shard_raise_the_census_error_and_take_no_optim
 def test_a_rewind_takes_back_the_steps_after_the_checkpoint():
     ledger = CommitLedger(SHARDS)
     for step in range(5):
-        ledger.commit(step, [_report(0, (0, 1, 2, 3), step=step)], complete=True)
+        ledger.commit(step, StepRecord.of(step, [_report(0, (0, 1, 2, 3), step=step)]), complete=True)
     assert (ledger.steps_done, ledger.samples, ledger.shards_committed) == (5, 5 * 2 * SHARDS, 5 * SHARDS)
     ledger.rewind_to(3)
     assert (ledger.steps_done, ledger.samples, ledger.shards_committed) == (3, 3 * 2 * SHARDS, 3 * SHARDS)
-    ledger.commit(3, [_report(0, (0, 1, 2, 3), step=3)], complete=True)
+    ledger.commit(3, StepRecord.of(3, [_report(0, (0, 1, 2, 3), step=3)]), complete=True)
     assert (ledger.steps_done, ledger.samples) == (4, 4 * 2 * SHARDS)
     with pytest.raises(ValueError, match="only 4 are done"):
         ledger.rewind_to(5)

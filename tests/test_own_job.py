@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from jobspec.step_record import read_telemetry
 from orchestrator.job_file import load_job
 from orchestrator.launch import run_job
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
@@ -60,7 +61,7 @@ def test_an_own_job_keeps_the_single_worker_trajectory_through_a_kill_and_a_resu
     assert len({e["weight"] for e in steps.values()}) > 5 and all(e["weight"] < 40 * 12 for e in steps.values())
     assert any(e["grad_norm"] > 0.5 for e in steps.values())  # clipping was active
     assert all(e["weight_per_s"] > 0 for e in steps.values())
-    records = jsonl(reference.run_dir / "telemetry.jsonl")
+    records = read_telemetry(reference.run_dir / "telemetry.jsonl")
     assert all(r["weight_per_s"] > 0 and r["lr"] == steps[r["step"]]["lr"] for r in records)
     assert steps[0]["lr"] == pytest.approx(0.01 / 3) and steps[2]["lr"] == pytest.approx(0.01)
     metrics = next(e for e in jsonl(reference.run_dir / "events.jsonl") if e["event"] == "eval")["metrics"]
@@ -128,7 +129,7 @@ def test_fp16_skips_an_overflowing_step_on_every_replica_alike(tmp_path):
     two = run(tmp_path, "two", "scaling.workers=2", *job)
     for result in (one, two):
         assert [s for s, e in _steps(result.run_dir).items() if e.get("skipped")] == hot
-        records = jsonl(result.run_dir / "telemetry.jsonl")
+        records = read_telemetry(result.run_dir / "telemetry.jsonl")
         assert {r["step"] for r in records if r["skipped"]} == set(hot)
         assert all(r["skipped"] == (r["step"] in hot) for r in records)  # every rank alike
     _assert_close_in_half_precision(params(two.run_dir), params(one.run_dir), "fp16 with a skipped step")
@@ -149,7 +150,7 @@ def test_fp16_loss_scale_and_trajectory_survive_a_sigkill_and_a_resume(tmp_path)
     split = _split_run_with_kills(tmp_path, "split", *job)
     for result in (reference, split):
         assert [s for s, e in _steps(result.run_dir).items() if e.get("skipped")] == [0, 10, 20]
-        assert all(r["skipped"] == (r["step"] in (0, 10, 20)) for r in jsonl(result.run_dir / "telemetry.jsonl"))
+        assert all(r["skipped"] == (r["step"] in (0, 10, 20)) for r in read_telemetry(result.run_dir / "telemetry.jsonl"))
     _assert_close_in_half_precision(params(split.run_dir), params(reference.run_dir), "fp16 through a kill and a resume")
 
 

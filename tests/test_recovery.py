@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from jobspec.job import JobConfig
+from jobspec.step_record import read_telemetry
 from jobspec.wire import FileEntry, Phase, Progress
 from orchestrator.chaos_control import ChaosControl
 from orchestrator.controller import JobController
-from orchestrator.group import FailureKind, WorkerGroupError
+from orchestrator.group import Call, CallFailed, FailureKind, WorkerGroupError
 from orchestrator.job_file import load_job
 from orchestrator.metrics import MetricsListener
-from orchestrator.pipeline import InFlight, StepOutcome
+from orchestrator.pipeline import InFlight, StepOutcome, await_step
 from orchestrator.recovery import first_uncommitted, sharded_gap, state_holders, steps_to_redo
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.run_dir import RunDirectory
@@ -244,7 +245,7 @@ def test_a_death_after_the_all_reduce_commits_the_step_and_redoes_only_the_next(
     (recovery,) = ran.summary["recoveries"]
     # The survivors applied step 5: it is committed from their reports, not run again.
     assert recovery["at_step"] == 6 and recovery["redo_steps"] == [6]
-    step5 = [r for r in jsonl(ran.run_dir / "telemetry.jsonl") if r["step"] == 5]
+    step5 = [r for r in read_telemetry(ran.run_dir / "telemetry.jsonl") if r["step"] == 5]
     assert sorted(r["worker"] for r in step5) == [0, 1]
 
 
@@ -650,7 +651,7 @@ def test_a_plan_changed_while_a_batch_runs_on_the_old_one_takes_the_next_batch(t
     # published with, every shard once, and run-ahead starts over at one step per batch.
     ran = _run(tmp_path, Faults(shard_s={1: 0.05}), "stragglers.rebalance=true", "shards=12")
     ran.assert_exact()
-    telemetry = jsonl(ran.run_dir / "telemetry.jsonl")
+    telemetry = read_telemetry(ran.run_dir / "telemetry.jsonl")
     by_step: dict[int, dict[int, tuple[int, ...]]] = {}
     for record in telemetry:
         by_step.setdefault(record["step"], {})[record["worker"]] = tuple(record["shards"])
@@ -660,3 +661,75 @@ def test_a_plan_changed_while_a_batch_runs_on_the_old_one_takes_the_next_batch(t
     changed = next(step for step in sorted(by_step) if len(by_step[step][1]) < 4)
     starts = dict(ran.group.batches)
     assert changed in starts and starts[changed] == 1  # the new plan began a batch of its own
+
+
+class ScriptedGroup:
+    """Calls that end at set times (seconds after the group is made) with a value or a failure,
+    waited on as ``ray.wait`` waits (at most ``num_returns`` ended); the leader's progress says
+    which step it will apply next."""
+
+    def __init__(self, ends: dict[int, tuple[float, object]], leader_next_step: int) -> None:
+        self.began = time.monotonic()
+        self.ends = ends  # by worker: (seconds, value or CallFailed)
+        self.leader_next_step = leader_next_step
+        self.size = len(ends)
+
+    def _ended(self, call) -> bool:
+        return time.monotonic() - self.began >= self.ends[call.worker][0]
+
+    def wait(self, calls, num_returns, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ended = [c for c in calls if self._ended(c)][: max(1, num_returns)]
+            if len(ended) >= min(num_returns, len(calls)) or time.monotonic() >= deadline:
+                return ended, [c for c in calls if c not in ended]
+            time.sleep(0.005)
+
+    def result(self, call):
+        value = self.ends[call.worker][1]
+        if isinstance(value, CallFailed):
+            raise value
+        return value
+
+    def progress(self, timeout_s):
+        return {0: Progress(self.leader_next_step - 1, Phase.DONE, 0.0, self.leader_next_step)}
+
+
+def _batch_of_three() -> InFlight:
+    """Steps 4-5 led by worker 0, workers 1 and 2 following."""
+    return InFlight(4, (Call(0, "lead"),), 2, (Call(1, "run"), Call(2, "run")), (0, 1, 2))
+
+
+def _records() -> list:
+    from jobspec.step_record import StepRecord
+    from jobspec.wire import StepTelemetry
+
+    return [
+        StepRecord.of(step, [StepTelemetry(step, rank, rank, (rank,), 1, 3, 0.5, 0.1, 0.0, 0.0, 0.1, 3) for rank in range(3)])
+        for step in (4, 5)
+    ]
+
+
+def test_a_followers_death_with_the_leaders_failure_is_known_as_a_death_whichever_ended_first():
+    job = _job()
+    died = CallFailed(2, FailureKind.DIED, "ActorDiedError")
+    lost = CallFailed(0, FailureKind.PEER_LOST, "CollectiveTimeout: a peer closed its connection")
+    group = ScriptedGroup({0: (0.05, lost), 1: (9.0, 0), 2: (0.07, died)}, leader_next_step=5)
+    outcome = await_step(group, _batch_of_three(), job, evicting=False)  # type: ignore[arg-type]
+    # The old code: the leader's failure first, the follower's never taken (dead = {}).
+    assert outcome.dead == {2} and set(outcome.errors) == {0, 2}
+
+
+def test_a_follower_that_dies_after_its_batch_leaves_the_batch_whole():
+    job = _job()
+    died = CallFailed(2, FailureKind.DIED, "ActorDiedError")
+    # The leader applied steps 4 and 5 (next is 6) and its answer is slow to come (0.3 s,
+    # past GATHER_S): the death belongs to the next batch.
+    group = ScriptedGroup({0: (0.3, _records()), 1: (9.0, 0), 2: (0.02, died)}, leader_next_step=6)
+    outcome = await_step(group, _batch_of_three(), job, evicting=False)  # type: ignore[arg-type]
+    assert not outcome.failed and [r.step for r in outcome.records] == [4, 5]
+    # Still inside the batch: the leader is blocked in the step the follower died in.
+    group = ScriptedGroup({0: (9.0, _records()), 1: (9.0, 0), 2: (0.02, died)}, leader_next_step=5)
+    started = time.monotonic()
+    outcome = await_step(group, _batch_of_three(), job, evicting=False)  # type: ignore[arg-type]
+    assert outcome.dead == {2} and not outcome.records and time.monotonic() - started < 1.0

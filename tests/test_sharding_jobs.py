@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from jobspec.step_record import read_telemetry
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -29,7 +30,7 @@ def test_stealing_backups_rescue_and_run_ahead_move_data_shards_not_state_slices
     )
     events = result.summary["events"]
     assert events["stolen_shards"] > 0, events
-    telemetry = jsonl(result.run_dir / "telemetry.jsonl")
+    telemetry = read_telemetry(result.run_dir / "telemetry.jsonl")
     assert any(r["gave_up"] for r in telemetry if r["step"] == 10)
     assert result.summary["control_plane"]["steps_per_call"] > 1  # batches ran ahead
     assert_same_params(params(result.run_dir), reference, "sharded, with stragglers")

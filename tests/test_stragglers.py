@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from jobspec.step_record import read_telemetry
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -36,7 +37,7 @@ def test_stealing_and_backups_under_random_slowness_keep_every_shard_once(tmp_pa
     assert_same_params(params(result.run_dir), reference, "chaos")
     events = result.summary["events"]
     assert events["stragglers_detected"] > 0 and events["stolen_shards"] > 0 and events["speculative_shards"] > 0, events
-    telemetry = jsonl(result.run_dir / "telemetry.jsonl")
+    telemetry = read_telemetry(result.run_dir / "telemetry.jsonl")
     for step in range(25):  # census: every shard of every step committed by exactly one worker
         committed = sorted(s for r in telemetry if r["step"] == step for s in r["shards"])
         assert committed == list(range(16)), (step, committed)
@@ -63,7 +64,7 @@ def test_a_stall_nobody_predicted_is_rescued_within_its_step(tmp_path, reference
     assert events["rescues"] == len(rescues) and events["rescued_shards"] == sum(e["shards"] for e in rescues)
     (rescue,) = [e for e in rescues if e["step"] == 8]
     assert set(rescue["gave_up"]) == {"2"}
-    telemetry = jsonl(result.run_dir / "telemetry.jsonl")
+    telemetry = read_telemetry(result.run_dir / "telemetry.jsonl")
     step8 = {r["worker"]: r for r in telemetry if r["step"] == 8}
     assert max(r["step_s"] for r in step8.values()) < 0.1 * stall_s
     assert step8[2]["shards"] == [] and step8[2]["gave_up"] and step8[2]["stalled_s"] < 0.1 * stall_s
@@ -88,7 +89,7 @@ def test_random_stalls_are_rescued_and_the_counters_add_up(tmp_path, reference):
         "stragglers.rebalance=false", "stragglers.evict=false",
     )
     assert_same_params(params(result.run_dir), reference, "stalls")
-    telemetry = jsonl(result.run_dir / "telemetry.jsonl")
+    telemetry = read_telemetry(result.run_dir / "telemetry.jsonl")
     drawn = {(w, s) for w in range(4) for s in range(25) if random.Random(f"{seed}/{w}/{s}").random() < probability}
     # Each drawn stall was waited out in full (no expected time yet, or nobody to watch) or
     # given up; a long wait happened nowhere else. (A worker merely late may give up too.)
@@ -128,7 +129,7 @@ def test_a_persistently_slow_worker_gets_fewer_shards(tmp_path, reference):
     assert_same_params(params(result.run_dir), reference, "rebalance")
     assert result.summary["events"]["rebalances"] >= 1
     assert result.summary["events"]["stolen_shards"] == 0
-    last = [r for r in jsonl(result.run_dir / "telemetry.jsonl") if r["step"] == 24]
+    last = [r for r in read_telemetry(result.run_dir / "telemetry.jsonl") if r["step"] == 24]
     counts = {r["worker"]: len(r["shards"]) for r in last}
     assert counts[3] < min(counts[w] for w in (0, 1, 2)), counts
     decisions = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "rebalance"]
@@ -142,7 +143,7 @@ def test_without_mitigation_the_plan_is_kept(tmp_path):
     )
     events = result.summary["events"]
     assert events["stolen_shards"] == events["speculative_shards"] == events["rebalances"] == 0
-    assert all(len(r["shards"]) == 8 for r in jsonl(result.run_dir / "telemetry.jsonl"))
+    assert all(len(r["shards"]) == 8 for r in read_telemetry(result.run_dir / "telemetry.jsonl"))
 
 
 def test_a_stalled_worker_is_removed_as_a_failure_and_the_job_finishes_without_waiting(tmp_path, reference):
@@ -163,7 +164,7 @@ def test_a_stalled_worker_is_removed_as_a_failure_and_the_job_finishes_without_w
     evicted = [e for e in events if e["event"] == "evict"]
     assert evicted[0]["worker"] == 2 and evicted[0]["reason"] == "silent"
     assert evicted[0]["evidence"]["progress"]["phase"] == "stall"
-    assert {r["worker"] for r in jsonl(result.run_dir / "telemetry.jsonl") if r["step"] == 24} - {4} == {0, 1, 3}
+    assert {r["worker"] for r in read_telemetry(result.run_dir / "telemetry.jsonl") if r["step"] == 24} - {4} == {0, 1, 3}
 
 
 def test_a_persistently_far_slower_worker_is_evicted_at_a_step_boundary(tmp_path, reference):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import socket
 import threading
 import time
@@ -27,12 +26,13 @@ import torch
 from jobspec import targets as factories
 from jobspec.failures import CollectiveAborted, CollectiveTimeout, ShardCensusError
 from jobspec.job import JobConfig
+from jobspec.step_record import StepRecord, batch_records, pack_batch
 from jobspec.targets import optional_callable
 from jobspec.wire import (
     Joined,
     JoinRequest,
-    Phase,
     PartWritten,
+    Phase,
     Progress,
     SnapshotRequest,
     StepTelemetry,
@@ -54,10 +54,10 @@ from workers.plan_channel import PlanChannel
 from workers.replica_checkpoint import CheckpointWriter, restore_state
 from workers.rescue_watch import rescue_watch
 from workers.sampler import ShardSampler
+from workers.sharded_optimizer import ShardedOptimizer, build_optimizer
 from workers.step import StepRunner
 from workers.step_buffers import StepBuffers
 from workers.step_work import ClaimedStep, RescuePass
-from workers.sharded_optimizer import ShardedOptimizer, build_optimizer
 from workers.training import FlatParameters, autocast, evaluate_job, fetch_batch, finish_gradient, move_to
 
 #: When this module (and with it torch and the worker's code) had loaded: the launch's breakdown.
@@ -240,18 +240,16 @@ class TrainWorker:
         return [self.train_step(first + i, plan) for i, plan in enumerate(plans)]
 
     @compute_method
-    def lead_steps(self, first: int, plans: list[StepPlan]) -> list[StepTelemetry]:
+    def lead_steps(self, first: int, plans: list[StepPlan]) -> list[StepRecord]:
         """Rank 0: publish the batch to the followers (``follow``), run it as ``train_steps``
-        does, and gather every rank's reports: the batch's reports of all ranks, by step and
-        then rank (docs/architecture.md, "Published plans"). Raises as ``train_steps``, or
+        does, and gather every rank's reports: one ``StepRecord`` per step, every rank's row
+        in it (docs/architecture.md, "Published plans"). Raises as ``train_steps``, or
         CollectiveAborted/CollectiveTimeout if a follower is gone."""
         channel = self._channel()
         channel.publish(first, plans)
-        mine = self.train_steps(first, plans)
-        blobs = channel.gather(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL))
-        assert blobs is not None, "rank 0 gathers"
-        reports = [report for blob in blobs for report in pickle.loads(blob)]
-        return sorted(reports, key=lambda r: (r.step, r.rank))
+        packed = channel.gather(pack_batch(self.train_steps(first, plans)))
+        assert packed is not None, "rank 0 gathers"
+        return batch_records(first, packed)
 
     @compute_method
     def follow(self) -> int:
@@ -264,7 +262,7 @@ class TrainWorker:
         batches = 0
         while (batch := channel.receive()) is not None:
             first, plans = batch
-            channel.gather(pickle.dumps(self.train_steps(first, plans), protocol=pickle.HIGHEST_PROTOCOL))
+            channel.gather(pack_batch(self.train_steps(first, plans)))
             batches += 1
         return batches
 

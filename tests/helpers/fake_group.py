@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from jobspec.job import JobConfig
+from jobspec.step_record import StepRecord
 from jobspec.wire import FileEntry, PartWritten, Phase, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
 from orchestrator.group import Call, CallFailed, FailureKind, Submitted
 from orchestrator.membership import Membership
@@ -137,8 +138,9 @@ class FakeLeader:
         return self.aborted or self.batches[0].error
 
     @property
-    def value(self) -> list[StepTelemetry]:
-        return sorted((r for b in self.batches for r in b.value), key=lambda r: (r.step, r.rank))
+    def value(self) -> list[StepRecord]:
+        steps = [part.step for part in self.batches[0].parts]
+        return [StepRecord.of(step, [b.value[index] for b in self.batches]) for index, step in enumerate(steps)]
 
 
 @dataclass
@@ -194,7 +196,7 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
         self._num_steps = job.steps or 0
         self.leaders: list[FakeLeader] = []  # every batch's leader call
         self.follows: list[FakeFollow] = []  # every run on published plans, of every follower
-        self._following: list[FakeFollow] | None = None  # the open run's
+        self._following: tuple[Call, ...] | None = None  # the open run's calls (FakeFollow handles), shared as Ray's are
 
     # Membership
 
@@ -281,19 +283,18 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
                 parts.append(call)
         batches = [FakeBatch(parts) for parts in by_member]
         if self._following is None:
-            self._following = [FakeFollow(member) for member in self.members[1:]]
-            self.follows += self._following
-        for follow, batch in zip(self._following, batches[1:]):
-            follow.batches.append(batch)
+            runs = [FakeFollow(member) for member in self.members[1:]]
+            self.follows += runs
+            self._following = tuple(Call(run.worker.worker, run) for run in runs)
+        for call, batch in zip(self._following, batches[1:]):
+            call.handle.batches.append(batch)
         leader = FakeLeader(self.members[0], batches)
         self.leaders.append(leader)
-        return Submitted(
-            (Call(self.members[0].worker, leader),), tuple(Call(f.worker.worker, f) for f in self._following)
-        )
+        return Submitted((Call(self.members[0].worker, leader),), self._following)
 
     def release_followers(self) -> None:
-        for follow in self._following or ():
-            follow.released = True
+        for call in self._following or ():
+            call.handle.released = True
         self._following = None
 
     def _end_runs(self, worker: FakeWorker | None, kind: FailureKind | None, reason: str) -> None:
@@ -382,12 +383,14 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
                     call.worker.applied.append(call.apply)
 
     def wait(self, calls: Sequence[Call], num_returns: int, timeout_s: float) -> tuple[list[Call], list[Call]]:
+        assert len({id(c.handle) for c in calls}) == len(calls), "ray.wait refuses a ref given twice"
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
             self._settle_calls()
-            ended = [c for c in calls if c.handle.ended]
+            # As ray.wait: at most num_returns of the calls that have ended.
+            ended = [c for c in calls if c.handle.ended][: max(1, num_returns)]
             if len(ended) >= min(num_returns, len(calls)) or time.monotonic() >= deadline:
-                return ended, [c for c in calls if not c.handle.ended]
+                return ended, [c for c in calls if c not in ended]
             soonest = min([c.handle.ends_at for c in calls if not c.handle.ended] + [deadline])
             time.sleep(max(0.0, min(soonest, deadline) - time.monotonic()) + 0.001)
 
