@@ -188,7 +188,7 @@ def test_checkpoint_overhead_runs_with_and_without_checkpoints(tmp_path):
 
 
 def test_control_plane_benchmark_measures_a_real_null_job_and_fits_the_growth(tmp_path):
-    from benchmarks.control_plane import fit, format_report, measure
+    from benchmarks.control_plane import fit, format_report, measure, with_idle_taken_out
 
     rows = [measure(n, 12, tmp_path) for n in (2, 3)]
     for row in rows:
@@ -210,3 +210,11 @@ def test_control_plane_benchmark_measures_a_real_null_job_and_fits_the_growth(tm
     assert cpu["at_4096"] == pytest.approx(1 + 0.5 * 4096)
     with pytest.raises(ValueError, match="two worker counts"):
         fit(line[:1])
+    # An idle driver's CPU per second of wall, taken out of each row before the fit (on 2 cores
+    # the step's wall grows with N), and put back for a 1 s step in the prediction.
+    walled = [{**row, "step_wall_ms": 100.0 * row["workers"], "driver_cpu_ms": 1 + 0.5 * row["workers"] + 0.2 * row["workers"]}
+              for row in line]
+    with_idle_taken_out(walled, idle_ms_per_s=2.0)  # 2 ms/s x 0.1 N s = 0.2 N ms
+    net = fit(walled)["driver_cpu_net_ms"]
+    assert net["per_worker"] == pytest.approx(0.5) and net["fixed"] == pytest.approx(1.0)
+    assert f"{1 + 0.5 * 4096 + 2.0:.1f} ms CPU at 4096" in format_report(walled, fit(walled), 2.0)

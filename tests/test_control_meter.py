@@ -99,3 +99,29 @@ def test_the_store_process_cpu_grows_with_the_traffic_it_serves():
         assert before + 0.05 <= store.server_cpu_s() < before + 20.0
     finally:
         store.close()
+
+
+def test_per_worker_gauges_are_set_at_most_every_few_seconds_not_every_step(monkeypatch):
+    from orchestrator import metrics
+    from orchestrator.metrics import WORKER_GAUGES_EVERY_S, JobMetrics
+    from policies.goodput import Goodput
+
+    recorded: list[tuple[str, dict]] = []
+    monkeypatch.setattr(JobMetrics, "__init__", lambda self, job: setattr(self, "_workers_set_at", None))
+    monkeypatch.setattr(JobMetrics, "_set", lambda self, name, value, **tags: recorded.append((name, tags)))
+    monkeypatch.setattr(JobMetrics, "observe_counters", lambda self, counters: None)
+    monkeypatch.setattr(JobMetrics, "observe_goodput", lambda self, goodput: None)
+    clock = [100.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
+    job_metrics = JobMetrics("job")
+    record = _batch([[_report(0, 0)], [_report(0, 0)]])[0]
+
+    def per_worker_sets() -> int:
+        job_metrics.observe_step(record, 0.1, 1, 2, {}, Goodput(1.0, {}))  # type: ignore[arg-type]
+        return sum(name == "ringleader_worker_shard_seconds" for name, _ in recorded)
+
+    assert per_worker_sets() == 2  # the first step: every worker's
+    clock[0] += WORKER_GAUGES_EVERY_S / 2
+    assert per_worker_sets() == 2  # the old code: 4 (every worker, every step)
+    clock[0] += WORKER_GAUGES_EVERY_S / 2
+    assert per_worker_sets() == 4
