@@ -131,7 +131,30 @@ def format_report(rows: list[dict[str, Any]], fitted: dict[str, dict[str, float]
     return "\n".join(lines)
 
 
-def main(workers: list[int], steps: int, json_path: str | None, scratch: str | None = None) -> int:
+def main(
+    workers: list[int], steps: int, json_path: str | None, scratch: str | None = None, synthetic: list[int] | None = None
+) -> int:
+    """Real jobs on ``workers`` actors (none: skipped), then the controller on synthetic groups
+    of ``synthetic`` ranks (``benchmarks/driver_scale.py``); prints the rows and fits."""
+    out: dict[str, Any] = {}
+    if synthetic:
+        from benchmarks.driver_scale import main_synthetic
+
+        rows = main_synthetic(control_plane_job, synthetic, steps)
+        out["synthetic"] = rows
+        if len(rows) > 1:
+            n = np.array([r["workers"] for r in rows], dtype=float)
+            per_worker, fixed = np.polyfit(n, np.array([r["driver_cpu_ms"] for r in rows]), 1)
+            out["synthetic_fit"] = {"fixed": float(fixed), "per_worker": float(per_worker)}
+            print(
+                f"synthetic fit: driver CPU = {fixed:.2f} + {1000 * per_worker:.2f} us x N ms per step: "
+                f"{fixed + per_worker * 4096:.1f} ms at 4096 (target <= 20), {fixed + per_worker * 16384:.1f} ms at 16,384 "
+                "(target <= 80)"
+            )
+    if not workers:
+        if json_path:
+            Path(json_path).write_text(json.dumps(out, indent=2))
+        return 0
     idle = idle_driver_cpu_ms_per_s()
     print(f"control-plane: an idle Ray driver spends {idle:.2f} ms CPU per second", flush=True)
     with tempfile.TemporaryDirectory(prefix="control-plane-", dir=scratch) as tmp:
@@ -143,6 +166,7 @@ def main(workers: list[int], steps: int, json_path: str | None, scratch: str | N
     fitted = fit(rows) if len(rows) > 1 else {}
     print(format_report(rows, fitted, idle) if fitted else json.dumps(rows, indent=2))
     if json_path:
-        Path(json_path).write_text(json.dumps({"rows": rows, "fit": fitted, "idle_driver_cpu_ms_per_s": idle}, indent=2))
+        out.update(rows=rows, fit=fitted, idle_driver_cpu_ms_per_s=idle)
+        Path(json_path).write_text(json.dumps(out, indent=2))
         print(f"wrote {json_path}")
     return 0

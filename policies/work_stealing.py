@@ -172,6 +172,40 @@ def block_late(plan: StepPlan, rank: int, states: dict[int, ClaimState], ages_s:
     )
 
 
+# Peers each rank watches while it waits for the all-reduce: the next rank with shards and the
+# one half the ring away (on another node, where ranks are dealt node by node, so a node whose
+# ranks all stall together is still watched from outside). Each rank is watched by two when
+# every rank has shards, so a step's watch traffic grows with N, not N^2 (every rank reading every key).
+WATCHED_PEERS = 2
+
+
+def watched_peers(plan: StepPlan, me: int) -> list[int]:
+    """The ranks ``me`` watches, at most ``WATCHED_PEERS``, each with planned shards: the next
+    rank, then the first ones from half the ring on (wrapping round to me + 2)."""
+    ranks = len(plan.shards_by_rank)
+    half = max(2, ranks // 2)
+    order = [1, *range(half, ranks), *range(2, half)]
+    peers: list[int] = []
+    for offset in order:
+        rank = (me + offset) % ranks
+        if rank != me and plan.shards_by_rank[rank] and rank not in peers:
+            peers.append(rank)
+            if len(peers) == WATCHED_PEERS:
+                break
+    return peers
+
+
+def claim_focus(plan: StepPlan, me: int) -> list[int]:
+    """The ranks whose claims rank ``me`` reads in a step with suspects: itself, the suspects
+    (its victims: shards to steal, runs to back up) and the peers it watches
+    (``watched_peers``), in rank order; every other rank's shards it takes for done. Each rank
+    is watched by two, so a peer that falls behind unannounced is still seen and helped by
+    somebody; the rest of the group goes to the all-reduce, where the rescue watch looks again
+    (docs/architecture.md, "Rescue"). So an idle rank reads O(suspects) keys a poll, not the
+    whole step: O(N) per poll, O(N^2) across the group."""
+    return sorted({me, *plan.suspects, *watched_peers(plan, me)})
+
+
 def pick_work(me: int, plan: StepPlan, states: dict[int, ClaimState], ages_s: dict[int, float]) -> WorkDecision:
     """What rank ``me`` does next. ``states[s]``: shard s's claim state; ``ages_s[s]``: seconds
     ``me`` has seen it in that state. Without mitigation: own shards in one pass, then finish.

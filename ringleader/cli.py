@@ -93,9 +93,14 @@ def _parser() -> argparse.ArgumentParser:
     control = benches.add_parser(
         "control-plane", help="driver CPU and store traffic per step vs worker count (null model), fitted to 4096"
     )
-    control.add_argument("--workers", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="worker counts (default: 4 8 16 32 64)")
+    control.add_argument("--workers", type=int, nargs="*", default=[4, 8, 16, 32, 64], help="worker counts (default: 4 8 16 32 64; none: synthetic only)")
     control.add_argument("--steps", type=int, default=60, help="steps per job (the first ones are warm-up)")
     control.add_argument("--json", dest="json_path", metavar="FILE", help="write the rows and the fit as JSON")
+    control.add_argument(
+        "--synthetic", type=int, nargs="+", metavar="RANKS",
+        help="also run the real controller against a synthetic group of this many ranks each (no actors: "
+        "the driver's own per-step work at scale), e.g. 1024 4096 16384",
+    )
 
     allreduce = benches.add_parser("allreduce", help="all-reduce bandwidth: our ring (and hierarchical) vs native")
     allreduce.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="world sizes (default: 2 4)")
@@ -347,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "control-plane":
         from benchmarks import control_plane
 
-        return control_plane.main(args.workers, args.steps, args.json_path)
+        return control_plane.main(args.workers, args.steps, args.json_path, synthetic=args.synthetic or [])
     if args.command == "bench" and args.bench == "allreduce":
         from benchmarks import collectives
 

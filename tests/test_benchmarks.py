@@ -218,3 +218,17 @@ def test_control_plane_benchmark_measures_a_real_null_job_and_fits_the_growth(tm
     net = fit(walled)["driver_cpu_net_ms"]
     assert net["per_worker"] == pytest.approx(0.5) and net["fixed"] == pytest.approx(1.0)
     assert f"{1 + 0.5 * 4096 + 2.0:.1f} ms CPU at 4096" in format_report(walled, fit(walled), 2.0)
+
+
+def test_the_synthetic_control_plane_runs_the_real_controller_over_thousands_of_ranks(tmp_path):
+    from benchmarks.control_plane import control_plane_job
+    from benchmarks.driver_scale import measure_synthetic
+    from jobspec.step_record import read_telemetry
+
+    row = measure_synthetic(control_plane_job(2048, 12), tmp_path)
+    assert row["workers"] == 2048 and row["steps_measured"] >= 5 and row["steps_per_call"] > 1
+    assert 0 < row["driver_cpu_ms"] < row["step_wall_ms"] and row["synthetic_build_ms"] > 0
+    # The whole controller ran: every step committed with every rank's row, each shard once.
+    telemetry = read_telemetry(tmp_path / "synthetic-2048" / "telemetry.jsonl")
+    assert len(telemetry) == 12 * 2048
+    assert sorted(s for r in telemetry if r["step"] == 11 for s in r["shards"]) == list(range(2048))

@@ -9,9 +9,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from policies.work_stealing import ClaimKind, ClaimState, StepPlan
+from policies.work_stealing import ClaimKind, ClaimState, StepPlan, claim_focus, watched_peers
 from workers.claims import SLOTS, CountingStore, ShardClaims, claim_keys, open_step
-from workers.rescue_watch import watched_peers
 
 
 def _store(port: int = 0) -> dist.Store:
@@ -149,6 +148,19 @@ def test_a_watcher_reads_only_its_peers_keys_and_every_read_is_counted():
     # Every rank is watched by two others, one of them from the other half of the ring.
     watchers = {r: [w for w in range(8) if r in watched_peers(eight, w)] for r in range(8)}
     assert all(len(w) == 2 for w in watchers.values()) and watchers[0] == [4, 7]
+
+
+def test_with_suspects_a_rank_reads_the_suspects_and_its_watched_peers_not_the_whole_step():
+    ranks = 64
+    plan = StepPlan(tuple((r,) for r in range(ranks)), suspects=frozenset({5, 40}))
+    focus = {me: claim_focus(plan, me) for me in range(ranks)}
+    # Itself, the two suspects and its two watched peers: bounded, whatever the ranks (the
+    # old claim loop read all 64 shard keys and 64 block keys every poll, on every rank).
+    assert focus[0] == [0, 1, 5, 32, 40] and max(len(f) for f in focus.values()) <= 5
+    # Every rank's claims are still read by at least two others: one late unannounced is seen.
+    readers = {r: [me for me in range(ranks) if me != r and r in focus[me]] for r in range(ranks)}
+    assert min(len(r) for r in readers.values()) >= 2
+    assert all(len(readers[s]) == ranks - 1 for s in plan.suspects)  # the victims, by everyone
 
 
 def test_a_clean_step_with_mitigation_on_sends_the_claim_store_nothing():

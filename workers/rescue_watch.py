@@ -14,34 +14,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from policies.work_stealing import FREE, RESCUE_AFTER_MIN_S, ClaimKind, StepPlan, block_late
+from policies.work_stealing import FREE, RESCUE_AFTER_MIN_S, ClaimKind, block_late, watched_peers
 from workers.comm_group import ABORT_POLL_S
 from workers.step_work import ClaimedStep, StepWork
 
 # How often a rank waiting for the all-reduce looks at the step's claims (a store round trip).
 WATCH_POLL_S = 0.002
 
-# Peers each rank watches while it waits for the all-reduce: the next rank with shards and the
-# one half the ring away (on another node, where ranks are dealt node by node, so a node whose
-# ranks all stall together is still watched from outside). Each rank is watched by two when
-# every rank has shards, so a step's watch traffic grows with N, not N^2 (every rank reading every key).
-WATCHED_PEERS = 2
-
-
-def watched_peers(plan: StepPlan, me: int) -> list[int]:
-    """The ranks ``me`` watches, at most ``WATCHED_PEERS``, each with planned shards: the next
-    rank, then the first ones from half the ring on (wrapping round to me + 2)."""
-    ranks = len(plan.shards_by_rank)
-    half = max(2, ranks // 2)
-    order = [1, *range(half, ranks), *range(2, half)]
-    peers: list[int] = []
-    for offset in order:
-        rank = (me + offset) % ranks
-        if rank != me and plan.shards_by_rank[rank] and rank not in peers:
-            peers.append(rank)
-            if len(peers) == WATCHED_PEERS:
-                break
-    return peers
 
 
 def rescue_watch(ctx: ClaimedStep, work: StepWork) -> Callable[[], float | None]:

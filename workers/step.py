@@ -41,7 +41,18 @@ import torch
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from jobspec.wire import Phase
-from policies.work_stealing import FREE, RESCUE_AFTER_MIN_S, Backup, ClaimKind, Finished, RunShards, StepPlan, Wait, pick_work
+from policies.work_stealing import (
+    FREE,
+    RESCUE_AFTER_MIN_S,
+    Backup,
+    ClaimKind,
+    Finished,
+    RunShards,
+    StepPlan,
+    Wait,
+    claim_focus,
+    pick_work,
+)
 from workers.census import census_slots, missing_shards, write_census
 from workers.chaos import ChaosSchedule
 from workers.claims import ShardClaims
@@ -325,8 +336,12 @@ class StepRunner:
         """Claim, steal and back up shards of ``plan`` until every shard is done or sealed, or
         (``overlap``) until my sealed final pass is on its way in the all-reduce. While
         ``can_compute()`` is False, work found is left to others (as if there were none).
-        ``focus``: read only these ranks' blocks, every other shard being done (a rescue pass)."""
+        ``focus``: read only these ranks' blocks, every other shard being done (a rescue pass);
+        by default, with suspects about, my own, the suspects' and my watched peers'
+        (``claim_focus``), not the whole step's."""
         step, claims = ctx.step, ctx.claims
+        if focus is None and plan.suspects:
+            focus = claim_focus(plan, claims.me)
         waited_since: float | None = None
         compute_stall = self.chaos.stall_s(step, "compute") if overlap else 0.0
         while True:
