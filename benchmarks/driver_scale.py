@@ -4,14 +4,20 @@ thousands of ranks, measured on the real controller without the actors.
 ``bench control-plane`` runs real actors, but only up to 64 on this machine, where they time-share
 2 cores: its fit to 4096 extrapolates from an oversubscribed host. Here ``JobController`` (the
 same code as a job's: pipeline, plans, commit, ledger, telemetry line, events, straggler
-policies, the control-plane meter) drives ``SyntheticGroup``, a worker group whose leader
-answers each batch at once with a step record of N ranks (what ``TrainWorker.lead_steps``
-returns). What it leaves out: Ray's transport of one call and one result per batch (O(1) in N)
-and the followers' watched calls in each ``ray.wait`` (O(N) refs, in Ray's C++).
+policies, the control-plane meter, and with ``metrics`` the Prometheus listener a job has)
+drives ``SyntheticGroup``, a worker group whose leader answers each batch at once with a step
+record of N ranks (what ``TrainWorker.lead_steps`` returns). The driver's side of Ray's
+transport is counted as far as it is Python: the plans pickled for the call, the leader's
+records unpickled from its result (O(N) each); the leader's own pickling is not the driver's and
+is left out with the making of the records. What it leaves out: Ray's C++ for one call and one
+result per batch, the followers' watched calls in each ``ray.wait`` (O(N) refs; measured apart,
+docs/architecture.md, "The control plane at scale"), and the progress polls of eviction,
+which a batch shorter than ``stragglers.silent_s / 2`` never makes (as here).
 """
 
 from __future__ import annotations
 
+import pickle
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,6 +33,7 @@ from orchestrator.chaos_control import ChaosControl
 from orchestrator.controller import JobController
 from orchestrator.group import Call, Submitted
 from orchestrator.membership import Membership
+from orchestrator.metrics import WORKER_GAUGES_EVERY_S, JobMetrics, MetricsListener
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.run_dir import RunDirectory
 from policies.work_stealing import StepPlan
@@ -41,9 +48,10 @@ class SyntheticMember:
 
 class SyntheticGroup(Membership[SyntheticMember, SyntheticMember]):
     """N ranks that apply every batch at once: the leader's answer is made on submission, each
-    rank's seconds per shard ``shard_s`` with a few percent of noise (nobody slow). Seconds
-    spent making the answers (``build_s``) are the workers', not the driver's: the bench takes
-    them out."""
+    rank's seconds per shard ``shard_s`` with a few percent of noise (nobody slow). The CPU
+    seconds spent making the answers and pickling them (``build_s``, this thread's) are the
+    workers', not the driver's: the bench takes them out. The plans are pickled and the answers
+    unpickled as Ray would on the driver."""
 
     def __init__(self, job: JobConfig, shard_s: float = 0.01) -> None:
         super().__init__(job.scaling)
@@ -68,12 +76,14 @@ class SyntheticGroup(Membership[SyntheticMember, SyntheticMember]):
         return 0.0
 
     def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> Submitted:
-        started = time.perf_counter()
+        pickle.dumps(list(plans), protocol=pickle.HIGHEST_PROTOCOL)  # the call's argument, as Ray sends it
+        started = time.thread_time()
         records = [self._record(first + index, plan) for index, plan in enumerate(plans)]
+        answer = pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL)  # the leader's result, as Ray sends it
+        self.build_s += time.thread_time() - started
         self._next_step = first + len(plans)
-        self.build_s += time.perf_counter() - started
         self.steps_built += len(plans)
-        return Submitted((Call(self.workers[0], records),))
+        return Submitted((Call(self.workers[0], answer),))
 
     def _record(self, step: int, plan: StepPlan) -> StepRecord:
         ranks = self.size
@@ -101,7 +111,7 @@ class SyntheticGroup(Membership[SyntheticMember, SyntheticMember]):
         return list(calls), []
 
     def result(self, call: Call) -> Any:
-        return call.handle
+        return pickle.loads(call.handle)
 
     def progress(self, timeout_s: float) -> dict[int, Progress | None]:
         return {w: Progress(self._next_step - 1, Phase.DONE, 0.0, self._next_step) for w in self.workers}
@@ -134,10 +144,11 @@ class SyntheticGroup(Membership[SyntheticMember, SyntheticMember]):
         self.members = []
 
 
-def measure_synthetic(job: JobConfig, scratch: Path) -> dict[str, Any]:
+def measure_synthetic(job: JobConfig, scratch: Path, metrics: bool = False) -> dict[str, Any]:
     """Run ``job`` (its ``scaling.workers`` ranks) through ``JobController`` on a
     ``SyntheticGroup``; its summary's ``control_plane`` medians, with ``driver_cpu_ms`` less
-    the time spent making the synthetic answers (spread over the steps), and ``workers``."""
+    the CPU spent making the synthetic answers (spread over the steps), and ``workers``.
+    ``metrics``: with the job's Prometheus listener (needs Ray initialised here)."""
     run = RunDirectory(scratch / f"synthetic-{job.scaling.workers}")
     group = SyntheticGroup(job)
     store = RendezvousStore("127.0.0.1", 30.0)
@@ -146,6 +157,8 @@ def measure_synthetic(job: JobConfig, scratch: Path) -> dict[str, Any]:
             job, run, group, store, chaos=ChaosControl(job.chaos, None, 0, run.event), launched=time.perf_counter(),
             progress=False,
         )
+        if metrics:
+            run.subscribe(MetricsListener(JobMetrics(job.name), controller.accounting, run.event))
         summary = controller.execute().summary
     finally:
         store.close()
@@ -160,16 +173,40 @@ def measure_synthetic(job: JobConfig, scratch: Path) -> dict[str, Any]:
 
 
 def main_synthetic(job_of: Any, counts: list[int], steps: int) -> list[dict[str, Any]]:
-    """``measure_synthetic`` of ``job_of(n, steps)`` for each of ``counts``, printed as it goes."""
+    """``measure_synthetic`` of ``job_of(n, steps)`` for each of ``counts``, with the metrics
+    listener (a local Ray started here for it), printed as it goes."""
+    import ray
+
     rows = []
-    with tempfile.TemporaryDirectory(prefix="driver-scale-") as tmp:
-        for count in counts:
-            row = measure_synthetic(job_of(count, steps), Path(tmp))
-            print(
-                f"synthetic {count:>6} ranks: driver CPU {row['driver_cpu_ms']:8.2f} ms, busy {row['driver_busy_ms']:8.2f} ms "
-                f"per step (the synthetic answers, {row['synthetic_build_ms']:.2f} ms, taken out); "
-                f"{row['steps_per_call']:.1f} steps per call",
-                flush=True,
-            )
-            rows.append(row)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="driver-scale-") as tmp:
+            for count in counts:
+                row = measure_synthetic(job_of(count, steps), Path(tmp), metrics=True)
+                row["worker_gauges_ms"] = worker_gauges_ms(count)
+                rows.append(_measured(row))
+    finally:
+        ray.shutdown()
     return rows
+
+
+def worker_gauges_ms(ranks: int) -> float:
+    """Milliseconds of one pass setting the per-worker gauges of ``ranks`` workers (done every
+    ``WORKER_GAUGES_EVERY_S``: the synthetic steps take no wall time, so a run makes ~one)."""
+    metrics = JobMetrics("gauges")
+    started = time.thread_time()
+    for worker in range(ranks):
+        metrics._set("ringleader_worker_shard_seconds", 0.01, worker=str(worker))
+    return 1000.0 * (time.thread_time() - started)
+
+
+def _measured(row: dict[str, Any]) -> dict[str, Any]:
+    """``row``, printed."""
+    print(
+        f"synthetic {row['workers']:>6} ranks: driver CPU {row['driver_cpu_ms']:8.2f} ms, busy {row['driver_busy_ms']:8.2f} ms "
+        f"per step (the synthetic answers, {row['synthetic_build_ms']:.2f} ms, taken out); "
+        f"{row['steps_per_call']:.1f} steps per call; the per-worker gauges {row['worker_gauges_ms']:.1f} ms every "
+        f"{WORKER_GAUGES_EVERY_S:.0f} s, so {row['worker_gauges_ms'] / WORKER_GAUGES_EVERY_S:.1f} ms a 1 s step",
+        flush=True,
+    )
+    return row

@@ -207,11 +207,18 @@ def claim_focus(plan: StepPlan, me: int) -> list[int]:
 
 
 def pick_work(me: int, plan: StepPlan, states: dict[int, ClaimState], ages_s: dict[int, float]) -> WorkDecision:
-    """What rank ``me`` does next. ``states[s]``: shard s's claim state; ``ages_s[s]``: seconds
-    ``me`` has seen it in that state. Without mitigation: own shards in one pass, then finish.
+    """What rank ``me`` does next. ``states[s]``: shard s's claim state, for the shards ``me``
+    reads (a shard missing from it counts as done: a rank reading only its focus,
+    ``claim_focus``, or a rescue pass the missing shards' owners); ``ages_s[s]``: seconds ``me``
+    has seen it in that state. Without mitigation: own shards in one pass, then finish.
     """
+
+    def free(shard: int) -> bool:
+        state = states.get(shard)
+        return state is not None and state.kind is ClaimKind.FREE
+
     mine = plan.shards_by_rank[me]
-    own_free = [s for s in mine if states[s].kind is ClaimKind.FREE]
+    own_free = [s for s in mine if free(s)]
     if not plan.mitigating:
         return RunShards(tuple(own_free), seal=True) if own_free else Finished()
     late = {s for s, st in states.items() if st.kind in (ClaimKind.FREE, ClaimKind.RUN) and _late(plan, s, st, ages_s.get(s, 0.0))}
@@ -224,11 +231,11 @@ def pick_work(me: int, plan: StepPlan, states: dict[int, ClaimState], ages_s: di
             return RunShards(tuple(own_free), seal=True)
         group = tuple(own_free[: plan.pass_size(me)])
         last = len(group) == len(own_free)
-        stealable = any(states[s].kind is ClaimKind.FREE for r in laggards for s in plan.shards_by_rank[r])
+        stealable = any(free(s) for r in laggards for s in plan.shards_by_rank[r])
         return RunShards(group, seal=last and me not in plan.suspects and not stealable)
     if plan.steal:
         victims = {
-            r: [s for s in plan.shards_by_rank[r] if states[s].kind is ClaimKind.FREE] for r in laggards
+            r: [s for s in plan.shards_by_rank[r] if free(s)] for r in laggards
         }
         victims = {r: free for r, free in victims.items() if free}
         if victims:

@@ -9,7 +9,17 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from policies.work_stealing import ClaimKind, ClaimState, StepPlan, claim_focus, watched_peers
+from policies.work_stealing import (
+    ClaimKind,
+    ClaimState,
+    Finished,
+    RunShards,
+    StepPlan,
+    Wait,
+    claim_focus,
+    pick_work,
+    watched_peers,
+)
 from workers.claims import SLOTS, CountingStore, ShardClaims, claim_keys, open_step
 
 
@@ -203,8 +213,7 @@ def test_a_clean_steps_claims_are_made_by_whoever_finds_a_rank_late():
     assert watcher.claim(0)
     owner.open_rescue([0])  # late: rank 1's claim stands
     assert owner.of([0, 1]) == {0: ClaimState(ClaimKind.RUN, 1), 1: ClaimState(ClaimKind.DONE, 0)}
-    assert owner.states([0]) == {0: ClaimState(ClaimKind.RUN, 1), 1: ClaimState(ClaimKind.DONE, 0),
-                                 2: ClaimState(ClaimKind.DONE, 1), 3: ClaimState(ClaimKind.DONE, 1)}
+    assert owner.states([0]) == {0: ClaimState(ClaimKind.RUN, 1), 1: ClaimState(ClaimKind.DONE, 0)}  # rank 0's
     assert watcher.commit(0, owner=1) and not owner.claim(0)
     # The same slot of a later step (a claimed step's keys rotate) is untouched: its own keys.
     assert not ShardClaims(store, 5 + SLOTS, plan, me=0).block_taken()
@@ -241,7 +250,8 @@ def test_a_clean_rescue_counts_each_shard_once_under_racing_threads():
 
 
 def test_a_focused_read_costs_the_focused_blocks_and_takes_every_other_shard_as_done():
-    """What a rescue pass reads: the blocks its census found shards missing from, not the step."""
+    """What a rescue pass reads: the blocks its census found shards missing from, not the step;
+    what it leaves out, pick_work takes as done."""
     plan = StepPlan(tuple(tuple(range(4 * r, 4 * r + 4)) for r in range(16)), suspects=frozenset({1}))  # 16 ranks, 4 shards each
     store = CountingStore(_store())
     open_step(store, 0, plan)
@@ -253,7 +263,17 @@ def test_a_focused_read_costs_the_focused_blocks_and_takes_every_other_shard_as_
     focused = claims.states([5])
     assert store.bytes - before < whole_bytes / 8  # one block of 16, not the step
     assert focused[21] == whole[21] and focused[21].kind is ClaimKind.RUN and focused[20].kind is ClaimKind.FREE
-    assert all(focused[s].kind is ClaimKind.DONE and focused[s].owner == s // 4 for s in range(64) if s // 4 != 5)
+    assert set(focused) == set(range(20, 24))  # O(the focus) to read and to decide on
+    # Rank 0 (its own shards counted, say) finds nothing but rank 5's to do: it backs up none
+    # yet, waits, and is done once rank 5's are; the 60 other shards count as done.
+    assert isinstance(pick_work(0, plan, focused, {}), (Wait, RunShards))
+    done = {s: ClaimState(ClaimKind.DONE, 5) for s in range(20, 24)}
+    assert isinstance(pick_work(0, plan, done, {}), Finished)
+    # Rank 4's one free shard: sealed, unless the suspect (rank 1) has one free to steal.
+    assert pick_work(4, plan, {**done, 16: ClaimState(ClaimKind.FREE)}, {}) == RunShards((16,), seal=True)
+    assert pick_work(4, plan, {**done, 16: ClaimState(ClaimKind.FREE), 4: ClaimState(ClaimKind.FREE)}, {}) == RunShards(
+        (16,), seal=False
+    )
 
 
 def test_the_watch_of_a_clean_step_reads_nothing_and_opens_a_late_peer_when_it_is_due():

@@ -150,15 +150,12 @@ class ShardClaims:
         return states, blocks
 
     def states(self, ranks: Sequence[int] | None = None) -> dict[int, ClaimState]:
-        """Every shard's state: read from the store for the planned shards of ``ranks``
-        (default: every rank), the others taken as done (a rescue pass reads only the blocks
-        its census found shards missing from: every other shard was counted)."""
-        read = self.read(ranks)[0]
-        if ranks is None:
-            return read
-        return {
-            s: read[s] if s in read else ClaimState(ClaimKind.DONE, self.owner_of[s]) for s in range(self.num_shards)
-        }
+        """The states of the planned shards of ``ranks`` (default: every rank's), read from the
+        store. What it leaves out the caller takes as done (``pick_work`` does): a rescue pass
+        reads only the blocks its census found shards missing from, every other shard being
+        counted; a rank on a step with suspects its focus (``claim_focus``). O(their shards) a
+        call, not O(the step's)."""
+        return self.read(ranks)[0]
 
     def of(self, shards: Sequence[int]) -> dict[int, ClaimState]:
         """The states of ``shards``, claimed one by one (none sealed whole), from their keys alone."""
