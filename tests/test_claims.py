@@ -9,17 +9,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from policies.work_stealing import (
-    ClaimKind,
-    ClaimState,
-    Finished,
-    RunShards,
-    StepPlan,
-    Wait,
-    claim_focus,
-    pick_work,
-    watched_peers,
-)
+from policies import work_stealing as stealing
+from policies.work_stealing import ClaimKind, ClaimState, StepPlan, claim_focus, watched_peers
 from workers.claims import SLOTS, CountingStore, ShardClaims, claim_keys, open_step
 
 
@@ -266,14 +257,13 @@ def test_a_focused_read_costs_the_focused_blocks_and_takes_every_other_shard_as_
     assert set(focused) == set(range(20, 24))  # O(the focus) to read and to decide on
     # Rank 0 (its own shards counted, say) finds nothing but rank 5's to do: it backs up none
     # yet, waits, and is done once rank 5's are; the 60 other shards count as done.
-    assert isinstance(pick_work(0, plan, focused, {}), (Wait, RunShards))
+    assert isinstance(stealing.pick_work(0, plan, focused, {}), (stealing.Wait, stealing.RunShards))
     done = {s: ClaimState(ClaimKind.DONE, 5) for s in range(20, 24)}
-    assert isinstance(pick_work(0, plan, done, {}), Finished)
+    assert isinstance(stealing.pick_work(0, plan, done, {}), stealing.Finished)
     # Rank 4's one free shard: sealed, unless the suspect (rank 1) has one free to steal.
-    assert pick_work(4, plan, {**done, 16: ClaimState(ClaimKind.FREE)}, {}) == RunShards((16,), seal=True)
-    assert pick_work(4, plan, {**done, 16: ClaimState(ClaimKind.FREE), 4: ClaimState(ClaimKind.FREE)}, {}) == RunShards(
-        (16,), seal=False
-    )
+    assert stealing.pick_work(4, plan, {**done, 16: ClaimState(ClaimKind.FREE)}, {}) == stealing.RunShards((16,), seal=True)
+    both = {**done, 16: ClaimState(ClaimKind.FREE), 4: ClaimState(ClaimKind.FREE)}
+    assert stealing.pick_work(4, plan, both, {}) == stealing.RunShards((16,), seal=False)
 
 
 def test_the_watch_of_a_clean_step_reads_nothing_and_opens_a_late_peer_when_it_is_due():
