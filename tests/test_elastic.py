@@ -80,6 +80,20 @@ def test_ray_kill_then_sigkill_two_failures_in_one_run(tmp_path, reference):
     assert_same_params(params(result.run_dir), reference, "twice")
 
 
+def test_the_leader_sigkilled_mid_step_is_replaced_and_a_survivor_leads(tmp_path, reference):
+    # Worker 0 is rank 0: the leader, the one worker the driver calls per batch; the others run
+    # on the plans it publishes (docs/architecture.md, "Published plans"). Its death fails the
+    # batch's call; the followers, blocked in the step, are freed by the abort.
+    result = run(tmp_path, "leader", "scaling.workers=3", _kills("{at_step: 6, worker: 0, how: sigkill}"))
+    events = result.summary["events"]
+    assert events["failures"] == 1 and events["recoveries"] == 1
+    (recovery,) = _recoveries(result.run_dir)
+    assert recovery["workers"] == [0] and recovery["first_step_s"] < COLLECTIVE_TIMEOUT_S / 6
+    reformed = [e for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "group_reformed"]
+    assert reformed and reformed[0]["workers"][0] != 0  # a survivor leads the next batches
+    assert_same_params(params(result.run_dir), reference, "leader")
+
+
 def test_a_death_during_recovery_starts_the_reforming_over(tmp_path, reference):
     result = run(
         tmp_path, "during-recovery", "scaling.workers=4",
