@@ -23,9 +23,8 @@ from jobspec.wire import StepTelemetry
 #: The table's columns: ``StepTelemetry``'s fields in order, less ``shards``.
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(StepTelemetry) if f.name != "shards")
 _INDEX = {name: i for i, name in enumerate(COLUMNS)}
-_KIND = {f.name: f.type for f in fields(StepTelemetry)}
-_INTS = tuple(name for name in COLUMNS if _KIND[name] in ("int", int))
-_BOOLS = tuple(name for name in COLUMNS if _KIND[name] in ("bool", bool))
+#: Each column's type in ``StepTelemetry`` (its annotation, a string under postponed evaluation).
+_DTYPE = {f.name: {"int": np.int64, "bool": np.bool_}.get(str(f.type), np.float64) for f in fields(StepTelemetry) if f.name in _INDEX}
 
 
 def rows_table(reports: Sequence[StepTelemetry]) -> np.ndarray:
@@ -54,11 +53,6 @@ class StepRecord:
         ordered = sorted(reports, key=lambda r: r.rank)
         return cls(step, rows_table(ordered), tuple(r.shards for r in ordered))
 
-    @classmethod
-    def stacked(cls, step: int, tables: Sequence[np.ndarray], shards: Sequence[tuple[int, ...]]) -> StepRecord:
-        """The record of rows already tabled, ``tables[i]`` and ``shards[i]`` being rank i's."""
-        return cls(step, np.stack(tables) if tables else np.empty((0, len(COLUMNS))), tuple(shards))
-
     def __len__(self) -> int:
         return len(self.shards)
 
@@ -68,17 +62,13 @@ class StepRecord:
 
     def first(self, name: str) -> Any:
         """Row 0's ``name``, typed as in ``StepTelemetry`` (the reduced figures agree in every row)."""
-        value = self.table[0, _INDEX[name]]
-        return int(value) if name in _INTS else bool(value) if name in _BOOLS else float(value)
+        return self.table[0, _INDEX[name]].astype(_DTYPE[name]).item()
 
     def typed_columns(self) -> dict[str, Any]:
         """Every column as a contiguous array typed as in ``StepTelemetry`` (int64, bool or
         float64), and ``shards``: what telemetry.jsonl's line of the step holds."""
         by_column = np.ascontiguousarray(self.table.T)
-        out: dict[str, Any] = {}
-        for index, name in enumerate(COLUMNS):
-            column = by_column[index]
-            out[name] = column.astype(np.int64) if name in _INTS else column.astype(bool) if name in _BOOLS else column
+        out: dict[str, Any] = {name: by_column[i].astype(_DTYPE[name], copy=False) for i, name in enumerate(COLUMNS)}
         out["shards"] = self.shards
         return out
 

@@ -149,7 +149,7 @@ def await_step(
     silent_s = job.stragglers.silent_s
     reporting = {id(call) for call in batch.calls}
     outcome = StepOutcome()
-    pending = list(batch.calls) + [c for c in batch.watched if c not in batch.calls]
+    pending = [*batch.calls, *batch.watched]
     looked = time.monotonic()
     while any(id(call) in reporting for call in pending):
         now = time.monotonic()

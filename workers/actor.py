@@ -26,7 +26,7 @@ import torch
 from jobspec import targets as factories
 from jobspec.failures import CollectiveAborted, CollectiveTimeout, ShardCensusError
 from jobspec.job import JobConfig
-from jobspec.step_record import StepRecord, batch_records, pack_batch
+from jobspec.step_record import StepRecord
 from jobspec.targets import optional_callable
 from jobspec.wire import (
     Joined,
@@ -40,6 +40,7 @@ from jobspec.wire import (
 )
 from policies.sharding import ShardingLayout
 from policies.work_stealing import StepPlan
+from workers import plan_channel
 from workers.census import census_slots, check_census
 from workers.chaos import ChaosSchedule, death_key, kill_self
 from workers.checkpoint_storage import CheckpointStorage
@@ -50,7 +51,6 @@ from workers.devices import make_current, on_worker_device, worker_device
 from workers.group_link import GroupLink
 from workers.loss_scaler import LossScaler
 from workers.objective import Objective
-from workers.plan_channel import PlanChannel
 from workers.replica_checkpoint import CheckpointWriter, restore_state
 from workers.rescue_watch import rescue_watch
 from workers.sampler import ShardSampler
@@ -245,11 +245,7 @@ class TrainWorker:
         does, and gather every rank's reports: one ``StepRecord`` per step, every rank's row
         in it (docs/architecture.md, "Published plans"). Raises as ``train_steps``, or
         CollectiveAborted/CollectiveTimeout if a follower is gone."""
-        channel = self._channel()
-        channel.publish(first, plans)
-        packed = channel.gather(pack_batch(self.train_steps(first, plans)))
-        assert packed is not None, "rank 0 gathers"
-        return batch_records(first, packed)
+        return plan_channel.lead(self._channel(), first, plans, self.train_steps)
 
     @compute_method
     def follow(self) -> int:
@@ -258,24 +254,18 @@ class TrainWorker:
         (``release_followers``); returns how many batches it ran. Raises as ``train_steps``,
         or CollectiveAborted/CollectiveTimeout (an abort, or no batch within the collective
         timeout)."""
-        channel = self._channel()
-        batches = 0
-        while (batch := channel.receive()) is not None:
-            first, plans = batch
-            channel.gather(pack_batch(self.train_steps(first, plans)))
-            batches += 1
-        return batches
+        return plan_channel.follow(self._channel(), self.train_steps)
 
     @compute_method
     def release_followers(self) -> None:
         """Rank 0: end the followers' run after the batches queued before this call."""
         self._channel().end()
 
-    def _channel(self) -> PlanChannel:
+    def _channel(self) -> plan_channel.PlanChannel:
         group = self.link.group
         if group is None:
             raise RuntimeError("published plans need a group: join_group first")
-        return PlanChannel(group, self.device)
+        return plan_channel.PlanChannel(group, self.device)
 
     @ray.method(concurrency_group="control")
     def kept_reports(self, first: int, end: int) -> list[StepTelemetry]:

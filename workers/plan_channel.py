@@ -14,19 +14,25 @@ abort or the collective timeout ends every wait):
   its own size.
 
 Only what every rank does in the same order crosses the group: rank 0 publishes before it runs
-a batch and gathers after it; a follower receives, runs the same steps, then sends.
+a batch and gathers after it (``lead``); a follower receives, runs the same steps, then sends
+(``follow``). Both sides of that order live here, in those two functions.
 """
 
 from __future__ import annotations
 
 import pickle
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from jobspec.step_record import StepRecord, batch_records, pack_batch
+from jobspec.wire import StepTelemetry
 from policies.work_stealing import StepPlan
 from workers.comm_group import CommGroup
+
+#: Runs a batch: its first step and plans in, each step's report out (``TrainWorker.train_steps``).
+RunBatch = Callable[[int, list[StepPlan]], list[StepTelemetry]]
 
 #: A header's kinds: a batch follows, or the followers' run ends.
 BATCH, END = 1, 0
@@ -119,3 +125,23 @@ class PlanChannel:
     ) -> None:
         group = self.group
         group.submit(lambda: group.exchange(sends, receives).complete(), "report gather").wait()
+
+
+def lead(channel: PlanChannel, first: int, plans: list[StepPlan], run_batch: RunBatch) -> list[StepRecord]:
+    """Rank 0's side of a batch: publish it, run it, gather every rank's reports; one
+    ``StepRecord`` per step, every rank's row in it."""
+    channel.publish(first, plans)
+    packed = channel.gather(pack_batch(run_batch(first, plans)))
+    assert packed is not None, "rank 0 gathers"
+    return batch_records(first, packed)
+
+
+def follow(channel: PlanChannel, run_batch: RunBatch) -> int:
+    """A follower's side: run each batch rank 0 publishes and send its reports back, until rank
+    0 ends the run; returns how many batches it ran."""
+    batches = 0
+    while (batch := channel.receive()) is not None:
+        first, plans = batch
+        channel.gather(pack_batch(run_batch(first, plans)))
+        batches += 1
+    return batches
