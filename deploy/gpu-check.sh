@@ -6,7 +6,8 @@
 #                                            orjson, jsonschema's family), cp312 x86-64, into DIR
 #   deploy/gpu-check.sh suite                there: pytest -m gpu (worker parts, then whole jobs)
 #   deploy/gpu-check.sh bench                there: ringleader bench gpu
-#   deploy/gpu-check.sh all                  there: both (each fits a 10-minute call alone)
+#   deploy/gpu-check.sh all                  there: both, the bench also after a failed test
+#                                            (each fits a 10-minute call alone)
 #
 # Wheels found in $RINGLEADER_WHEELS (default .device-wheels) are installed first, without an
 # index, into a private target on PYTHONPATH. Output (logs, JUnit XML with the tolerances each
@@ -82,6 +83,8 @@ case "${1:-all}" in
   fetch-wheels) fetch_wheels "${2:-}" ;;
   suite) install_wheels && suite ;;
   bench) install_wheels && bench ;;
-  all) install_wheels && suite && bench ;;
+  # The bench runs even where a test failed (its figures are worth having either way); the
+  # exit status is the first failure's.
+  all) install_wheels; rc=0; suite || rc=$?; bench || rc=$((rc ? rc : $?)); exit "$rc" ;;
   *) echo "usage: $0 fetch-wheels [DIR] | suite | bench | all" >&2; exit 2 ;;
 esac
