@@ -7,7 +7,7 @@ import torch
 from multiproc import comm_group, run_ranks
 
 from workers.communicator import make_communicator
-from workers.overlap import GradientReducer, plan_buckets
+from workers.overlap import GradientReducer, default_bucket_bytes, plan_buckets
 from workers.training import FlatParameters
 
 
@@ -149,3 +149,10 @@ def test_closed_reducer_no_longer_launches_from_backward():
     reducer.close()
     net(torch.randn(4, 6)).sum().backward()
     assert recorder.started == []
+
+
+def test_buckets_default_to_4_mb_on_the_cpu_and_100_mb_on_a_gpu():
+    # On a GPU each bucket costs the host a hand-off, a launch and a completion poll whatever
+    # its size: 4 MB buckets ran a 710M-parameter GPT at 0.76x a plain loop, 100 MB at 0.91x.
+    assert default_bucket_bytes(torch.device("cpu")) == 4 << 20
+    assert default_bucket_bytes(torch.device("cuda", 0)) == 100 << 20

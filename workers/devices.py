@@ -31,11 +31,14 @@ the host until the stream catches up.
 **Gradients to the communication thread.** A bucket's gradients are written on whichever stream
 backward ran that parameter's ops on (a model may use streams of its own), while collectives run
 on the communication thread's stream: relying on both being CUDA's legacy default stream is
-luck. ``StreamMarks`` orders them: the compute thread records a mark (a CUDA event) on its
-current stream in each parameter's gradient hook (the stream that accumulated that gradient),
-and before it reads a bucket the communication thread makes its own stream wait on the marks
-of all of the bucket's parameters (``workers/overlap.py``). On the CPU there is nothing to order
-(no marks).
+luck. ``StreamMarks`` orders them: each parameter's gradient hook notes its current stream (the
+stream that accumulated that gradient); when the bucket is launched, the compute thread records
+a mark (a CUDA event) on each stream its parameters noted, usually one, and before it reads the
+bucket the communication thread makes its own stream wait on those marks
+(``workers/overlap.py``). A mark recorded at the launch covers everything its stream queued
+before, those gradients included: one event per stream, not one per parameter (a 700M-parameter
+GPT has ~440 parameters, each event a host call on both threads). On the CPU there is nothing to
+order (no marks).
 """
 
 from __future__ import annotations
@@ -172,8 +175,13 @@ def host_batch(batch: Any, device: torch.device, pin: Callable[[torch.Tensor], t
 class StreamMarks(Protocol):
     """Marks that order one thread's stream after work another thread queued on its own."""
 
-    def record(self) -> object:
-        """On the producing thread: a mark after everything queued so far on its current stream."""
+    def current(self) -> object:
+        """On the producing thread: its current stream (a handle for ``record``; hashable)."""
+        ...
+
+    def record(self, stream: object = None) -> object:
+        """On the producing thread: a mark after everything queued so far on ``stream`` (by
+        default its current stream)."""
         ...
 
     def wait(self, mark: object) -> None:
@@ -187,9 +195,13 @@ class CudaStreamMarks:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def record(self) -> torch.cuda.Event:
+    def current(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def record(self, stream: object = None) -> torch.cuda.Event:
+        assert stream is None or isinstance(stream, torch.cuda.Stream)
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
         return event
 
     def wait(self, mark: object) -> None:

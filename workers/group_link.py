@@ -27,7 +27,7 @@ from workers.comm_group import CommGroup, form_process_group
 from workers.communicator import Communicator, make_communicator, pick_backend
 from workers.compression import OWN_TRANSPORT, TopKAllReduce, compress
 from workers.link_probe import auto_communicator
-from workers.overlap import DEFAULT_BUCKET_BYTES, GradientReducer
+from workers.overlap import DEFAULT_BUCKET_BYTES, GradientReducer, default_bucket_bytes
 from workers.replica import Replica
 from workers.ring import RingAllReduce
 from workers.sharded_optimizer import ShardedOptimizer
@@ -138,7 +138,7 @@ class GroupLink:
         self.reducer = GradientReducer(
             flat,
             compressed,
-            bucket_bytes or DEFAULT_BUCKET_BYTES,
+            bucket_bytes or default_bucket_bytes(flat.buffer.device),
             collective.overlap,
             extra_comm=exact if compressed is not exact else None,
             group=group,
@@ -183,6 +183,8 @@ class GroupLink:
         self.reducer = GradientReducer(
             flat,
             self.reducer_comm,
+            # 4 MB on a GPU too: each bucket is copied out of the parameters while it is summed
+            # (up to the whole gradient when communication lags), so bigger ones cost memory.
             self._bucket_bytes() or DEFAULT_BUCKET_BYTES,
             self.collective.overlap,
             extra_comm=exact,

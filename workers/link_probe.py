@@ -23,7 +23,7 @@ from policies.collective_choice import CollectiveChoice, LinkMeasurements, choos
 from workers.comm_group import CommGroup, PendingOp
 from workers.communicator import Communicator, NativeAllReduce, make_communicator
 from workers.compression import Int8RingAllReduce
-from workers.overlap import DEFAULT_BUCKET_BYTES
+from workers.overlap import default_bucket_bytes
 from workers.ring import is_flat, node_groups
 
 PROBE_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -132,7 +132,9 @@ def auto_communicator(
     gradient_bytes = grads.numel() * grads.element_size()
     if group.size == 1:
         ring = make_communicator("ring", group, nodes)
-        choice = CollectiveChoice(((gradient_bytes, "ring"),), bucket_bytes or DEFAULT_BUCKET_BYTES, sizes=())
+        choice = CollectiveChoice(
+            ((gradient_bytes, "ring"),), bucket_bytes or default_bucket_bytes(grads.device), sizes=()
+        )
         return AutoAllReduce(choice, {"ring": ring}), choice
     communicators = {name: make_communicator(name, group, nodes) for name in candidate_algorithms(nodes)}
     sizes = probe_sizes(gradient_bytes, grads.element_size())
