@@ -6,6 +6,11 @@ from pydantic import Field, model_validator
 
 from jobspec.fields import StrictModel
 
+# Ranks whose claims one store process serves by default: a 64-rank job's store used ~8 ms of
+# CPU a step in bench control-plane with every step rescuing, so 256 keep one near a core's
+# 3% at a step a second (docs/architecture.md, "The control plane at scale").
+RANKS_PER_CLAIM_STORE = 256
+
 
 class StragglerConfig(StrictModel):
     """Straggler detection and mitigation (docs/architecture.md, "The step protocol").
@@ -22,7 +27,9 @@ class StragglerConfig(StrictModel):
     ``persistent_steps`` of the window makes it persistently slow. ``late_factor``: a shard that
     has sat longer than this many times its expected time gets stolen or backed up.
     ``rebalance_alpha`` (EWMA weight) and ``rebalance_hysteresis`` (fraction of step time a new
-    split must save).
+    split must save). ``claim_stores``: how many store processes the driver spreads shard
+    claims over (rank r's on store r mod n); unset: one per ``RANKS_PER_CLAIM_STORE`` (256) of
+    ``scaling.max_workers``.
     """
 
     mitigation: bool = True
@@ -39,6 +46,11 @@ class StragglerConfig(StrictModel):
     rebalance_hysteresis: float = Field(0.15, ge=0, lt=1)
     evict_ratio: float = Field(8.0, gt=1)
     silent_s: float = Field(30.0, gt=0)
+    claim_stores: int | None = Field(None, ge=1, le=64)
+
+    def claim_store_count(self, max_workers: int) -> int:
+        """The store processes claims are spread over for up to ``max_workers`` ranks."""
+        return self.claim_stores or max(1, -(-max_workers // RANKS_PER_CLAIM_STORE))
 
     def policy_kwargs(self) -> dict[str, float | int]:
         """The settings ``policies.straggler_policies.StragglerPolicies`` takes."""

@@ -114,7 +114,8 @@ class JoinRequest:
     reaches the port cannot read or forge one); ``prefix`` is under it. ``step``: the job step
     the group starts from (-1: rank 0's next step); the driver names one only for sharded
     state whose slices were all stepped past rank 0's parameters (docs/architecture.md,
-    "Sharded optimizer state")."""
+    "Sharded optimizer state"). ``claim_ports``: the ports (at ``store_host``) of the stores
+    shard claims are spread over besides this one (``workers/claims.py``, ``ClaimStores``)."""
 
     store_host: str
     store_port: int
@@ -125,6 +126,7 @@ class JoinRequest:
     timeout_s: float
     namespace: str = ""
     step: int = -1
+    claim_ports: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:

@@ -326,7 +326,7 @@ def run_job(
 
         # Chaos that adds nodes makes even a local cluster grow.
         fixed = session.started_here and not job.chaos.add_node
-        store = driver_store(job.timeouts.rendezvous_s)
+        store = driver_store(job.timeouts.rendezvous_s, job.stragglers.claim_store_count(job.scaling.max_workers))
         try:
             controller = JobController(
                 job,

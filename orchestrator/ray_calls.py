@@ -13,10 +13,11 @@ from orchestrator.group import CallFailed, FailureKind, WorkerGroupError
 from orchestrator.rendezvous import RendezvousStore
 
 
-def driver_store(timeout_s: float) -> RendezvousStore:
+def driver_store(timeout_s: float, claim_stores: int = 1) -> RendezvousStore:
     """The job's rendezvous store, on this (the driver's) Ray node's address, served by a child
-    process of the driver (``close`` it when the job ends)."""
-    return RendezvousStore(ray.util.get_node_ip_address(), timeout_s, own_process=True)
+    process of the driver, shard claims spread over it and ``claim_stores - 1`` more such
+    processes (``close`` it when the job ends)."""
+    return RendezvousStore(ray.util.get_node_ip_address(), timeout_s, own_process=True, claim_stores=claim_stores)
 
 
 def failure_of(worker: int, err: BaseException) -> CallFailed:

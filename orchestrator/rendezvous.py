@@ -23,7 +23,7 @@ import torch.distributed as dist
 from jobspec.fields import first_line
 from orchestrator.errors import JobFailed, StoreFailed
 from orchestrator.store_process import START_TIMEOUT_S, StoreProcess, StoreProcessError, listening_store
-from workers.claims import CountingStore
+from workers.claims import ClaimStores, CountingStore
 
 T = TypeVar("T")
 #: Beyond the store's own timeout, how long a driver call may take before the store is named as
@@ -69,29 +69,53 @@ class RendezvousStore:
     secret per job that workers receive through Ray (``JoinRequest``): a stray client that
     reaches the port can neither read nor forge a shard claim. Each process group formed
     through it uses a fresh key prefix (its generation); shard claims live under the current
-    generation's prefix (``claims``)."""
+    generation's prefix (``claims``), spread over ``claim_stores`` stores: this one and
+    ``claim_stores - 1`` more, served the same way (``claim_ports``; ``workers/claims.py``)."""
 
-    #: The current generation's view of the store, where shard claims live (set by next_prefix).
-    claims: CountingStore
+    #: The current generation's view of the stores where shard claims live (set by next_prefix).
+    claims: ClaimStores
 
-    def __init__(self, host: str, timeout_s: float, own_process: bool = False) -> None:
+    def __init__(self, host: str, timeout_s: float, own_process: bool = False, claim_stores: int = 1) -> None:
         self.host = host
         self.timeout_s = timeout_s
         self.namespace = f"{secrets.token_hex(16)}/"
         self.generation = 0
         self.process: StoreProcess | None = None
         self._client: dist.Store | None = None
+        self._claim_clients: list[dist.Store] = []
         self._caller: _Caller | None = None
+        # The further stores claims are spread over: processes, or servers of this process.
+        self.claim_processes: list[StoreProcess] = []
+        self._claim_servers: list[tuple[dist.TCPStore, int]] = []
         if own_process:
-            # Started now, connected to on first use: it loads while the workers start.
+            # Started now, connected to on first use: they load while the workers start.
             self.process = StoreProcess(host, timeout_s)
+            self.claim_processes = [StoreProcess(host, timeout_s) for _ in range(claim_stores - 1)]
         else:
             server, self._port = listening_store(host, timeout_s)
             self._client = dist.PrefixStore(self.namespace, server)  # the server lives as long as this object
+            self._claim_servers = [listening_store(host, timeout_s) for _ in range(claim_stores - 1)]
 
     @property
     def port(self) -> int:
         return self.process.port if self.process is not None else self._port
+
+    @property
+    def claim_ports(self) -> tuple[int, ...]:
+        """The ports of the stores claims are spread over besides this one (waits for their
+        processes to listen, as ``port`` does)."""
+        return tuple(p.port for p in self.claim_processes) + tuple(port for _, port in self._claim_servers)
+
+    def _claim_stores(self) -> list[dist.Store]:
+        if not self._claim_clients:
+            self._claim_clients = [
+                dist.PrefixStore(
+                    self.namespace,
+                    dist.TCPStore(self.host, port, is_master=False, timeout=timedelta(seconds=self.timeout_s)),
+                )
+                for port in self.claim_ports
+            ]
+        return self._claim_clients
 
     @property
     def _store(self) -> dist.Store:
@@ -102,9 +126,12 @@ class RendezvousStore:
         return self._client
 
     def server_cpu_s(self) -> float | None:
-        """CPU seconds the server process used so far; None when it is the driver's own (or
-        the system does not say)."""
-        return self.process.cpu_s() if self.process is not None else None
+        """CPU seconds the server processes (this store's and the further claim stores') used
+        so far; None when they are the driver's own (or the system does not say)."""
+        if self.process is None:
+            return None
+        used = [p.cpu_s() for p in (self.process, *self.claim_processes)]
+        return None if None in used else sum(u for u in used if u is not None)
 
     @property
     def name(self) -> str:
@@ -116,13 +143,19 @@ class RendezvousStore:
         """Raise StoreProcessError if the server process has ended (the workers' store errors
         then come from there, not from their own code). A ``waitpid`` that does not block: the
         controller calls it every turn, so a dead store is named even while nothing uses it."""
-        status = self.process.exit_status() if self.process is not None else None
-        if status is not None:
-            how = f"was killed by signal {-status}"
-            if status >= 0:  # it ended itself: its last line says why (a killed one's may be any warning)
-                said = self.process.last_words().splitlines()
-                how = f"exited with status {status}" + (f": {said[-1]}" if said else "")
-            raise StoreProcessError(f"{self.name} died: its process (pid {self.process.pid}) {how}")
+        if self.process is None:
+            return
+        named = [(self.name, self.process)] + [
+            (f"the job's claim store {n + 1} at {self.host}:{p.known_port}", p) for n, p in enumerate(self.claim_processes)
+        ]
+        for name, process in named:
+            status = process.exit_status()
+            if status is not None:
+                how = f"was killed by signal {-status}"
+                if status >= 0:  # it ended itself: its last line says why (a killed one's may be any warning)
+                    said = process.last_words().splitlines()
+                    how = f"exited with status {status}" + (f": {said[-1]}" if said else "")
+                raise StoreProcessError(f"{name} died: its process (pid {process.pid}) {how}")
 
     @contextlib.contextmanager
     def named_errors(self, doing: str) -> Iterator[None]:
@@ -153,11 +186,11 @@ class RendezvousStore:
                 raise StoreFailed(f"{self.name} did not answer within {deadline_s:.0f}s {doing}") from None
 
     def close(self) -> None:
-        """Stop the server process, if it has one, and the thread that calls it."""
+        """Stop the server processes, if it has them, and the thread that calls them."""
         if self._caller is not None:
             self._caller.stop()
-        if self.process is not None:
-            self.process.close()
+        for process in ([self.process] if self.process is not None else []) + self.claim_processes:
+            process.close()
 
     def read(self, key: str) -> str | None:
         """The value at ``key`` (outside any generation), or None if it is not set; no wait.
@@ -174,5 +207,9 @@ class RendezvousStore:
         prefix = f"gen{self.generation}/"
         # The first use waits for the store's process to listen (it imports torch first).
         connect_s = self.timeout_s + (START_TIMEOUT_S if self._client is None else 0.0)
-        self.claims = self.call("connecting", lambda: CountingStore(dist.PrefixStore(prefix, self._store)), wait_s=connect_s)
+        self.claims = self.call(
+            "connecting",
+            lambda: ClaimStores([CountingStore(dist.PrefixStore(prefix, s)) for s in [self._store, *self._claim_stores()]]),
+            wait_s=connect_s,
+        )
         return prefix

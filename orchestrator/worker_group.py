@@ -172,10 +172,11 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         self.release_followers()
         prefix = store.next_prefix()
         nodes = tuple(info.node_id for info in self.info)  # topology for the hierarchical all-reduce
+        claim_ports = store.claim_ports
         requests = [
             JoinRequest(
                 store.host, store.port, prefix, store.generation, rank, nodes, self.timeouts.rendezvous_s, store.namespace,
-                step,
+                step, claim_ports,
             )
             for rank in range(self.size)
         ]

@@ -7,17 +7,27 @@ import threading
 import time
 from collections.abc import Callable
 
+import pytest
 import torch.distributed as dist
 
 from policies import work_stealing as stealing
 from policies.work_stealing import ClaimKind, ClaimState, StepPlan, claim_focus, watched_peers
-from workers.claims import SLOTS, CountingStore, ShardClaims, claim_keys, open_step
+from workers.claims import SLOTS, ClaimStores, CountingStore, ShardClaims, claim_keys, open_step
 
 
 def _store(port: int = 0) -> dist.Store:
     """The driver's store (``port`` 0), or a worker's client of the one on ``port``."""
     tcp = dist.TCPStore("127.0.0.1", port, is_master=not port, wait_for_workers=False)
     return dist.PrefixStore("gen1/", tcp)
+
+
+def _spread(masters: list[dist.TCPStore]) -> ClaimStores:
+    """A worker's clients of the claim stores served by ``masters`` (rank r's on r mod n)."""
+    return ClaimStores([CountingStore(_store(master.port)) for master in masters])
+
+
+def _masters(count: int) -> list[dist.TCPStore]:
+    return [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(count)]
 
 
 # A suspect about: the driver opens the step's claims (a clean step makes none, see below).
@@ -71,12 +81,13 @@ def test_a_reopened_slot_starts_free():
     assert all(s.kind is ClaimKind.FREE for s in ShardClaims(store, 11, PLAN3, me=1).states().values())
 
 
-def test_exactly_once_under_racing_threads():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    store = dist.PrefixStore("gen1/", master)
+@pytest.mark.parametrize("stores", [1, 2])
+def test_exactly_once_under_racing_threads(stores):
+    masters = _masters(stores)
+    store = _spread(masters)
     shards, workers, steps = 12, 4, 30
     plan = StepPlan(tuple(tuple(range(r, shards, workers)) for r in range(workers)), suspects=frozenset({0}))
-    clients = [_store(master.port) for _ in range(workers)]
+    clients = [_spread(masters) for _ in range(workers)]
     for step in range(steps):
         open_step(store, step, plan)
         winners: dict[int, list[int]] = {s: [] for s in range(shards)}
@@ -214,11 +225,12 @@ def test_a_clean_steps_claims_are_made_by_whoever_finds_a_rank_late():
     assert store.store.num_keys() == keys and not owner.block_taken()
 
 
-def test_a_clean_rescue_counts_each_shard_once_under_racing_threads():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+@pytest.mark.parametrize("stores", [1, 3])
+def test_a_clean_rescue_counts_each_shard_once_under_racing_threads(stores):
+    masters = _masters(stores)
     shards, workers = 12, 4
     plan = StepPlan(tuple(tuple(range(r, shards, workers)) for r in range(workers)), expected_shard_s=0.01)
-    clients = [CountingStore(_store(master.port)) for _ in range(workers)]
+    clients = [_spread(masters) for _ in range(workers)]
     for step in range(20):
         missing = sorted(plan.shards_by_rank[step % workers] + plan.shards_by_rank[(step + 1) % workers])
         winners: dict[int, list[int]] = {s: [] for s in missing}
@@ -287,3 +299,26 @@ def test_the_watch_of_a_clean_step_reads_nothing_and_opens_a_late_peer_when_it_i
     abort.clear()
     no_steal = StepPlan(plan.shards_by_rank, expected_shard_s=0.01, steal=False)
     assert rescue_watch(ClaimedStep(8, no_steal, ShardClaims(store, 8, no_steal, 0), None, 30.0, abort), StepWork())() is None  # type: ignore[arg-type]
+
+
+def test_spread_claims_keep_each_ranks_keys_on_its_own_store_and_read_one_store_a_victim():
+    """Rank r's block and planned shards live on store r mod n: a seal, a victim's read and a
+    steal are one round trip to one store, and no store holds another's ranks' keys."""
+    masters = _masters(2)
+    plan = StepPlan(((0, 1), (2,), (3, 4), (5,)), suspects=frozenset({1}))
+    driver = _spread(masters)
+    open_step(driver, 0, plan)
+    assert [s.round_trips for s in driver.stores] == [1, 1]
+    on = [{k for k in claim_keys(0, plan) if dist.PrefixStore("gen1/", masters[n]).check([k])} for n in range(2)]
+    assert on[0] == {f"claim/0/{s}" for s in (0, 1, 3, 4)} | {"claim/0/block0", "claim/0/block2"}
+    assert on[1] == {f"claim/0/{s}" for s in (2, 5)} | {"claim/0/block1", "claim/0/block3"}
+    thief = ShardClaims(_spread(masters), 0, plan, me=3)
+    before = [s.round_trips for s in thief.stores.stores]
+    thief.read([1])  # the suspect's keys: its store only
+    assert [s.round_trips - b for s, b in zip(thief.stores.stores, before)] == [0, 1]
+    assert thief.claim(2) and thief.commit(2, 3)  # rank 1's shard, stolen: on rank 1's store
+    owner = ShardClaims(_spread(masters), 0, plan, me=1)
+    assert owner.block_taken() and not owner.claim_block()
+    assert owner.states()[2] == ClaimState(ClaimKind.DONE, 3)
+    states = owner.states()  # the whole step: one round trip per store
+    assert set(states) == set(range(6)) and thief.stores.round_trips == sum(s.round_trips for s in thief.stores.stores)

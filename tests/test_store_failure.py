@@ -78,8 +78,8 @@ def test_a_killed_store_fails_the_job_at_once_naming_the_store(tmp_path, monkeyp
     stores: list[RendezvousStore] = []
     make_store = orchestrator.ray_calls.driver_store
 
-    def recorded_store(timeout_s: float) -> RendezvousStore:
-        stores.append(make_store(timeout_s))
+    def recorded_store(timeout_s: float, claim_stores: int = 1) -> RendezvousStore:
+        stores.append(make_store(timeout_s, claim_stores))
         return stores[-1]
 
     monkeypatch.setattr(orchestrator.ray_calls, "driver_store", recorded_store)

@@ -87,6 +87,9 @@ def test_random_stalls_are_rescued_and_the_counters_add_up(tmp_path, reference):
         f"chaos.stalls={{probability: {probability}, seconds: {stall_s}, seed: {seed}}}",
         # Every worker keeps shards (a worker with none has no data to wait for).
         "stragglers.rebalance=false", "stragglers.evict=false",
+        # Claims spread over three store processes (ranks 0 and 3 on the first): rescues,
+        # steals and backups move claims across them.
+        "stragglers.claim_stores=3",
     )
     assert_same_params(params(result.run_dir), reference, "stalls")
     telemetry = read_telemetry(result.run_dir / "telemetry.jsonl")

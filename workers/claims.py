@@ -18,6 +18,11 @@ A peer also opens a block to rescue its owner, found late before it sealed (see
 ``workers/rescue_watch.py``); the owner, seeing its block opened (``block_taken``), gives its
 shards up to the step's rescue pass.
 
+A step's claims may be spread over several stores (``ClaimStores``, one process each): rank
+r's block and planned shards live on store ``r % len(stores)``, so what reads or moves one
+rank's claims (a seal, a victim's read, a steal) is one round trip to one store, and no store
+serves more than its share of the ranks (docs/architecture.md, "The control plane at scale").
+
 Keys live in ``SLOTS`` rotating slots (step mod SLOTS), reset to free when a step opens, so
 the store does not grow with the run; SLOTS exceeds the steps the driver keeps in flight.
 
@@ -94,6 +99,32 @@ class CountingStore:
         return value
 
 
+class ClaimStores:
+    """The stores a job's shard claims are spread over (at least one): rank r's block and
+    planned shards live on ``of_rank(r)``. ``round_trips`` and ``bytes`` are summed over them."""
+
+    def __init__(self, stores: Sequence[CountingStore]) -> None:
+        if not stores:
+            raise ValueError("claims need at least one store")
+        self.stores = tuple(stores)
+
+    @classmethod
+    def of(cls, store: ClaimStores | CountingStore) -> ClaimStores:
+        """``store`` itself, or one store as the only one."""
+        return store if isinstance(store, ClaimStores) else cls((store,))
+
+    def of_rank(self, rank: int) -> CountingStore:
+        return self.stores[rank % len(self.stores)]
+
+    @property
+    def round_trips(self) -> int:
+        return sum(store.round_trips for store in self.stores)
+
+    @property
+    def bytes(self) -> int:
+        return sum(store.bytes for store in self.stores)
+
+
 def claim_keys(step: int, plan: StepPlan) -> list[str]:
     """The step's shard keys (by shard id), then its block keys (by rank)."""
     slot = step % SLOTS
@@ -102,18 +133,25 @@ def claim_keys(step: int, plan: StepPlan) -> list[str]:
     ]
 
 
-def open_step(store: dist.Store | CountingStore, step: int, plan: StepPlan) -> None:
-    """Mark every shard and block of ``step`` free (the driver does this before submitting it)."""
+def open_step(stores: ClaimStores | CountingStore, step: int, plan: StepPlan) -> None:
+    """Mark every shard and block of ``step`` free (the driver does this before submitting
+    it): one round trip per store."""
+    stores = ClaimStores.of(stores)
     keys = claim_keys(step, plan)
-    store.multi_set(keys, [FREE.encode()] * len(keys))
+    # Whose store each key is on: a shard's planned rank's, a block's rank's.
+    owners = [plan.owners[shard] for shard in range(plan.num_shards)] + list(range(len(plan.shards_by_rank)))
+    for index, store in enumerate(stores.stores):
+        mine = [key for key, owner in zip(keys, owners) if owner % len(stores.stores) == index]
+        if mine:
+            store.multi_set(mine, [FREE.encode()] * len(mine))
 
 
 class ShardClaims:
     """One worker's handle on the claims of ``step``. Every method is one store round trip,
     but ``open_rescue``."""
 
-    def __init__(self, store: CountingStore, step: int, plan: StepPlan, me: int) -> None:
-        self.store = store
+    def __init__(self, stores: ClaimStores | CountingStore, step: int, plan: StepPlan, me: int) -> None:
+        self.stores = ClaimStores.of(stores)
         self.num_shards = plan.num_shards
         self.owner_of = plan.owners
         self.shards_of = plan.shards_by_rank
@@ -123,7 +161,7 @@ class ShardClaims:
         self._prefix = f"clean/{step}/" if self.clean else f"claim/{step % SLOTS}/"
         self._free_block = "" if self.clean else FREE.encode()
         self._opened: set[int] = set()
-        self._rescued: list[str] = []  # the keys of a clean step's rescue pass
+        self._rescued: list[tuple[int, str]] = []  # the keys of a clean step's rescue pass (with their owners)
 
     def _shard_key(self, shard: int) -> str:
         return f"{self._prefix}{shard}"
@@ -140,7 +178,8 @@ class ShardClaims:
         else:
             shards = [s for rank in ranks for s in self.shards_of[rank]]
         keys = [self._shard_key(s) for s in shards] + [self._block_key(r) for r in ranks]
-        values = [v.decode() for v in self.store.multi_get(keys)]
+        owners = [self.owner_of[s] for s in shards] + list(ranks)
+        values = self._get(keys, owners)
         blocks = dict(zip(ranks, values[len(shards):]))
         sealed = {rank for rank, v in blocks.items() if v == f"sealed:{rank}"}
         states = {
@@ -148,6 +187,19 @@ class ShardClaims:
             for shard, value in zip(shards, values)
         }
         return states, blocks
+
+    def _get(self, keys: Sequence[str], owners: Sequence[int]) -> list[str]:
+        """The values of ``keys`` (``owners[i]``: the rank whose store holds ``keys[i]``), in
+        order: one round trip per store they are on."""
+        values: list[str] = [""] * len(keys)
+        by_store: dict[int, list[int]] = {}
+        for index, owner in enumerate(owners):
+            by_store.setdefault(owner % len(self.stores.stores), []).append(index)
+        for store, indices in by_store.items():
+            read = self.stores.stores[store].multi_get([keys[i] for i in indices])
+            for index, value in zip(indices, read):
+                values[index] = value.decode()
+        return values
 
     def states(self, ranks: Sequence[int] | None = None) -> dict[int, ClaimState]:
         """The states of the planned shards of ``ranks`` (default: every rank's), read from the
@@ -159,25 +211,26 @@ class ShardClaims:
 
     def of(self, shards: Sequence[int]) -> dict[int, ClaimState]:
         """The states of ``shards``, claimed one by one (none sealed whole), from their keys alone."""
-        values = self.store.multi_get([self._shard_key(s) for s in shards])
-        return {shard: ClaimState.decode(value.decode()) for shard, value in zip(shards, values)}
+        values = self._get([self._shard_key(s) for s in shards], [self.owner_of[s] for s in shards])
+        return {shard: ClaimState.decode(value) for shard, value in zip(shards, values)}
 
     def block_taken(self) -> bool:
         """Whether someone has opened my block (only I open it otherwise, by claiming one of
         my shards alone): my shards are no longer all mine to seal."""
+        mine = self.stores.of_rank(self.me)
         if self.clean:
-            return self.store.check([self._block_key(self.me)])
-        return self.store.get(self._block_key(self.me)).decode() == OPEN
+            return mine.check([self._block_key(self.me)])
+        return mine.get(self._block_key(self.me)).decode() == OPEN
 
     def claim_block(self) -> bool:
         """Seal all my planned shards at once: fails if someone has opened my block."""
         mine = ClaimState(ClaimKind.SEALED, self.me).encode()
-        return self.store.compare_set(self._block_key(self.me), self._free_block, mine).decode() == mine
+        return self.stores.of_rank(self.me).compare_set(self._block_key(self.me), self._free_block, mine).decode() == mine
 
     def open_block(self, rank: int) -> bool:
         """Open ``rank``'s block for single-shard moves; False if its owner sealed it whole."""
         if rank not in self._opened:
-            if self.store.compare_set(self._block_key(rank), self._free_block, OPEN).decode() != OPEN:
+            if self.stores.of_rank(rank).compare_set(self._block_key(rank), self._free_block, OPEN).decode() != OPEN:
                 return False
             self._opened.add(rank)
         return True
@@ -192,14 +245,14 @@ class ShardClaims:
             return
         owners = sorted({self.owner_of[s] for s in missing})
         lost = set(missing)
-        made = {self._shard_key(s): FREE.encode() if s in lost else ClaimState(ClaimKind.DONE, r).encode()
+        made = {(r, self._shard_key(s)): FREE.encode() if s in lost else ClaimState(ClaimKind.DONE, r).encode()
                 for r in owners for s in self.shards_of[r]}
-        made.update({self._block_key(r): OPEN for r in owners})
+        made.update({(r, self._block_key(r)): OPEN for r in owners})
         self._rescued = list(made)
-        if self.store.check(self._rescued):
+        if all(self.stores.of_rank(r).check([key for owner, key in made if owner == r]) for r in owners):
             return  # a faster rank made them all (and may have claimed some already)
-        for key, value in made.items():
-            self.store.compare_set(key, "", value)
+        for (owner, key), value in made.items():
+            self.stores.of_rank(owner).compare_set(key, "", value)
 
     def forget(self) -> None:
         """After a clean step is summed (its rescue pass too, if it had one: every rank is past
@@ -208,13 +261,13 @@ class ShardClaims:
         opened. Nothing to do on a step nobody was late in, or whose claims the driver opened."""
         if not self.clean:
             return
-        doomed = (self._rescued if self.me == 0 else []) + [self._block_key(r) for r in self._opened]
-        for key in dict.fromkeys(doomed):
-            self.store.delete_key(key)
+        doomed = (self._rescued if self.me == 0 else []) + [(r, self._block_key(r)) for r in self._opened]
+        for owner, key in dict.fromkeys(doomed):
+            self.stores.of_rank(owner).delete_key(key)
 
     def _move(self, shard: int, old: ClaimState, new: ClaimState) -> ClaimState:
         """Compare-and-set; returns the state after the attempt (``new`` if it won)."""
-        after = self.store.compare_set(self._shard_key(shard), old.encode(), new.encode())
+        after = self.stores.of_rank(self.owner_of[shard]).compare_set(self._shard_key(shard), old.encode(), new.encode())
         return ClaimState.decode(after.decode())
 
     def claim(self, shard: int, *, seal: bool = False) -> bool:

@@ -22,7 +22,7 @@ from jobspec.runtime import CollectiveConfig
 from jobspec.wire import Joined, JoinRequest
 from policies.collective_choice import CollectiveChoice
 from policies.sharding import ShardingLayout
-from workers.claims import CountingStore
+from workers.claims import ClaimStores, CountingStore
 from workers.comm_group import CommGroup, form_process_group
 from workers.communicator import Communicator, make_communicator, pick_backend
 from workers.compression import OWN_TRANSPORT, TopKAllReduce, compress
@@ -58,7 +58,7 @@ class GroupLink:
         self.rank = -1
         self.world_size = 0
         self.store: dist.Store | None = None
-        self.claims_store: CountingStore | None = None
+        self.claims_store: ClaimStores | None = None
         self.group: CommGroup | None = None
         self.reducer: GradientReducer | None = None
         self.reducer_comm: Communicator | None = None  # the reducer's (top-k keeps residuals)
@@ -81,13 +81,18 @@ class GroupLink:
         """Form generation ``request.generation``'s process group through the driver's TCPStore,
         then take rank 0's training state into ``replica``. Raises CollectiveAborted or
         CollectiveTimeout if the rendezvous or the transfer cannot finish."""
-        store: dist.Store = dist.TCPStore(
-            request.store_host, request.store_port, is_master=False, timeout=timedelta(seconds=request.timeout_s)
-        )
-        if request.namespace:
-            store = dist.PrefixStore(request.namespace, store)
+        def connect(port: int) -> dist.Store:
+            store: dist.Store = dist.TCPStore(
+                request.store_host, port, is_master=False, timeout=timedelta(seconds=request.timeout_s)
+            )
+            return dist.PrefixStore(request.namespace, store) if request.namespace else store
+
+        store = connect(request.store_port)
         self.store = store
-        self.claims_store = CountingStore(dist.PrefixStore(request.prefix, store))
+        self.claims_store = ClaimStores([
+            CountingStore(dist.PrefixStore(request.prefix, s))
+            for s in [store, *(connect(port) for port in request.claim_ports)]
+        ])
         backend = pick_backend(replica.device, self.collective.backend)
         pg = form_process_group(
             backend, dist.PrefixStore(request.prefix, store), request.rank, request.world_size,
