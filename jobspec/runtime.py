@@ -70,7 +70,8 @@ class CollectiveConfig(StrictModel):
     ring across nodes) or ``native`` (torch.distributed.all_reduce: gloo's or NCCL's own).
     ``bucket_mb``: the most gradient data in one collective call (the first bucket is at most
     1 MB, so communication starts early); unset: chosen by the probe under ``auto``, else 4
-    (100 on a GPU, where each bucket's launch and wait cost the host as much as a small one's).
+    (100 on a GPU, where each bucket's launch and wait cost the host as much as a small one's,
+    but with int8/topk).
     The algorithms sum in different float orders and ``auto``'s choice rests on timings, so
     under ``auto`` two runs agree to float rounding, not bit for bit: name an algorithm for
     bitwise-repeatable runs. With ``int8``/``topk`` compression ``auto`` probes nothing

@@ -10,6 +10,7 @@ from jobspec.fields import StrictModel
 # CPU a step in bench control-plane with every step rescuing, so 256 keep one near a core's
 # 3% at a step a second (docs/architecture.md, "The control plane at scale").
 RANKS_PER_CLAIM_STORE = 256
+MAX_CLAIM_STORES = 64
 
 
 class StragglerConfig(StrictModel):
@@ -29,7 +30,7 @@ class StragglerConfig(StrictModel):
     ``rebalance_alpha`` (EWMA weight) and ``rebalance_hysteresis`` (fraction of step time a new
     split must save). ``claim_stores``: how many store processes the driver spreads shard
     claims over (rank r's on store r mod n); unset: one per ``RANKS_PER_CLAIM_STORE`` (256) of
-    ``scaling.max_workers``.
+    ``scaling.max_workers``, up to 64 (one without mitigation: nothing claims).
     """
 
     mitigation: bool = True
@@ -46,11 +47,13 @@ class StragglerConfig(StrictModel):
     rebalance_hysteresis: float = Field(0.15, ge=0, lt=1)
     evict_ratio: float = Field(8.0, gt=1)
     silent_s: float = Field(30.0, gt=0)
-    claim_stores: int | None = Field(None, ge=1, le=64)
+    claim_stores: int | None = Field(None, ge=1, le=MAX_CLAIM_STORES)
 
     def claim_store_count(self, max_workers: int) -> int:
         """The store processes claims are spread over for up to ``max_workers`` ranks."""
-        return self.claim_stores or max(1, -(-max_workers // RANKS_PER_CLAIM_STORE))
+        if not self.mitigation:
+            return 1
+        return self.claim_stores or min(MAX_CLAIM_STORES, max(1, -(-max_workers // RANKS_PER_CLAIM_STORE)))
 
     def policy_kwargs(self) -> dict[str, float | int]:
         """The settings ``policies.straggler_policies.StragglerPolicies`` takes."""

@@ -90,7 +90,12 @@ class RendezvousStore:
         if own_process:
             # Started now, connected to on first use: they load while the workers start.
             self.process = StoreProcess(host, timeout_s)
-            self.claim_processes = [StoreProcess(host, timeout_s) for _ in range(claim_stores - 1)]
+            try:
+                for _ in range(claim_stores - 1):
+                    self.claim_processes.append(StoreProcess(host, timeout_s))
+            except BaseException:
+                self.close()  # those already started, stopped by PID
+                raise
         else:
             server, self._port = listening_store(host, timeout_s)
             self._client = dist.PrefixStore(self.namespace, server)  # the server lives as long as this object
@@ -137,7 +142,11 @@ class RendezvousStore:
     def name(self) -> str:
         """The store as messages name it: its address (the port once it listens)."""
         port = self._port if self.process is None else self.process.known_port
-        return f"the job's store (rendezvous and shard claims) at {self.host}:{port if port is not None else '?'}"
+        named = f"the job's store (rendezvous and shard claims) at {self.host}:{port if port is not None else '?'}"
+        further = [p.known_port for p in self.claim_processes] or [port for _, port in self._claim_servers]
+        if further:  # its errors may come from any of them
+            named += f" and its claim stores at ports {', '.join('?' if p is None else str(p) for p in further)}"
+        return named
 
     def check_alive(self) -> None:
         """Raise StoreProcessError if the server process has ended (the workers' store errors
@@ -146,7 +155,7 @@ class RendezvousStore:
         if self.process is None:
             return
         named = [(self.name, self.process)] + [
-            (f"the job's claim store {n + 1} at {self.host}:{p.known_port}", p) for n, p in enumerate(self.claim_processes)
+            (f"the job's claim store {n + 1} at {self.host}:{p.known_port or '?'}", p) for n, p in enumerate(self.claim_processes)
         ]
         for name, process in named:
             status = process.exit_status()

@@ -322,3 +322,11 @@ def test_spread_claims_keep_each_ranks_keys_on_its_own_store_and_read_one_store_
     assert owner.states()[2] == ClaimState(ClaimKind.DONE, 3)
     states = owner.states()  # the whole step: one round trip per store
     assert set(states) == set(range(6)) and thief.stores.round_trips == sum(s.round_trips for s in thief.stores.stores)
+
+
+def test_claims_get_one_store_per_256_workers_up_to_64_and_one_without_mitigation():
+    from jobspec.stragglers import StragglerConfig
+
+    assert [StragglerConfig().claim_store_count(n) for n in (1, 256, 257, 4096, 100_000)] == [1, 1, 2, 16, 64]
+    assert StragglerConfig(claim_stores=3).claim_store_count(8) == 3
+    assert StragglerConfig(mitigation=False).claim_store_count(4096) == 1

@@ -147,8 +147,8 @@ def open_step(stores: ClaimStores | CountingStore, step: int, plan: StepPlan) ->
 
 
 class ShardClaims:
-    """One worker's handle on the claims of ``step``. Every method is one store round trip,
-    but ``open_rescue``."""
+    """One worker's handle on the claims of ``step``. Every method is one round trip to each
+    store it touches (one, for what touches one rank's claims), but ``open_rescue``."""
 
     def __init__(self, stores: ClaimStores | CountingStore, step: int, plan: StepPlan, me: int) -> None:
         self.stores = ClaimStores.of(stores)

@@ -132,9 +132,12 @@ class GroupLink:
         else:
             # int8 and top-k run their own ring whatever the algorithm (nothing to choose: the
             # exact one sums only the bookkeeping), and top-k's residuals are keyed by bucket,
-            # so its bucket size must not move with a probe's noise between generations.
+            # so its bucket size must not move with a probe's noise between generations, nor
+            # with the device a checkpoint resumes on: 4 MB on a GPU too, unless set.
             algorithm = "native" if collective.algorithm == "auto" else collective.algorithm
             exact = make_communicator(algorithm, group, nodes)
+            if collective.compression in OWN_TRANSPORT:
+                bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
         compressed = compress(collective.compression, exact, group, collective.topk_ratio)
         if residuals and isinstance(compressed, TopKAllReduce):
             compressed.residuals = residuals  # this worker's unsent gradient outlives the generation
