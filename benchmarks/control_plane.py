@@ -30,9 +30,10 @@ PREDICT_AT = 4096
 REFERENCE_STEP_MS = 1000.0
 
 
-def control_plane_job(workers: int, steps: int) -> JobConfig:
+def control_plane_job(workers: int, steps: int, claim_stores: int | None = None) -> JobConfig:
     """The null job on ``workers`` workers: one shard per worker, one sample per shard, defaults
-    for everything the control plane does (mitigation, telemetry, events)."""
+    for everything the control plane does (mitigation, telemetry, events); its claims over
+    ``claim_stores`` store processes (None: the default)."""
     return JobConfig.model_validate({
         "name": f"control-plane-{workers}",
         "model": {"factory": "benchmarks.null_model:make_model"},
@@ -45,14 +46,16 @@ def control_plane_job(workers: int, steps: int) -> JobConfig:
         "eval": None,
         "scaling": {"workers": workers, "resources_per_worker": {"CPU": 0.01}},
         "timeouts": {"start_s": 60.0 + 5.0 * workers},
+        "stragglers": {"claim_stores": claim_stores},
     })
 
 
-def measure(workers: int, steps: int, scratch: Path) -> dict[str, Any]:
-    """Run the null job on ``workers`` workers; its summary's ``control_plane`` plus ``workers``.
-    Raises BenchmarkError if the run fails or measured nothing."""
+def measure(workers: int, steps: int, scratch: Path, claim_stores: int | None = None) -> dict[str, Any]:
+    """Run the null job on ``workers`` workers (claims over ``claim_stores`` stores); its
+    summary's ``control_plane`` plus ``workers``. Raises BenchmarkError if the run fails or
+    measured nothing."""
     run_dir, _ = run_ringleader(
-        control_plane_job(workers, steps), scratch / f"n{workers}", 300.0 + 10.0 * workers + 2.0 * steps,
+        control_plane_job(workers, steps, claim_stores), scratch / f"n{workers}", 300.0 + 10.0 * workers + 2.0 * steps,
         f"control-plane job with {workers} workers",
     )
     summary, _ = read_run(run_dir)
@@ -132,10 +135,16 @@ def format_report(rows: list[dict[str, Any]], fitted: dict[str, dict[str, float]
 
 
 def main(
-    workers: list[int], steps: int, json_path: str | None, scratch: str | None = None, synthetic: list[int] | None = None
+    workers: list[int],
+    steps: int,
+    json_path: str | None,
+    scratch: str | None = None,
+    synthetic: list[int] | None = None,
+    claim_stores: int | None = None,
 ) -> int:
-    """Real jobs on ``workers`` actors (none: skipped), then the controller on synthetic groups
-    of ``synthetic`` ranks (``benchmarks/driver_scale.py``); prints the rows and fits."""
+    """Real jobs on ``workers`` actors (none: skipped; claims over ``claim_stores`` stores), then
+    the controller on synthetic groups of ``synthetic`` ranks (``benchmarks/driver_scale.py``);
+    prints the rows and fits."""
     out: dict[str, Any] = {}
     if synthetic:
         from benchmarks.driver_scale import main_synthetic
@@ -164,7 +173,7 @@ def main(
         rows = []
         for count in workers:
             print(f"control-plane: {count} workers, {steps} steps", flush=True)
-            rows.append(measure(count, steps, Path(tmp)))
+            rows.append(measure(count, steps, Path(tmp), claim_stores))
     with_idle_taken_out(rows, idle)
     fitted = fit(rows) if len(rows) > 1 else {}
     print(format_report(rows, fitted, idle) if fitted else json.dumps(rows, indent=2))

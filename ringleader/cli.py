@@ -101,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
         help="also run the real controller against a synthetic group of this many ranks each (no actors: "
         "the driver's own per-step work at scale), e.g. 1024 4096 16384",
     )
+    control.add_argument(
+        "--claim-stores", type=int, metavar="N", help="spread the real jobs' shard claims over N store processes "
+        "(stragglers.claim_stores; default: the job's, one per 256 workers)",
+    )
 
     allreduce = benches.add_parser("allreduce", help="all-reduce bandwidth: our ring (and hierarchical) vs native")
     allreduce.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="world sizes (default: 2 4)")
@@ -352,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "control-plane":
         from benchmarks import control_plane
 
-        return control_plane.main(args.workers, args.steps, args.json_path, synthetic=args.synthetic or [])
+        return control_plane.main(
+            args.workers, args.steps, args.json_path, synthetic=args.synthetic or [], claim_stores=args.claim_stores
+        )
     if args.command == "bench" and args.bench == "allreduce":
         from benchmarks import collectives
 
