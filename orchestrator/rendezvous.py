@@ -91,8 +91,8 @@ class RendezvousStore:
             # Started now, connected to on first use: they load while the workers start.
             self.process = StoreProcess(host, timeout_s)
             try:
-                for _ in range(claim_stores - 1):
-                    self.claim_processes.append(StoreProcess(host, timeout_s))
+                for number in range(1, claim_stores):
+                    self.claim_processes.append(StoreProcess(host, timeout_s, f"claim store {number}"))
             except BaseException:
                 self.close()  # those already started, stopped by PID
                 raise

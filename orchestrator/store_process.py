@@ -39,10 +39,11 @@ class StoreProcessError(StoreFailed):
 class StoreProcess:
     """Starts the server process at once (it imports torch, which takes a second or two, while
     the workers start); ``port`` waits for it to listen (up to ``START_TIMEOUT_S``, then
-    StoreProcessError)."""
+    StoreProcessError). ``role``: what the store is for, as its errors name it."""
 
-    def __init__(self, host: str, timeout_s: float) -> None:
+    def __init__(self, host: str, timeout_s: float, role: str = "rendezvous store") -> None:
         self.host = host
+        self.role = role
         # Its log goes to a file: a pipe nobody reads would fill and block the server.
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self._proc = subprocess.Popen(
@@ -76,7 +77,7 @@ class StoreProcess:
         if not line.strip().isdigit():
             self.close()
             raise StoreProcessError(
-                f"the rendezvous store's process did not start listening on {self.host} within "
+                f"the {self.role}'s process did not start listening on {self.host} within "
                 f"{START_TIMEOUT_S:.0f}s: {line.strip() or self.last_words() or 'no output'}"
             )
         return int(line)

@@ -151,3 +151,12 @@ def test_claims_spread_over_further_stores_that_workers_reach_by_their_ports(own
     finally:
         store.close()
     assert all(p._proc.poll() is not None for p in [store.process, *store.claim_processes] if p is not None)
+
+
+def test_a_claim_store_that_cannot_listen_is_named_as_one():
+    store = RendezvousStore("no-such-host.invalid", 5.0, own_process=True, claim_stores=2)
+    try:
+        with pytest.raises(StoreProcessError, match=r"^the claim store 1's process did not start listening on no-such-host\.invalid within"):
+            store.claim_ports
+    finally:
+        store.close()
