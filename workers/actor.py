@@ -57,6 +57,7 @@ from workers.sampler import ShardSampler
 from workers.sharded_optimizer import ShardedOptimizer, build_optimizer
 from workers.step import StepRunner
 from workers.step_buffers import StepBuffers
+from workers.step_report import StepClock, StepTraffic, step_report
 from workers.step_work import ClaimedStep, RescuePass
 from workers.training import FlatParameters, autocast, evaluate_job, fetch_batch, finish_gradient, move_to
 
@@ -320,7 +321,6 @@ class TrainWorker:
         else:
             work = self.runner.run_fixed(step, list(plan.shards_by_rank[link.rank]), plan.num_shards, reducer)
         computed = time.perf_counter()
-        compute_s = computed - started - work.idle_s - work.stalled_s  # before any rescue pass
         self._enter(step, Phase.REDUCE)
         if self.chaos.kill_due("step", step):
             kill_self(self._record_death)  # mid all-reduce: overlapped buckets are on the wire
@@ -354,41 +354,14 @@ class TrainWorker:
         link.gather_stepped(self, step, stepped=not skipped)  # sharded: the other slices' parameters
         self.next_step = step + 1
         self._enter(step, Phase.DONE)
-        done = time.perf_counter()
-        busy_s = work.compute_s + work.slowed_s
-        report = StepTelemetry(
-            step=step,
-            rank=link.rank,
-            worker=self.worker_id,
-            shards=tuple(sorted(work.committed)),
-            samples=work.total.samples,
-            global_samples=census.samples,
-            shards_counted=census.shards_counted,
-            lr=lr,
-            loss=census.loss_sum / census.weight,
-            weight=census.weight,
-            grad_norm=update.grad_norm,
-            skipped=skipped,
-            compute_s=compute_s,
-            comm_s=comm_s,
-            optim_s=done - reduced,
-            step_s=done - started,
-            shards_run=work.shards_run,
-            shard_s=busy_s / work.shards_run if work.shards_run else 0.0,
-            samples_per_s=work.total.samples / busy_s if busy_s > 0 else 0.0,
-            weight_per_s=float(work.total.weight) / busy_s if busy_s > 0 else 0.0,
-            idle_s=work.idle_s,
-            stalled_s=work.stalled_s,
-            gave_up=work.gave_up,
-            rescued=rescue.shards,
-            rescue_s=rescue.seconds,
-            bytes_sent=link.group.bytes_sent if link.group is not None else 0,
-            stolen=work.stolen,
-            backups=work.backups,
-            backups_won=work.backups_won,
-            races_lost=work.races_lost,
-            store_round_trips=claims_store.round_trips - store_trips,
-            store_bytes=claims_store.bytes - store_bytes,
+        clock = StepClock(started, computed, reduced, time.perf_counter())
+        traffic = StepTraffic(
+            link.group.bytes_sent if link.group is not None else 0,
+            claims_store.round_trips - store_trips,
+            claims_store.bytes - store_bytes,
+        )
+        report = step_report(
+            step, link.rank, self.worker_id, work, rescue, census, update, lr, skipped, clock, comm_s, traffic
         )
         self._kept.append(report)
         return report
