@@ -111,23 +111,21 @@ class RendezvousStore:
         processes to listen, as ``port`` does)."""
         return tuple(p.port for p in self.claim_processes) + tuple(port for _, port in self._claim_servers)
 
+    def _connect(self, port: int) -> dist.Store:
+        """A client of the server on ``port``, its keys under the job's namespace."""
+        client = dist.TCPStore(self.host, port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
+        return dist.PrefixStore(self.namespace, client)
+
     def _claim_stores(self) -> list[dist.Store]:
         if not self._claim_clients:
-            self._claim_clients = [
-                dist.PrefixStore(
-                    self.namespace,
-                    dist.TCPStore(self.host, port, is_master=False, timeout=timedelta(seconds=self.timeout_s)),
-                )
-                for port in self.claim_ports
-            ]
+            self._claim_clients = [self._connect(port) for port in self.claim_ports]
         return self._claim_clients
 
     @property
     def _store(self) -> dist.Store:
         if self._client is None:
             assert self.process is not None
-            client = dist.TCPStore(self.host, self.process.port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
-            self._client = dist.PrefixStore(self.namespace, client)
+            self._client = self._connect(self.process.port)
         return self._client
 
     def server_cpu_s(self) -> float | None:
@@ -155,7 +153,7 @@ class RendezvousStore:
         if self.process is None:
             return
         named = [(self.name, self.process)] + [
-            (f"the job's claim store {n + 1} at {self.host}:{p.known_port or '?'}", p) for n, p in enumerate(self.claim_processes)
+            (f"the job's {p.role} at {self.host}:{p.known_port or '?'}", p) for p in self.claim_processes
         ]
         for name, process in named:
             status = process.exit_status()

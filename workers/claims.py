@@ -116,6 +116,14 @@ class ClaimStores:
     def of_rank(self, rank: int) -> CountingStore:
         return self.stores[rank % len(self.stores)]
 
+    def by_store(self, owners: Sequence[int]) -> dict[CountingStore, list[int]]:
+        """The positions in ``owners`` (the rank whose claims each key is, in order) grouped
+        by the store that holds them: one round trip per group."""
+        groups: dict[CountingStore, list[int]] = {}
+        for index, owner in enumerate(owners):
+            groups.setdefault(self.of_rank(owner), []).append(index)
+        return groups
+
     @property
     def round_trips(self) -> int:
         return sum(store.round_trips for store in self.stores)
@@ -140,10 +148,8 @@ def open_step(stores: ClaimStores | CountingStore, step: int, plan: StepPlan) ->
     keys = claim_keys(step, plan)
     # Whose store each key is on: a shard's planned rank's, a block's rank's.
     owners = [plan.owners[shard] for shard in range(plan.num_shards)] + list(range(len(plan.shards_by_rank)))
-    for index, store in enumerate(stores.stores):
-        mine = [key for key, owner in zip(keys, owners) if owner % len(stores.stores) == index]
-        if mine:
-            store.multi_set(mine, [FREE.encode()] * len(mine))
+    for store, indices in stores.by_store(owners).items():
+        store.multi_set([keys[i] for i in indices], [FREE.encode()] * len(indices))
 
 
 class ShardClaims:
@@ -192,11 +198,8 @@ class ShardClaims:
         """The values of ``keys`` (``owners[i]``: the rank whose store holds ``keys[i]``), in
         order: one round trip per store they are on."""
         values: list[str] = [""] * len(keys)
-        by_store: dict[int, list[int]] = {}
-        for index, owner in enumerate(owners):
-            by_store.setdefault(owner % len(self.stores.stores), []).append(index)
-        for store, indices in by_store.items():
-            read = self.stores.stores[store].multi_get([keys[i] for i in indices])
+        for store, indices in self.stores.by_store(owners).items():
+            read = store.multi_get([keys[i] for i in indices])
             for index, value in zip(indices, read):
                 values[index] = value.decode()
         return values
@@ -249,7 +252,8 @@ class ShardClaims:
                 for r in owners for s in self.shards_of[r]}
         made.update({(r, self._block_key(r)): OPEN for r in owners})
         self._rescued = list(made)
-        if all(self.stores.of_rank(r).check([key for owner, key in made if owner == r]) for r in owners):
+        groups = self.stores.by_store([owner for owner, _ in self._rescued])
+        if all(store.check([self._rescued[i][1] for i in indices]) for store, indices in groups.items()):
             return  # a faster rank made them all (and may have claimed some already)
         for (owner, key), value in made.items():
             self.stores.of_rank(owner).compare_set(key, "", value)

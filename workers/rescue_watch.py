@@ -22,7 +22,6 @@ from workers.step_work import ClaimedStep, StepWork
 WATCH_POLL_S = 0.002
 
 
-
 def rescue_watch(ctx: ClaimedStep, work: StepWork) -> Callable[[], float | None]:
     """What this rank does while it waits for the step's all-reduce: open the block of any
     peer it watches (``watched_peers``) whose shards all still sit unstarted after
