@@ -90,18 +90,24 @@ def with_idle_taken_out(rows: list[dict[str, Any]], idle_ms_per_s: float) -> Non
         row["driver_cpu_net_ms"] = row["driver_cpu_ms"] - idle_ms_per_s * row["step_wall_ms"] / 1000.0
 
 
+def line_fit(workers: list[int], values: list[float]) -> tuple[float, float]:
+    """Least-squares ``(fixed, per_worker)`` of ``values ~ fixed + per_worker x workers``."""
+    per_worker, fixed = np.polyfit(np.array(workers, dtype=float), np.array(values, dtype=float), 1)
+    return float(fixed), float(per_worker)
+
+
 def fit(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Least-squares ``fixed + per_worker x N`` for each column of ``FITTED`` (and the store
     process's CPU, ``store_cpu_ms``, when every row has it), and its prediction at
     ``PREDICT_AT`` workers. Needs two worker counts or more."""
     if len({r["workers"] for r in rows}) < 2:
         raise ValueError("fitting needs at least two worker counts")
-    n = np.array([r["workers"] for r in rows], dtype=float)
+    workers = [r["workers"] for r in rows]
     out = {}
     optional = tuple(c for c in ("driver_cpu_net_ms", "store_cpu_ms") if all(c in r for r in rows))
     for column in FITTED + optional:
-        per_worker, fixed = np.polyfit(n, np.array([r[column] for r in rows], dtype=float), 1)
-        out[column] = {"fixed": float(fixed), "per_worker": float(per_worker), "at_4096": float(fixed + per_worker * PREDICT_AT)}
+        fixed, per_worker = line_fit(workers, [r[column] for r in rows])
+        out[column] = {"fixed": fixed, "per_worker": per_worker, "at_4096": fixed + per_worker * PREDICT_AT}
     return out
 
 
@@ -153,11 +159,10 @@ def main(
         rows = main_synthetic(control_plane_job, synthetic, steps)
         out["synthetic"] = rows
         if len(rows) > 1:
-            n = np.array([r["workers"] for r in rows], dtype=float)
             # The per-worker gauges' pass, every WORKER_GAUGES_EVERY_S, charged to a 1 s step.
             cost = [r["driver_cpu_ms"] + r["worker_gauges_ms"] / WORKER_GAUGES_EVERY_S for r in rows]
-            per_worker, fixed = np.polyfit(n, np.array(cost), 1)
-            out["synthetic_fit"] = {"fixed": float(fixed), "per_worker": float(per_worker)}
+            fixed, per_worker = line_fit([r["workers"] for r in rows], cost)
+            out["synthetic_fit"] = {"fixed": fixed, "per_worker": per_worker}
             print(
                 f"synthetic fit (gauges included at 1 s steps): driver CPU = {fixed:.2f} + {1000 * per_worker:.2f} us x N ms per step: "
                 f"{fixed + per_worker * 4096:.1f} ms at 4096 (target <= 20), {fixed + per_worker * 16384:.1f} ms at 16,384 "
