@@ -4,6 +4,7 @@ real gloo process groups in spawned processes (no Ray)."""
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import pytest
@@ -161,3 +162,30 @@ def test_topk_error_feedback_loses_nothing():
     assert all(results[(r, "kept")] for r in range(world)), "an uncommitted step changed the residuals"
     # And it really is sparse: one step delivers at most world * k nonzeros.
     assert int((results[(0, 0, "output")] != 0).sum()) <= world * math.ceil(ratio * 10_001)
+
+
+def _native_threads(rank: int, world: int, port: int, results: dict) -> None:
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    store = tcp_store(rank, world, port)  # its server thread (rank 0) outlives the group
+    results[(rank, "before")] = threads()
+    group = comm_group(rank, world, store)
+    for step in range(3):
+        buffer = torch.full((64,), float(rank))
+        make_communicator("native", group, ["n"] * world).start_sum(buffer[8:40]).wait()
+        del buffer  # the slice gloo reduced is now referenced only from gloo's side
+    results[(rank, "during")] = threads()
+    group.close()
+    results[(rank, "after")] = threads()
+
+
+def test_closing_a_healthy_gloo_group_joins_its_threads():
+    """Gloo's worker threads hold each collective's tensors after its wait returns; one freeing
+    such a tensor while the interpreter finalizes kills the process with SIGABRT. A closed
+    group has ended them (and the communication thread) while the interpreter is alive."""
+    world = 2
+    results = run_ranks(_native_threads, world)
+    for rank in range(world):
+        assert results[(rank, "during")] > results[(rank, "before")]  # gloo's threads, the comm thread
+        assert results[(rank, "after")] == results[(rank, "before")]

@@ -418,8 +418,17 @@ class CommGroup:
         so it is abandoned rather than joined. A polled (NCCL) group's communicators are then
         released (``release``, waited for at most ``RELEASE_WAIT_S``): a healthy group's shut
         down, freeing them now rather than whenever the object is collected after a re-form;
-        a broken group's aborted, which ends its kernels still waiting on a dead peer."""
+        a broken group's aborted, which ends its kernels still waiting on a dead peer.
+
+        A healthy gloo group's backend is dropped, and with it (torch's destructor waits for
+        gloo's work queue, then joins its worker threads, the GIL released) every tensor those
+        threads still hold. Otherwise a thread that lets go of a collective's tensor late, after
+        Python dropped its own reference, takes the GIL to free it; if the interpreter is
+        finalizing by then, CPython ends that thread inside a noexcept frame and the process dies
+        of SIGABRT on its way out (pytorch/pytorch#190489). The group is unusable after close."""
         healthy = self.broken is None
         self._thread.shutdown(wait=healthy, cancel_futures=not healthy)
         if self.poll_completion:
             release(self.pg, graceful=healthy, name=f"ringleader-comm-r{self.rank}-release")
+        elif healthy:
+            del self.pg
