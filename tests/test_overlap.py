@@ -140,6 +140,60 @@ def test_overlap_launches_buckets_during_backward(overlap, with_unused):
         assert 0 < during == blocked
 
 
+def test_a_hook_firing_twice_counts_once_and_one_after_the_launch_fails_the_step():
+    params = [torch.nn.Parameter(torch.ones(10)) for _ in range(3)]
+    grads = FlatParameters(params, extra=2)
+    recorder = _Recorder()
+    reducer = GradientReducer(grads, recorder, bucket_bytes=80, overlap=True)
+    assert [b.params for b in reducer.buckets] == [(2, 1), (0,)]
+    reducer.arm()
+    # Separate backward calls, as reentrant activation checkpointing makes them: parameter 2
+    # accumulates twice before parameter 1 once; its bucket waits for parameter 1.
+    for _ in range(2):
+        params[2].sum().backward()
+    assert recorder.started == []
+    params[1].sum().backward()
+    assert recorder.started == [20]
+    params[2].sum().backward()  # after its bucket went out: its sum is reading the gradient
+    params[0].sum().backward()
+    with pytest.raises(RuntimeError, match=r"parameters \[2\] got gradient after their bucket was reduced"):
+        reducer.finish()
+    reducer.arm()  # the next step starts clean
+    for p in params:
+        p.sum().backward()
+    reducer.finish()
+
+
+class _TwiceShared(torch.nn.Module):
+    """One layer applied in two reentrant checkpointed segments, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.shared, x, use_reentrant=True)
+        return self.head(checkpoint(self.shared, h, use_reentrant=True))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_reentrant_checkpointing_over_a_shared_layer_is_refused_under_overlap(overlap):
+    torch.manual_seed(0)
+    net = _TwiceShared()
+    grads = FlatParameters(net.parameters(), extra=2)
+    reducer = GradientReducer(grads, _Recorder(), bucket_bytes=64, overlap=overlap)
+    reducer.arm()
+    net(torch.randn(3, 6, requires_grad=True)).sum().backward()
+    if overlap:
+        with pytest.raises(RuntimeError, match="use_reentrant=False"):
+            reducer.finish()
+    else:
+        reducer.finish()  # every bucket goes after backward: nothing can arrive late
+
+
 def test_closed_reducer_no_longer_launches_from_backward():
     net = _Net()
     grads = FlatParameters(net.parameters(), extra=2)

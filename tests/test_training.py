@@ -79,12 +79,9 @@ def test_a_kept_gradient_slice_holds_only_its_entries_and_the_parameters_keep_th
         flat.grad_slice(5, 12)
     with pytest.raises(ValueError, match="outside"):
         flat.keep_gradient_slice(0, numel + 1)
-    model[0].weight.grad = torch.ones_like(model[0].weight)  # came after its bucket went out: would be lost
-    with pytest.raises(RuntimeError, match=r"parameters \[0\] got gradient after their bucket was reduced"):
-        flat.check_taken()
+    model[0].weight.grad = torch.ones_like(model[0].weight)  # left by an aborted step
     flat.keep_gradient_slice(10, 30)  # the same slice (a re-join after an aborted step): its leftovers freed
-    assert model[0].weight.grad is None
-    flat.check_taken()
+    assert all(p.grad is None for p in model.parameters())
     flat.zero()
     assert torch.all(flat.buffer == 0)
 

@@ -155,6 +155,8 @@ class GradientReducer:
         )
         self._bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         self._missing: list[int] = []
+        self._ready: set[int] = set()  # parameters whose gradient hook fired this backward
+        self._late: set[int] = set()  # ... again after their bucket went out
         # Per bucket, the streams its parameters' hooks noted this backward (GPU only), in order.
         self._streams: list[dict[object, None]] = []
         self._pending: list[PendingReduce] = []
@@ -174,13 +176,25 @@ class GradientReducer:
         self._armed = False
 
     def _hook(self, index: int):  # noqa: ANN202 - autograd hook signature
+        # A hook can fire more than once in one backward: reentrant activation checkpointing
+        # runs a backward per checkpointed segment, and a parameter shared by two segments
+        # accumulates in each. A bucket counts each parameter once, so a repeat never launches
+        # it before its other parameters; a repeat after the launch (its sum already reading
+        # the gradient) is noted, and ``finish`` fails the step naming it.
         def on_ready(_: torch.Tensor) -> None:
-            if self._armed:
-                bucket = self._bucket_of[index]
-                if self.marks is not None:  # this hook runs on the stream that accumulated the gradient
-                    self._streams[bucket][self.marks.current()] = None
-                self._missing[bucket] -= 1
-                self._launch_ready()
+            if not self._armed:
+                return
+            bucket = self._bucket_of[index]
+            if bucket < len(self._pending):
+                self._late.add(index)
+                return
+            if self.marks is not None:  # this hook runs on the stream that accumulated the gradient
+                self._streams[bucket][self.marks.current()] = None
+            if index in self._ready:
+                return
+            self._ready.add(index)
+            self._missing[bucket] -= 1
+            self._launch_ready()
 
         return on_ready
 
@@ -233,6 +247,7 @@ class GradientReducer:
     def arm(self) -> None:
         """Call right before the step's final backward: buckets go out as their grads are ready."""
         self._missing = [len(b.params) for b in self.buckets]
+        self._ready, self._late = set(), set()
         self._streams = [{} for _ in self.buckets]
         self._pending = []
         self._armed = self.overlap
@@ -261,7 +276,13 @@ class GradientReducer:
                 pending.wait()
         finally:
             self._pending, self._taken = [], []
-        self.grads.check_taken()
+        if self._late:
+            late, self._late = sorted(self._late), set()
+            raise RuntimeError(
+                f"parameters {late[:8]} got gradient after their bucket was reduced (their gradient hook fired again "
+                "in one backward: reentrant activation checkpointing over a shared parameter?); use non-reentrant "
+                "activation checkpointing (use_reentrant=False) or collective.overlap: false"
+            )
         return time.perf_counter() - started
 
     def _watch_while_summing(self, watch: Callable[[], float | None]) -> None:

@@ -204,18 +204,6 @@ class FlatParameters:
             param.grad = None
         return torch.cat(parts)
 
-    def check_taken(self) -> None:
-        """With a slice kept, after a step's reduction: raises RuntimeError if a parameter holds
-        a gradient (it arrived after its bucket went out, e.g. a hook that fires twice in one
-        backward under reentrant activation checkpointing: it would be lost)."""
-        late = [i for i, p in enumerate(self.params) if p.grad is not None] if self.sliced else []
-        if late:
-            raise RuntimeError(
-                f"parameters {late[:8]} got gradient after their bucket was reduced (their gradient hook fired twice "
-                "in one backward?); with sharding.group_size above 1 use non-reentrant activation checkpointing "
-                "(use_reentrant=False) or collective.overlap: false"
-            )
-
     def accumulated(self) -> list[torch.Tensor | None]:
         """A copy of the gradient accumulated so far, for ``restore_accumulated``."""
         if not self.sliced:
