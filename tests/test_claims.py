@@ -279,7 +279,7 @@ def test_a_focused_read_costs_the_focused_blocks_and_takes_every_other_shard_as_
 
 
 def test_the_watch_of_a_clean_step_reads_nothing_and_opens_a_late_peer_when_it_is_due():
-    from workers.comm_group import ABORT_POLL_S
+    from workers.abortable import ABORT_POLL_S
     from workers.rescue_watch import rescue_watch
     from workers.step_work import ClaimedStep, StepWork
 

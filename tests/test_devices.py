@@ -14,9 +14,10 @@ import torch
 
 from jobspec.job import JobConfig
 from orchestrator.job_file import load_job
+from workers.abortable import call_abortable
 from workers.census import LOSS_SLOT, census_slots
 from workers.chaos import ChaosSchedule
-from workers.comm_group import CommGroup, PendingOp, call_abortable
+from workers.comm_group import CommGroup, PendingOp
 from workers.communicator import pick_backend
 from workers.compression import CastCompressed
 from workers.devices import choose_device, cuda_index, host_batch, inherit_device, worker_device

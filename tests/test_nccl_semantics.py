@@ -17,11 +17,12 @@ import torch.distributed as dist
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from tests.helpers.devices import DEVICES
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
-from workers import comm_group
-from workers.comm_group import CommGroup, form_process_group, new_process_group
+from workers import process_group
+from workers.comm_group import CommGroup
 from workers.communicator import NativeAllReduce, make_communicator
 from workers.compression import compress
 from workers.link_probe import auto_communicator
+from workers.process_group import form_process_group, new_process_group
 from workers.ring import RingAllReduce
 
 # Long enough for a loaded 2-core machine, short enough that a deadlock fails in seconds.
@@ -29,7 +30,7 @@ TIMEOUT_S = 8.0
 # The collective timeout of formations that a dead peer stalls: it becomes the communicator's
 # creation bound (TORCH_NCCL_NONBLOCKING_TIMEOUT), after which their threads and aborts end.
 STALLED_TIMEOUT_S = 2.0
-# comm_group.RELEASE_WAIT_S in these tests: how long a give-up or close waits for an abort.
+# process_group.RELEASE_WAIT_S in these tests: how long a give-up or close waits for an abort.
 RELEASE_WAIT_S = 0.3
 # Slack for a loaded machine on top of a bound a test checks.
 SLACK_S = 1.0
@@ -284,8 +285,8 @@ def fake_nccl(monkeypatch):
     """``dist.ProcessGroupNCCL`` is the fake (this build has none), the NCCL environment unset,
     releases waited for ``RELEASE_WAIT_S``."""
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeProcessGroupNCCL, raising=False)
-    monkeypatch.setattr(comm_group, "RELEASE_WAIT_S", RELEASE_WAIT_S)
-    for name in (*comm_group.NCCL_ENVIRONMENT, comm_group.NONBLOCKING_TIMEOUT_VARIABLE):
+    monkeypatch.setattr(process_group, "RELEASE_WAIT_S", RELEASE_WAIT_S)
+    for name in (*process_group.NCCL_ENVIRONMENT, process_group.NONBLOCKING_TIMEOUT_VARIABLE):
         monkeypatch.setenv(name, "unset")  # recorded, so what the code under test sets is undone
         monkeypatch.delenv(name)
 
@@ -396,7 +397,7 @@ def test_giving_up_a_formation_returns_while_its_communicator_still_waits_for_a_
 
 
 def test_closing_a_broken_group_returns_while_its_communicator_still_waits_for_a_dead_peer(monkeypatch):
-    monkeypatch.setattr(comm_group, "RELEASE_WAIT_S", RELEASE_WAIT_S)
+    monkeypatch.setattr(process_group, "RELEASE_WAIT_S", RELEASE_WAIT_S)
     monkeypatch.setenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", "4")
     options = fake_options(0.5)
     options.config.blocking = False
@@ -433,7 +434,7 @@ def test_closing_a_healthy_group_shuts_its_communicators_down():
 
 def test_closing_a_healthy_group_whose_flush_stalls_returns_and_aborts_it_later(monkeypatch):
     """A send its peer never receives: the shutdown's flush fails at its bound, then the abort."""
-    monkeypatch.setattr(comm_group, "RELEASE_WAIT_S", RELEASE_WAIT_S)
+    monkeypatch.setattr(process_group, "RELEASE_WAIT_S", RELEASE_WAIT_S)
     world, groups = _groups(2, timeout_s=2.0)
     group = groups[0]
     world.connected.add(1)

@@ -23,11 +23,12 @@ from jobspec.wire import Joined, JoinRequest
 from policies.collective_choice import CollectiveChoice
 from policies.sharding import ShardingLayout
 from workers.claims import ClaimStores, CountingStore
-from workers.comm_group import CommGroup, form_process_group
+from workers.comm_group import CommGroup
 from workers.communicator import Communicator, make_communicator, pick_backend
 from workers.compression import OWN_TRANSPORT, TopKAllReduce, compress
 from workers.link_probe import auto_communicator
 from workers.overlap import DEFAULT_BUCKET_BYTES, GradientReducer, default_bucket_bytes
+from workers.process_group import form_process_group
 from workers.replica import Replica
 from workers.ring import RingAllReduce
 from workers.sharded_optimizer import ShardedOptimizer

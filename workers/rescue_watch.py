@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from policies.work_stealing import FREE, RESCUE_AFTER_MIN_S, ClaimKind, block_late, watched_peers
-from workers.comm_group import ABORT_POLL_S
+from workers.abortable import ABORT_POLL_S
 from workers.step_work import ClaimedStep, StepWork
 
 # How often a rank waiting for the all-reduce looks at the step's claims (a store round trip).
@@ -62,7 +62,7 @@ def clean_look(ctx: ClaimedStep, work: StepWork, peers: list[int], until: float)
     """The watch of a clean step (``StepPlan.clean``): nobody seals, so there is nothing to
     read; a watched peer's shards count as unstarted from this rank's first look, and it opens
     the peer's block (one compare-and-set) once ``block_late`` says so. It looks again when the
-    next peer could be late (at most every ``comm_group.ABORT_POLL_S``, for the abort flag),
+    next peer could be late (at most every ``abortable.ABORT_POLL_S``, for the abort flag),
     at no cost: a step where nobody is late sends the store nothing."""
     plan, claims = ctx.plan, ctx.claims
     unopened = list(peers)
