@@ -177,7 +177,13 @@ def _native_threads(rank: int, world: int, port: int, results: dict) -> None:
         del buffer  # the slice gloo reduced is now referenced only from gloo's side
     results[(rank, "during")] = threads()
     group.close()
+    deadline = time.monotonic() + 2.0  # a joined thread leaves /proc a moment after its join returns
+    while threads() != results[(rank, "before")] and time.monotonic() < deadline:
+        time.sleep(0.01)
     results[(rank, "after")] = threads()
+    group.close()  # a second close does nothing
+    with pytest.raises(CollectiveAborted, match="closed"):
+        group.submit(lambda: None, "after close")
 
 
 def test_closing_a_healthy_gloo_group_joins_its_threads():

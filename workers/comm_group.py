@@ -31,6 +31,9 @@ from workers.abortable import poll_work, wait_abortable
 from workers.devices import inherit_device
 from workers.process_group import release
 
+# ``CommGroup.broken`` once the group is closed.
+CLOSED = "closed"
+
 
 class PendingOp:
     """A queued collective; ``wait`` returns when it is done or raises why it never will."""
@@ -187,8 +190,14 @@ class CommGroup:
         threads still hold. Otherwise a thread that lets go of a collective's tensor late, after
         Python dropped its own reference, takes the GIL to free it; if the interpreter is
         finalizing by then, CPython ends that thread inside a noexcept frame and the process dies
-        of SIGABRT on its way out (pytorch/pytorch#190489). The group is unusable after close."""
+        of SIGABRT on its way out (pytorch/pytorch#190489). A broken gloo group's threads may be
+        blocked in gloo: abandoned with it, they keep that risk until they end.
+
+        Once closed, ``submit`` refuses work ("closed") and a second ``close`` does nothing."""
+        if self.broken == CLOSED:
+            return
         healthy = self.broken is None
+        self.broken = CLOSED
         self._thread.shutdown(wait=healthy, cancel_futures=not healthy)
         if self.poll_completion:
             release(self.pg, graceful=healthy, name=f"ringleader-comm-r{self.rank}-release")

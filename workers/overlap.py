@@ -269,6 +269,7 @@ class GradientReducer:
             self._launch(index, after)
         if self.extra_comm is not None and self.grads.extra.numel():
             self._pending.append(self._start(self.extra_comm, self.grads.extra, after))
+        late, self._late = sorted(self._late), set()
         try:
             if watch is not None:
                 self._watch_while_summing(watch)
@@ -276,8 +277,7 @@ class GradientReducer:
                 pending.wait()
         finally:
             self._pending, self._taken = [], []
-        if self._late:
-            late, self._late = sorted(self._late), set()
+        if late:
             raise RuntimeError(
                 f"parameters {late[:8]} got gradient after their bucket was reduced (their gradient hook fired again "
                 "in one backward: reentrant activation checkpointing over a shared parameter?); use non-reentrant "
