@@ -148,9 +148,11 @@ def test_recovery_benchmark_our_side_loses_no_committed_step_and_no_sample(tmp_p
     text = format_result({"contenders": {"ringleader": ours, "ray_train": theirs, "torchft": torchft},
                           "checkpoint_overhead": 0.01, "checkpoint_overhead_spread": [-0.02, 0.03], "setup": setup,
                           "checkpoint_samples_per_s": {}, "checkpoint_snapshot_share": 0.001,
-                          "checkpoint_write_cpu_s": 0.004})
+                          "checkpoint_write_cpu_s": 0.004, "checkpoint_outside_per_checkpoint_s": 0.012,
+                          "checkpoint_step_s": {"none": 0.032, "every_4": 0.0335}})
     assert "recovery vs ours: ray_train" in text and "overhead +1.0%" in text and "spread -2.0% to +3.0%" in text
     assert "its write took 4.0 ms of CPU" in text
+    assert "+12.0 ms outside steps per checkpoint" in text and "none 32.0 ms vs every_4 33.5 ms" in text
     torchft_line = next(line for line in text.splitlines() if line.startswith("torchft"))
     assert "never" in torchft_line and " 128 " in torchft_line and " no " in torchft_line
 
@@ -181,10 +183,14 @@ def test_checkpoint_overhead_runs_with_and_without_checkpoints(tmp_path):
     result = checkpoint_overhead(job, tmp_path, every=4, repeats=1, log=lines.append)
     assert set(result["samples_per_s"]) == {"none", "every_4"} and all(v > 0 for v in result["samples_per_s"].values())
     # What each variant wrote, from its own summary: nothing, then a checkpoint every 4 steps.
-    assert "(0 written)" in lines[0] and "(3 written)" in lines[1], lines
+    assert "(0 written;" in lines[0] and "(3 written;" in lines[1], lines
     assert result["overhead"] == pytest.approx(1 - result["samples_per_s"]["every_4"] / result["samples_per_s"]["none"])
     assert result["overhead_spread"] == [result["overhead"]] * 2  # one repeat: one paired figure
     assert 0 < result["snapshot_share"] < 0.5  # the snapshots' copies held training up, a little
+    # Rank 0's telemetry: its steps, and the time between them (some, in any run).
+    assert set(result["step_s"]) == {"none", "every_4"} and all(0 < v < 10 for v in result["step_s"].values())
+    assert "outside steps" in lines[0] and "mean step" in lines[1]
+    assert abs(result["outside_per_checkpoint_s"]) < 10
 
 
 def test_control_plane_benchmark_measures_a_real_null_job_and_fits_the_growth(tmp_path):
