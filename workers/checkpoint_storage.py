@@ -18,6 +18,8 @@ import re
 import shutil
 import tempfile
 import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, Callable
 
@@ -179,6 +181,19 @@ class CheckpointStorage:
         with self._fs.open_input_stream(self._path(relpath)) as f:
             return f.read()
 
+    @contextmanager
+    def open_ranged(self, relpath: str) -> Iterator[RangedReader]:
+        """``relpath`` open for reads at any offset, for the ``with`` block: a local file, or a
+        pyarrow random-access file (ranged GETs on an object store), so a reader takes only the
+        bytes it wants. FileNotFoundError if it does not exist."""
+        if self._local is not None:
+            with open(self._path(relpath), "rb", buffering=0) as local:
+                yield RangedReader(local, os.fstat(local.fileno()).st_size, self.location(relpath))
+            return
+        assert self._fs is not None
+        with self._fs.open_input_file(self._path(relpath)) as remote:
+            yield RangedReader(remote, remote.size(), self.location(relpath))
+
     def sha256_of(self, relpath: str) -> tuple[str, int]:
         """``(sha256 hex, size in bytes)`` of ``relpath``, read in chunks (checkpoints can be large)."""
         digest, size = hashlib.sha256(), 0
@@ -291,6 +306,33 @@ class CheckpointStorage:
                 while chunk := spool.read(_CHUNK):
                     out.write(chunk)
         return hashed.hexdigest(), hashed.size
+
+
+class RangedReader:
+    """An open file of ``size`` bytes (``where``: its path or URI, for messages) read at any offset."""
+
+    def __init__(self, handle: Any, size: int, where: str) -> None:
+        self._handle = handle  # seek and readinto: a raw local file or a pyarrow NativeFile
+        self.size = size
+        self.where = where
+
+    def read_into(self, offset: int, into: memoryview) -> None:
+        """Fill ``into`` (a writable buffer: a tensor's memory, say) with the file's bytes from
+        ``offset``, with no copy between. Raises EOFError if the file ends first."""
+        view = memoryview(into).cast("B")
+        self._handle.seek(offset)
+        done = 0
+        while done < len(view):  # a read may return less than asked: a raw file's, a network's
+            got = self._handle.readinto(view[done:])
+            if not got:
+                raise EOFError(f"{self.where}: {len(view)} bytes wanted at {offset}, the file ends after {done}")
+            done += got
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` bytes from ``offset`` (EOFError if the file ends first)."""
+        out = bytearray(nbytes)
+        self.read_into(offset, memoryview(out))
+        return bytes(out)
 
 
 def write_direct(fd: int, data: memoryview) -> bool:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import mmap
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -99,34 +101,57 @@ def _count(value: Any, what: str) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a part file as its header describes it: ``offset`` and ``nbytes``, its bytes
+    from the file's start (checked to lie in the file)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def read_header(read: Callable[[int, int], bytes | memoryview], size: int) -> tuple[dict[str, Any], dict[str, Entry]]:
+    """The ``meta`` and tensor entries (by name) of a part file of ``size`` bytes, reading only
+    its header through ``read(offset, nbytes)``. Raises ValueError if it is not one, or its
+    header does not describe its bytes."""
+    begin = len(MAGIC) + _LENGTH_BYTES
+    if size < begin or not is_tensor_file(read(0, len(MAGIC))):
+        raise ValueError("not a tensor file (no magic)")
+    length = int.from_bytes(read(len(MAGIC), _LENGTH_BYTES), "little")
+    if begin + length > size:
+        raise ValueError(f"its header claims {length} bytes, the file has {size - begin} after the magic")
+    try:
+        header = json.loads(bytes(read(begin, length)))
+        start = _rounded(begin + length, PACK)
+        entries: dict[str, Entry] = {}
+        for entry in header["tensors"]:
+            name, dtype = str(entry["name"]), _dtype(entry["dtype"])
+            if name in entries or not isinstance(entry["shape"], list):
+                raise ValueError(f"tensor {name!r} is listed twice or has no shape")
+            shape = tuple(_count(n, f"tensor {name!r}'s shape") for n in entry["shape"])
+            offset, nbytes = _count(entry["offset"], "an offset"), _count(entry["bytes"], "a size")
+            numel = 1
+            for n in shape:
+                numel *= n
+            if numel * dtype.itemsize != nbytes or start + offset + nbytes > size:
+                raise ValueError(f"tensor {name!r}: {nbytes} bytes at {offset} do not hold {list(shape)} of {dtype}")
+            entries[name] = Entry(name, dtype, shape, start + offset, nbytes)
+        return dict(header["meta"]), entries
+    except (KeyError, TypeError, AttributeError, RuntimeError, OverflowError, RecursionError, json.JSONDecodeError) as err:
+        raise ValueError(f"its header is not a part's: {type(err).__name__}: {err}") from None
+
+
 def decode(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The ``meta`` and tensors (by name, each in memory of its own) of a part file. Raises
     ValueError if it is not one, or its header does not describe its bytes."""
-    if not is_tensor_file(data):
-        raise ValueError("not a tensor file (no magic)")
     view = memoryview(data).cast("B")
-    length = int.from_bytes(view[len(MAGIC) : len(MAGIC) + _LENGTH_BYTES], "little")
-    begin = len(MAGIC) + _LENGTH_BYTES
-    if begin + length > len(view):
-        raise ValueError(f"its header claims {length} bytes, the file has {len(view) - begin} after the magic")
-    try:
-        header = json.loads(bytes(view[begin : begin + length]))
-        start = _rounded(begin + length, PACK)
-        tensors: dict[str, torch.Tensor] = {}
-        for entry in header["tensors"]:
-            name, dtype = str(entry["name"]), _dtype(entry["dtype"])
-            if name in tensors or not isinstance(entry["shape"], list):
-                raise ValueError(f"tensor {name!r} is listed twice or has no shape")
-            shape = [_count(size, f"tensor {name!r}'s shape") for size in entry["shape"]]
-            offset, nbytes = _count(entry["offset"], "an offset"), _count(entry["bytes"], "a size")
-            numel = 1
-            for size in shape:
-                numel *= size
-            if numel * dtype.itemsize != nbytes or start + offset + nbytes > len(view):
-                raise ValueError(f"tensor {name!r}: {nbytes} bytes at {offset} do not hold {shape} of {dtype}")
-            own = bytearray(view[start + offset : start + offset + nbytes])  # frombuffer wants it writable
-            raw = torch.frombuffer(own, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-            tensors[name] = raw.view(dtype).reshape(shape)
-        return dict(header["meta"]), tensors
-    except (KeyError, TypeError, AttributeError, RuntimeError, OverflowError, RecursionError, json.JSONDecodeError) as err:
-        raise ValueError(f"its header is not a part's: {type(err).__name__}: {err}") from None
+    meta, entries = read_header(lambda offset, nbytes: view[offset : offset + nbytes], len(view))
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in entries.values():
+        own = bytearray(view[entry.offset : entry.offset + entry.nbytes])  # frombuffer wants it writable
+        raw = torch.frombuffer(own, dtype=torch.uint8) if entry.nbytes else torch.empty(0, dtype=torch.uint8)
+        tensors[entry.name] = raw.view(entry.dtype).reshape(entry.shape)
+    return meta, tensors
