@@ -13,8 +13,8 @@ holds more state than the job planned for, whatever the number of workers left a
 or reached by growth.
 
 When the layout changes (a group re-formed with other ranks or another size), ``plan_moves``
-says which bytes go where: every rank names the slice it holds (if any) and the one it must
-hold next; each wanted range not already held by its owner is cut where the holders' slices
+says which bytes go where: every rank names the slices it holds (none, one, or more while a
+regroup is unconfirmed) and the one it must hold next; each wanted range not already held by its owner is cut where the holders' slices
 begin and end and taken from one holder, so each byte moves once, from a holder to its owner.
 """
 
@@ -108,39 +108,41 @@ class LostState(ValueError):
         self.span = span
 
 
-def plan_moves(held: Sequence[Span | None], wanted: Sequence[Span]) -> list[Move]:
+def plan_moves(held: Sequence[Sequence[Span]], wanted: Sequence[Span]) -> list[Move]:
     """The transfers that give every rank ``r`` the state of ``wanted[r]`` from what the ranks
-    hold (``held[r]``, None: nothing), sorted by (source, target, lo): the same list on every
-    rank that computes it from the same inputs. A rank keeps what it holds of its own range;
-    the rest is cut at the holders' boundaries, each piece taken from the holder that has
-    been given the fewest entries to send so far (lowest rank on ties), adjacent pieces from
-    one source merged. Raises ValueError if the lists differ in length, LostState if some
-    wanted entry is held by no one."""
+    hold (``held[r]``: the spans rank ``r`` holds, none or several: a rank keeps the slice it
+    held before a regroup until every rank has confirmed the new one), sorted by (source,
+    target, lo): the same list on every rank that computes it from the same inputs. A rank
+    keeps what it holds of its own range; the rest is cut at the holders' boundaries, each
+    piece taken from the holder that has been given the fewest entries to send so far (lowest
+    rank on ties), adjacent pieces from one span of one source merged (so that a move lies in
+    one span its source holds). Raises ValueError if the lists differ in length, LostState if
+    some wanted entry is held by no one."""
     if len(held) != len(wanted):
         raise ValueError(f"held names {len(held)} ranks, wanted {len(wanted)}")
-    holders = [(rank, span) for rank, span in enumerate(held) if span is not None and span[0] < span[1]]
+    holders = [(rank, span) for rank, spans in enumerate(held) for span in spans if span[0] < span[1]]
     sending = {rank: 0 for rank, _ in holders}
     moves: list[Move] = []
     for target, (lo, hi) in enumerate(wanted):
-        own = held[target]
         cuts = {lo, hi}
         for _, (a, b) in holders:
             cuts.update(x for x in (a, b) if lo < x < hi)
         points = sorted(cuts)
-        pieces: list[Move] = []
+        pieces: list[tuple[Move, Span]] = []  # with the span of its source's it lies in
         for a, b in zip(points, points[1:]):
-            if own is not None and own[0] <= a and b <= own[1]:
+            if any(x <= a and b <= y for x, y in held[target]):
                 continue  # already here
-            covering = [rank for rank, (x, y) in holders if x <= a and b <= y]
+            covering = [(rank, (x, y)) for rank, (x, y) in holders if x <= a and b <= y]
             if not covering:
                 raise LostState((a, b))
-            source = min(covering, key=lambda rank: (sending[rank], rank))
+            source, span = min(covering, key=lambda holder: (sending[holder[0]], holder[0], holder[1]))
             sending[source] += b - a
-            if pieces and pieces[-1].source == source and pieces[-1].hi == a:
-                pieces[-1] = Move(source, target, pieces[-1].lo, b)
+            last = pieces[-1] if pieces else None
+            if last is not None and last[0].source == source and last[0].hi == a and last[1] == span:
+                pieces[-1] = (Move(source, target, last[0].lo, b), span)
             else:
-                pieces.append(Move(source, target, a, b))
-        moves += pieces
+                pieces.append((Move(source, target, a, b), span))
+        moves += [move for move, _ in pieces]
     return sorted(moves, key=lambda move: (move.source, move.target, move.lo))
 
 
