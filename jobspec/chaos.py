@@ -92,7 +92,7 @@ class RandomStalls(StrictModel):
 
 
 #: Where a worker can SIGKILL itself (``KillChaos.during``).
-KillPoint = Literal["step", "checkpoint", "rejoin"]
+KillPoint = Literal["step", "checkpoint", "rejoin", "reshard"]
 
 
 class KillChaos(_WorkerChaos):
@@ -105,8 +105,11 @@ class KillChaos(_WorkerChaos):
     driver takes the whole simulated node away, with every worker on it; needs local nodes).
     ``during`` (``sigkill`` only): in the step's all-reduce (``step``), while writing the first
     checkpoint taken after ``at_step`` (``checkpoint``), or in the first re-forming of the
-    group at or after ``at_step`` (``rejoin``: a failure during recovery). A kill that never
-    strikes (its worker gone, its point never reached) is reported as ``chaos_skipped``.
+    group at or after ``at_step`` (``rejoin``: a failure during recovery), or inside the move of
+    sharded optimizer state in the first re-forming at or after ``at_step`` that moves any
+    (``reshard``: after every rank has planned the move, before this one sends or receives). A
+    kill that never strikes (its worker gone, its point never reached) is reported as
+    ``chaos_skipped``.
     """
 
     _kind = "kill"

@@ -77,9 +77,10 @@ class Progress:
     ``since_snapshot_s``: seconds since its last checkpoint snapshot ended (None: it has taken
     none); a peer's wait that began during that snapshot is not this worker's silence.
     ``last_copy_s``: seconds its last snapshot's copy took (None: none yet), what the driver
-    expects a snapshot to take. ``held``: with sharded optimizer state, what it holds of it,
+    expects a snapshot to take. ``held``: with sharded optimizer state, the slices of it it holds, each
     ``(lo, hi, numel, state_step)``: entries ``[lo, hi)`` of ``numel``, ready for job step
-    ``state_step`` (None: not sharded, or nothing held)."""
+    ``state_step``; the first is the slice it steps, any others the slices it held before a
+    regroup that not every rank has confirmed yet (empty: not sharded, or nothing held)."""
 
     step: int
     phase: Phase
@@ -87,7 +88,7 @@ class Progress:
     next_step: int
     since_snapshot_s: float | None = None
     last_copy_s: float | None = None
-    held: tuple[int, int, int, int] | None = None
+    held: tuple[tuple[int, int, int, int], ...] = ()
 
     @property
     def snapshotting(self) -> bool:

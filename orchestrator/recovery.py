@@ -195,7 +195,7 @@ def sharded_gap(alive: Mapping[int, Progress], step: int, without_state: frozens
     any; None if the state is whole, at step 0 (nothing to hold yet), or not sharded."""
     if step == 0:
         return None
-    held = [p.held for w, p in alive.items() if p.held is not None and w not in without_state]
+    held = [span for w, p in alive.items() if w not in without_state for span in p.held]
     if not held:
         return (0, 0)
     return first_gap([(lo, hi) for lo, hi, _, at in held if at == step], held[0][2])
@@ -221,7 +221,8 @@ def sharded_start(
     if gap is None:
         return ShardedStart(root, step)
     if sharded_gap(alive, step + 1, without_state) is None:
-        ahead = sorted(w for w, p in alive.items() if w not in without_state and p.held and p.held[3] == step + 1)
+        # Led by a rank that stepped its own slice (its first): its loss scale and buffers are at step + 1.
+        ahead = sorted(w for w, p in alive.items() if w not in without_state and p.held and p.held[0][3] == step + 1)
         return ShardedStart(ahead[0], step + 1)
     return StateLost(step, None if gap == (0, 0) else gap)
 

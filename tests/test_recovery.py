@@ -557,7 +557,7 @@ def test_chaos_at_a_step_cuts_the_batches_around_it():
 
 def test_sharded_state_is_whole_only_where_survivors_hold_every_slice_at_the_root_step():
     def held(lo: int, hi: int, at: int) -> Progress:
-        return Progress(at - 1, Phase.DONE, 0.0, at, held=(lo, hi, 10, at))
+        return Progress(at - 1, Phase.DONE, 0.0, at, held=((lo, hi, 10, at),))
 
     # Groups [0, 1] and [2, 3] over 10 entries; worker 1 died: its peer 3 holds [5, 10).
     alive = {0: held(0, 5, 7), 2: held(0, 5, 7), 3: held(5, 10, 7)}
@@ -567,6 +567,11 @@ def test_sharded_state_is_whole_only_where_survivors_hold_every_slice_at_the_roo
     assert sharded_gap({0: held(0, 5, 7), 3: held(5, 10, 8)}, 7) == (5, 10)
     assert sharded_gap({0: Progress(6, Phase.DONE, 0.0, 7)}, 7) == (0, 0)  # nobody holds any
     assert sharded_gap({0: held(0, 5, 0)}, 0) is None  # step 0: the state is zero everywhere
+    # A regroup that broke off before every rank confirmed it: worker 2 holds its new slice and
+    # keeps its old one, and the old one still counts.
+    both = Progress(6, Phase.DONE, 0.0, 7, held=((0, 3, 10, 7), (5, 10, 10, 7)))
+    assert sharded_gap({0: held(0, 5, 7), 2: both}, 7) is None
+    assert sharded_gap({0: held(0, 5, 7), 2: held(0, 3, 7)}, 7) == (5, 10)
 
 
 def test_too_few_workers_with_sharded_state_fail_without_a_save_no_worker_could_write(tmp_path):
@@ -593,7 +598,7 @@ def test_a_sharded_group_starts_after_a_step_whose_slices_were_all_stepped():
     from orchestrator.recovery import ShardedStart, StateLost, sharded_start
 
     def held(lo: int, hi: int, next_step: int, state_step: int) -> Progress:
-        return Progress(next_step, Phase.DONE, 0.0, next_step, held=(lo, hi, 10, state_step))
+        return Progress(next_step, Phase.DONE, 0.0, next_step, held=((lo, hi, 10, state_step),))
 
     # The all-gather of step 7 broke off in every group: parameters at 7, every slice at 8.
     stepped = {0: held(0, 5, 7, 8), 2: held(0, 5, 7, 8), 3: held(5, 10, 7, 8)}

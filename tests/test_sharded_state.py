@@ -16,6 +16,7 @@ from tests.helpers.devices import DEVICES
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
 from workers.comm_group import CommGroup
 from workers.flat_optimizer import FlatOptimizer
+from workers.loss_scaler import LossScaler
 from workers.overlap import GradientReducer
 from workers.ring import RingAllReduce
 from workers.sharded_optimizer import ShardedOptimizer
@@ -450,3 +451,64 @@ def test_parameters_come_with_the_state_from_each_slices_holders(new_world, new_
     _raise_first(outcomes)
     for values in outcomes:
         torch.testing.assert_close(values, truth, rtol=0, atol=0)
+
+
+class _Replica:
+    """What a join moves (``workers.replica.Replica``): a model with running statistics, its
+    flat parameters, sharded optimizer state and an fp16 loss scaler, all at job step ``at``."""
+
+    def __init__(self, at: int) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.BatchNorm1d(9), torch.nn.Linear(9, 3))
+        self.flat = FlatParameters(self.model.parameters())
+        self.optimizer = ShardedOptimizer(_config("adam", {"lr": 0.1}), self.flat)
+        self.scaler = LossScaler(enabled=True, init=1024.0, growth_interval=1)
+        self.device = torch.device("cpu")
+        self.next_step = at
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["redo-the-step", "start-after-it"])
+def test_a_rank_that_updated_before_its_all_gather_broke_hands_out_the_scale_and_buffers_of_the_start_step(ahead):
+    """Step 3's gradient-norm all-reduce completed on some ranks and was aborted on others (the
+    abort reaches ranks at different times): rank 0 stepped its slice and moved its loss scale
+    and BatchNorm statistics to step 4, then lost the all-gather; its replica (rank 2) never
+    stepped. The group starts again at step 3, led by rank 0 (next step 3, lowest id): every
+    rank must get step 3's scale and statistics, not rank 0's step-4 ones (fp16's scale and the
+    statistics would otherwise advance twice). Control: where every rank stepped, the group
+    starts after step 3 and the step-4 ones are right."""
+    from jobspec.runtime import CollectiveConfig
+    from workers.group_link import GroupLink
+
+    world, step = 4, 3
+    numel = _Replica(step).flat.numel
+    layout = ShardingLayout(world, 2, numel)
+    groups = _groups(world)
+    stepped = range(world) if ahead else [0]
+
+    def run(rank: int) -> list[torch.Tensor]:
+        try:
+            replica = _Replica(step)
+            lo, hi = layout.slice_of(rank)
+            replica.optimizer.inner = replica.optimizer._over(lo, hi, (_held_state(layout, rank, numel), {"step": 3.0}))
+            replica.optimizer.held, replica.optimizer.state_step = (lo, hi), step
+            link = GroupLink(CollectiveConfig(), TIMEOUT_S, threading.Event(), group_size=2)
+            link.layout = layout
+            if rank in stepped:  # what train_step does up to the all-gather, which then breaks off
+                link.before_update(replica, step)
+                replica.scaler.update(1.0)
+                replica.model[1].running_mean.add_(1.0)
+                replica.optimizer.state_step = step + 1
+            link._take_root_state(groups[rank], replica, None, step + 1 if ahead else step)
+            return [replica.scaler.state.clone(), replica.model[1].running_mean.clone()]
+        finally:
+            groups[rank].close()
+
+    outcomes = on_ranks(world, run)
+    _raise_first(outcomes)
+    start = _Replica(step)
+    if ahead:
+        start.scaler.update(1.0)
+        start.model[1].running_mean.add_(1.0)
+    for rank, (scale, mean) in enumerate(outcomes):
+        torch.testing.assert_close(scale, start.scaler.state, rtol=0, atol=0, msg=f"rank {rank}: loss scale")
+        torch.testing.assert_close(mean, start.model[1].running_mean, rtol=0, atol=0, msg=f"rank {rank}: statistics")

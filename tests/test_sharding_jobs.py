@@ -126,3 +126,18 @@ def test_a_lost_slice_with_no_checkpoint_fails_naming_what_to_do(tmp_path):
     assert summary["status"] == "failed"
     assert "sharded optimizer state" in summary["error"] and "sharding.group_size 2" in summary["error"], summary["error"]
     assert "checkpoint.every_steps" in summary["error"]
+
+
+def test_a_death_inside_a_regroups_state_move_loses_no_state(tmp_path, reference):
+    # 6 workers in groups of 2: every slice is held 3 times. Worker 5 dies in step 5; the 5 left
+    # form one group of 5, so every slice moves, and worker 0 (the new rank 0) dies inside that
+    # move. Ranks whose own part of the move completed keep their old slices until every rank
+    # has confirmed the new ones: the 4 left still hold every slice and form groups of 2.
+    result = run(
+        tmp_path, "moved", "scaling.workers=6", "sharding.group_size=2", "collective.overlap=false",
+        "chaos.kill=[{at_step: 5, worker: 5, how: sigkill}, {at_step: 5, worker: 0, how: sigkill, during: reshard}]",
+    )
+    events = jsonl(result.run_dir / "events.jsonl")
+    assert not [e for e in events if e["event"] in ("state_lost", "chaos_skipped")], events
+    assert result.summary["events"]["failures"] == 2
+    assert_same_params(params(result.run_dir), reference, "a death inside the state move")

@@ -24,6 +24,7 @@ import ray
 import torch
 
 from jobspec import targets as factories
+from jobspec.chaos import KillPoint
 from jobspec.failures import CollectiveAborted, CollectiveTimeout, ShardCensusError
 from jobspec.job import JobConfig
 from jobspec.step_record import StepRecord
@@ -133,7 +134,9 @@ class TrainWorker:
         self.abort_flag = threading.Event()
         self.aborted_through = 0  # the latest generation the driver aborted
         self.generation = 0  # the generation this worker last joined
-        self.link = GroupLink(job.collective, job.timeouts.collective_s, self.abort_flag, job.sharding.group_size)
+        self.link = GroupLink(
+            job.collective, job.timeouts.collective_s, self.abort_flag, job.sharding.group_size, self._chaos_point
+        )
         #: The next step this replica will apply: the optimizer steps it holds, in job steps.
         self.next_step = 0
         # The reports of the last steps applied: a batch whose call failed part-way (aborted
@@ -188,13 +191,18 @@ class TrainWorker:
         residuals carry over (or restored ones, after a resume). ``GroupLink.join``
         (``workers/group_link.py``) does it. Raises CollectiveAborted or CollectiveTimeout if the
         rendezvous or the transfer cannot finish."""
-        if self.link.group is not None and self.chaos.kill_due("rejoin", self.next_step):
-            kill_self(self._record_death)
+        if self.link.group is not None:
+            self._chaos_point("rejoin", self.next_step)
         self.leave_group()
         self.generation = request.generation
         if self.aborted_through < request.generation:
             self.abort_flag.clear()
         return self.link.join(request, self)
+
+    def _chaos_point(self, point: KillPoint, step: int) -> None:
+        """Die here if the job's chaos kills this worker at ``point`` of ``step``."""
+        if self.chaos.kill_due(point, step):
+            kill_self(self._record_death)
 
     def _record_death(self) -> None:
         store = self.link.store
@@ -210,7 +218,7 @@ class TrainWorker:
         return Progress(
             step=step, phase=phase, since_s=now - since, next_step=self.next_step,
             since_snapshot_s=None if last is None else now - last[0], last_copy_s=None if last is None else last[1],
-            held=self.optimizer.holding() if isinstance(self.optimizer, ShardedOptimizer) else None,
+            held=self.optimizer.holding() if isinstance(self.optimizer, ShardedOptimizer) else (),
         )
 
     def _enter(self, step: int, phase: Phase) -> None:
@@ -340,6 +348,7 @@ class TrainWorker:
             self.job.optimizer.clip_grad_norm, sum_squares,
         )
         lr = self.optimizer.base_lr * self.schedule.factor(step, self.job.schedule.total_steps or self.num_steps)
+        link.before_update(self, step)  # sharded: the scale and buffers kept until the all-gather completes
         skipped = self.scaler.update(update.grad_norm)
         if not self.scaler.enabled and not math.isfinite(update.grad_norm):
             # Every replica holds this same gradient, so all stop here: better than parameters

@@ -39,8 +39,9 @@ CHECK_EVERY_S = 0.01
 BASE_SAMPLES = 3
 
 #: Where a worker can kill itself: in the all-reduce of step ``at_step`` (``step``), while
-#: writing the checkpoint taken after ``at_step`` (``checkpoint``), or in the first re-forming
-#: of the group at or after ``at_step`` (``rejoin``: a failure during recovery).
+#: writing the checkpoint taken after ``at_step`` (``checkpoint``), in the first re-forming
+#: of the group at or after ``at_step`` (``rejoin``: a failure during recovery), or inside
+#: the first move of sharded state at or after it (``reshard``).
 KILL_POINTS: tuple[str, ...] = get_args(KillPoint)
 
 
@@ -158,8 +159,9 @@ class ChaosSchedule:
 
     def kill_due(self, during: str, step: int) -> bool:
         """Whether this worker dies now, at ``during`` of ``step``: in ``step`` itself, or for
-        ``rejoin`` and ``checkpoint`` the first re-forming or checkpoint at or after its step
-        (``step`` is then the worker's next step, or the last step the checkpoint holds). A
+        the other points the first re-forming, state move or checkpoint at or after its step
+        (``step`` is then the worker's next step, the step the group starts from, or the last
+        step the checkpoint holds). A
         kill happens once."""
         for index, kill in enumerate(self.kills):
             if kill.during == during and (kill.at_step == step or (during != "step" and step >= kill.at_step)):

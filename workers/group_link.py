@@ -13,18 +13,20 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from jobspec.chaos import KillPoint
 from jobspec.runtime import CollectiveConfig
 from jobspec.wire import Joined, JoinRequest
 from policies.collective_choice import CollectiveChoice
 from policies.sharding import ShardingLayout
 from workers.claims import ClaimStores, CountingStore
 from workers.comm_group import CommGroup
-from workers.communicator import Communicator, make_communicator, pick_backend
+from workers.communicator import Communicator, NativeAllReduce, make_communicator, pick_backend
 from workers.compression import OWN_TRANSPORT, TopKAllReduce, compress
 from workers.link_probe import auto_communicator
 from workers.overlap import DEFAULT_BUCKET_BYTES, GradientReducer, default_bucket_bytes
@@ -36,6 +38,29 @@ from workers.sharded_reduce import ShardedSum, gather_slices, group_sum
 from workers.training import FlatParameters
 
 
+@dataclass
+class StepUndo:
+    """With sharded state, a rank's loss scale and model buffers around the update of ``step``,
+    until that step's all-gather completes: ``before`` it (kept as the update begins) and
+    ``after`` it (taken at the next join, if the step failed). A rank may apply the update and
+    then fail in the all-gather while others never stepped (the abort reaches ranks at
+    different times): the next group starts at ``step`` or ``step + 1``, and every rank's copy
+    must be the one for that step before rank 0's is sent (``for_step``)."""
+
+    step: int
+    before: list[torch.Tensor]
+    after: list[torch.Tensor] | None = None
+
+    def for_step(self, live: list[torch.Tensor], step: int) -> None:
+        """Make ``live`` (the scale, then the buffers) the copy for job step ``step`` (the
+        update's step or the next); nothing for another step."""
+        if self.after is None:
+            self.after = [tensor.clone() for tensor in live]
+        chosen = {self.step: self.before, self.step + 1: self.after}.get(step)
+        for tensor, value in zip(live, chosen or ()):
+            tensor.copy_(value)
+
+
 class GroupLink:
     """This worker's place in the current generation's group: the driver's ``store`` and the
     ``claims_store`` on it, its ``rank`` in the comm ``group``, and the gradient ``reducer``
@@ -45,12 +70,20 @@ class GroupLink:
     ``collective`` are the job's all-reduce settings, ``timeout_s`` one collective's limit and
     ``abort_flag`` the driver's abort, which fails a pending rendezvous or collective at once.
     ``group_size``: the job's ``sharding.group_size`` (1: every rank holds the whole state).
+    ``chaos_point(point, step)`` is called where the job's chaos may kill this worker (the
+    ``reshard`` point, with the step the group starts from).
     """
 
     def __init__(
-        self, collective: CollectiveConfig, timeout_s: float, abort_flag: threading.Event, group_size: int = 1
+        self,
+        collective: CollectiveConfig,
+        timeout_s: float,
+        abort_flag: threading.Event,
+        group_size: int = 1,
+        chaos_point: Callable[[KillPoint, int], None] = lambda point, step: None,
     ) -> None:
         self.collective = collective
+        self.chaos_point = chaos_point
         self.group_size = group_size
         #: Who owns which slice of the state in this generation (None: not sharded).
         self.layout: ShardingLayout | None = None
@@ -65,6 +98,8 @@ class GroupLink:
         self.reducer_comm: Communicator | None = None  # the reducer's (top-k keeps residuals)
         #: The step whose reduction last started (top-k stages its residuals).
         self.reducing_step = -1
+        #: With sharded state, the scale and buffers around the last update until its all-gather completes.
+        self.undo: StepUndo | None = None
         #: Top-k residuals read from a checkpoint (``TrainWorker.restore``): the next join hands them to top-k.
         self.restored_residuals: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -171,6 +206,13 @@ class GroupLink:
         lo, hi = layout.slice_of(self.rank)
         return flat.grad_slice(lo, hi), lambda local: group_sum(group, layout, local)
 
+    def before_update(self, replica: Replica, step: int) -> None:
+        """As ``step``'s update begins (before the loss scale and buffers change): with sharded
+        state, keep them as they are until the step's all-gather completes (``StepUndo``).
+        Nothing without sharded state: no collective follows the update there."""
+        if self.layout is not None:
+            self.undo = StepUndo(step, [tensor.clone() for tensor in _scale_and_buffers(replica)])
+
     def gather_stepped(self, replica: Replica, step: int, stepped: bool) -> None:
         """After ``step``'s optimizer update (``stepped``: False on an fp16 skip), with sharded
         state: this rank's slice, loss scale and buffers are at ``step + 1`` (its state is ready
@@ -182,6 +224,7 @@ class GroupLink:
         replica.optimizer.state_step = step + 1
         if stepped:
             gather_slices(self.group, self.layout, replica.flat.values)
+        self.undo = None
 
     def _build_sharded_reducer(self, group: CommGroup, layout: ShardingLayout, flat: FlatParameters) -> None:
         """The reducer for sharded state: buckets reduce-scattered in the sharding group and
@@ -222,16 +265,22 @@ class GroupLink:
             assert self.layout is not None
             if root_step == 0:  # nothing held yet: the root's initial parameters
                 group.broadcast(replica.flat.values, root=0)
-            replica.optimizer.reshard(group, self.layout, root_step)
+            replica.optimizer.reshard(group, self.layout, root_step, lambda: self.chaos_point("reshard", root_step))
             if root_step > 0:
                 gather_slices(group, self.layout, replica.flat.values)
         else:
             group.broadcast(replica.flat.values, root=0)
             replica.optimizer.sync(lambda tensor: group.broadcast(tensor, root=0), is_root=self.rank == 0)
-        group.broadcast(replica.scaler.state, root=0)
-        for buffer in replica.model.buffers():  # running statistics: a checkpoint restores them on one worker
-            group.broadcast(buffer, root=0)
+        if self.undo is not None:  # this rank updated them in a step whose all-gather failed
+            self.undo.for_step(_scale_and_buffers(replica), root_step)
+        for tensor in _scale_and_buffers(replica):  # buffers: running statistics, restored on one worker
+            group.broadcast(tensor, root=0)
         replica.scaler.state_restored()
+        if isinstance(replica.optimizer, ShardedOptimizer):
+            # Every rank has its whole state now: what was kept from before the join may go.
+            NativeAllReduce(group).start_sum(torch.ones(1, device=replica.device)).wait()
+            replica.optimizer.confirm()
+            self.undo = None
         replica.next_step = root_step
 
     def leave(self) -> None:
@@ -244,3 +293,9 @@ class GroupLink:
                 self.group.broken = "aborted by the driver"  # its thread may be stuck: abandon it
             self.group.close()
             self.group = None
+
+
+def _scale_and_buffers(replica: Replica) -> list[torch.Tensor]:
+    """The loss scaler's state and the model's buffers: what rank 0 hands every replica besides
+    parameters and optimizer state."""
+    return [replica.scaler.state, *replica.model.buffers()]

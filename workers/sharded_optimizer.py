@@ -19,6 +19,8 @@ step, and for nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,6 +35,19 @@ from workers.generic_optimizer import GenericOptimizer, make_optimizer
 from workers.optimizer_state import decode, encode
 from workers.slice_steppers import Exported, FusedSlice, GenericSlice, check_element_wise
 from workers.training import FlatParameters
+
+
+@dataclass(frozen=True)
+class KeptSlice:
+    """Optimizer state held outside the stepper, for job step ``step``: entries ``span`` of the
+    flat vector, each key's state there, the step counts (``template``), and the parameters'
+    ``values`` there (at that step)."""
+
+    span: Span
+    step: int
+    state: dict[str, torch.Tensor]
+    template: dict[str, Any]
+    values: torch.Tensor
 
 
 class ShardedOptimizer:
@@ -50,6 +65,8 @@ class ShardedOptimizer:
         #: The slice whose state this rank holds (None: none) and the next step it is ready for.
         self.held: Span | None = None
         self.state_step = 0
+        #: Slices held before the last regroup, until every rank confirms it (``reshard``).
+        self.kept: list[KeptSlice] = []
         self.inner = self._over(0, 0)
 
     def _over(self, lo: int, hi: int, state: Exported | None = None) -> FusedSlice | GenericSlice:
@@ -74,65 +91,108 @@ class ShardedOptimizer:
         """The held slice's state, by key (one value per entry)."""
         return self.inner.state_tensors()
 
-    def holding(self) -> tuple[int, int, int, int] | None:
-        """What it holds, for the driver (``Progress.held``): ``(lo, hi, numel, state_step)``."""
-        if self.held is None:
-            return None
-        return (self.held[0], self.held[1], self.numel, self.state_step)
+    def holding(self) -> tuple[tuple[int, int, int, int], ...]:
+        """What it holds, for the driver (``Progress.held``): ``(lo, hi, numel, step)`` of the
+        slice it steps (first), then of those kept from an unconfirmed regroup; () for none."""
+        current = () if self.held is None else ((self.held[0], self.held[1], self.numel, self.state_step),)
+        return current + tuple((k.span[0], k.span[1], self.numel, k.step) for k in self.kept)
 
-    def reshard(self, group: CommGroup, layout: ShardingLayout, step: int) -> None:
+    def reshard(
+        self, group: CommGroup, layout: ShardingLayout, step: int, before_move: Callable[[], None] = lambda: None
+    ) -> None:
         """Hold the state of ``layout.slice_of(group.rank)`` for a group starting at job step
         ``step``: from what the ranks hold at that step (or zero at step 0), each piece sent by
         one holder, the template (step counts) from the first of them, and with each piece the
         parameters' entries (a holder's own slice of them is at that step even where its
         all-gather broke off; the caller all-gathers the rest). Every rank of ``group`` makes
         this call. Raises LostState (naming the entries) if no rank holds some of it,
-        CollectiveAborted/CollectiveTimeout if the transfer breaks off. Until the transfer has
-        completed this rank keeps what it held (a failed join leaves it a holder for the next)."""
+        CollectiveAborted/CollectiveTimeout if the transfer breaks off.
+
+        Two-phase: until the transfer has completed this rank keeps what it held, and after it
+        the slices it held for ``step`` stay too (``kept``, reported by ``holding``) until the
+        caller has seen every rank of the group finish its whole join (``confirm``). A join that
+        fails part-way, here or in the all-gather after it, thus leaves every rank a holder of
+        what it held before (and of its new slice where its own part completed): the next join
+        finds every slice the survivors held. ``before_move`` is called once the move is
+        planned, before this rank sends or receives any of it (where chaos strikes)."""
         lo, hi = layout.slice_of(group.rank)
-        device = self.flat.values.device
-        valid = self.held is not None and self.state_step == step and step > 0
-        found = torch.zeros((group.size, 3), dtype=torch.float64)
-        if valid:
-            assert self.held is not None
-            found[group.rank] = torch.tensor([1.0, self.held[0], self.held[1]])
-        on_device = found.to(device)
-        NativeAllReduce(group).start_sum(on_device).wait()  # one row each: the sum is every row
-        table = on_device.cpu().tolist()
+        sources = self._sources(step) if step > 0 else []
+        held = self._held_by_rank(group, [source.span for source in sources])
         if step == 0:  # the state is zero everywhere: nothing moves
-            self.inner, self.held, self.state_step = self._over(lo, hi), (lo, hi), 0
+            self.inner, self.held, self.state_step, self.kept = self._over(lo, hi), (lo, hi), 0, []
             return
-        held: list[Span | None] = [(int(row[1]), int(row[2])) if row[0] else None for row in table]
         moves = plan_moves(held, [layout.slice_of(r) for r in range(group.size)])
         # The template's source holds entries: an empty slice's stepper exports no state at all.
-        source = next((rank for rank, span in enumerate(held) if span is not None and span[0] < span[1]), None)
+        source = next((rank for rank, spans in enumerate(held) if any(a < b for a, b in spans)), None)
         if source is None:
             raise LostState((0, self.numel))
-        old_span = self.held
-        old_flat, template = self.inner.export() if valid else ({}, {})
-        dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in old_flat.items()}
-        meta = self._from(group, source, {"dtypes": dtypes, "template": template})
+        first = next((s for s in sources if s.span[0] < s.span[1]), None)
+        dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in first.state.items()} if first else {}
+        meta = self._from(group, source, {"dtypes": dtypes, "template": first.template if first else {}})
+        device = self.flat.values.device
         new_flat = {k: torch.empty(hi - lo, dtype=getattr(torch, name), device=device) for k, name in meta["dtypes"].items()}
-        if valid and old_span is not None:  # what this rank keeps of its own
-            a, b = max(lo, old_span[0]), min(hi, old_span[1])
-            for key in new_flat if a < b else ():
-                new_flat[key][a - lo : b - lo].copy_(old_flat[key][a - old_span[0] : b - old_span[0]])
-        values = self.flat.values  # a rank sends from its old span and receives outside it: disjoint
-        sends, receives = [], []
+        values = self.flat.values
+        for kept in sources:  # what this rank holds of its own new slice
+            a, b = max(lo, kept.span[0]), min(hi, kept.span[1])
+            if a >= b:
+                continue
+            there, here = slice(a - kept.span[0], b - kept.span[0]), slice(a - lo, b - lo)
+            for key in new_flat:
+                new_flat[key][here].copy_(kept.state[key][there])
+            values[a:b].copy_(kept.values[there])  # a kept slice's: the parameters there may be stale
+        sends, receives = [], []  # a rank sends from spans it holds and receives outside them: disjoint
         for move in moves:
-            for key in sorted(new_flat):
-                if move.source == group.rank and old_span is not None:
-                    sends.append((old_flat[key][move.lo - old_span[0] : move.hi - old_span[0]], move.target))
-                if move.target == group.rank:
-                    receives.append((new_flat[key][move.lo - lo : move.hi - lo], move.source))
             if move.source == group.rank:
-                sends.append((values[move.lo : move.hi], move.target))
+                kept = next(s for s in sources if s.span[0] <= move.lo and move.hi <= s.span[1])
+                cut = slice(move.lo - kept.span[0], move.hi - kept.span[0])
+                sends += [(kept.state[key][cut], move.target) for key in sorted(new_flat)] + [(kept.values[cut], move.target)]
             if move.target == group.rank:
+                receives += [(new_flat[key][move.lo - lo : move.hi - lo], move.source) for key in sorted(new_flat)]
                 receives.append((values[move.lo : move.hi], move.source))
+        before_move()
         group.submit(lambda: group.exchange(sends, receives).complete(), "reshard optimizer state").wait()
-        del old_flat  # the old state goes with the old stepper, now
+        # Kept until ``confirm``, but for what the new slice holds already. The stepper's values
+        # are a view of the parameters, which the all-gather overwrites: copied out.
+        stepped = sources[0] if sources and self.held == sources[0].span and self.state_step == step else None
+        self.kept = [
+            replace(s, values=s.values.clone()) if s is stepped else s
+            for s in sources if not (lo <= s.span[0] and s.span[1] <= hi)
+        ]
         self.inner = self._over(lo, hi, (new_flat, meta["template"]))
         self.held, self.state_step = (lo, hi), step
+
+    def _sources(self, step: int) -> list[KeptSlice]:
+        """The slices this rank holds for job step ``step``, one per span: first the one it
+        steps, if it is at that step (its values a view of the parameters), then those kept
+        from an unconfirmed regroup."""
+        found: dict[Span, KeptSlice] = {}
+        if self.held is not None and self.state_step == step:
+            lo, hi = self.held
+            state, template = self.inner.export()
+            found[self.held] = KeptSlice(self.held, step, state, template, self.flat.values[lo:hi])
+        for kept in self.kept:
+            if kept.step == step:
+                found.setdefault(kept.span, kept)
+        return list(found.values())
+
+    def _held_by_rank(self, group: CommGroup, spans: list[Span]) -> list[list[Span]]:
+        """Every rank's ``spans`` (two small all-reduces: how many each holds, then which)."""
+        device = self.flat.values.device
+        counts = torch.zeros(group.size, dtype=torch.float64, device=device)
+        counts[group.rank] = len(spans)
+        NativeAllReduce(group).start_sum(counts).wait()
+        width = int(counts.max().item())
+        table = torch.zeros((group.size, max(width, 1), 2), dtype=torch.float64)
+        for index, (a, b) in enumerate(spans):
+            table[group.rank, index] = torch.tensor([a, b], dtype=torch.float64)
+        on_device = table.to(device)
+        NativeAllReduce(group).start_sum(on_device).wait()  # one row each: the sum is every row
+        rows = on_device.cpu().tolist()
+        return [[(int(a), int(b)) for a, b in rows[rank][: int(count)]] for rank, count in enumerate(counts.cpu().tolist())]
+
+    def confirm(self) -> None:
+        """Every rank of the group has its whole state: the slices kept from before go."""
+        self.kept = []
 
     def _from(self, group: CommGroup, source: int, value: Any) -> Any:
         """``value`` as rank ``source`` has it (small: encoded and broadcast)."""
@@ -174,8 +234,8 @@ class ShardedOptimizer:
         self.held = (lo, hi)
 
     def restored_at(self, step: int) -> None:
-        """The restored state is the one for job step ``step``."""
-        self.state_step = step
+        """The restored state is the one for job step ``step`` (any kept from before goes)."""
+        self.state_step, self.kept = step, []
 
 
 def build_optimizer(job: JobConfig, flat: FlatParameters) -> FlatOptimizer | GenericOptimizer | ShardedOptimizer:
