@@ -185,3 +185,19 @@ def test_a_thread_reuses_its_buffer_and_an_earlier_files_bytes_never_show_in_a_l
     assert decode(bytes(small))[0] == {"n": 2}
     bigger = encode({"n": 3}, {"z": torch.arange(20000.0)})
     assert torch.equal(decode(bytes(bigger))[1]["z"], torch.arange(20000.0))
+
+
+def test_a_span_reads_from_the_parts_that_hold_it_into_any_dtype_and_layout(tmp_path):
+    from workers.checkpointing import open_checkpoint
+
+    storage, flat, whole = _checkpoint(tmp_path, count=3)  # parts [0, 334), [334, 668), [668, 1001)
+    saved = open_checkpoint(storage, "step-00000007", verify_checkpoint(storage, "step-00000007"))
+    assert saved.numel == 1001 and saved.flat.keys() == flat.keys() and saved.read_whole().keys() == whole.keys()
+    straight = torch.empty(400)
+    saved.flat["params"].read(300, 700, straight)  # across all three parts
+    assert torch.equal(straight, flat["params"][300:700])
+    cast = torch.empty(2, 400, dtype=torch.float64)[:, 0]  # strided, another dtype: through host memory
+    saved.flat["optim/exp_avg"].read(333, 335, cast)
+    assert torch.equal(cast, flat["optim/exp_avg"][333:335].double())
+    with pytest.raises(ValueError, match="do not fit"):
+        saved.flat["params"].read(1000, 1002, torch.empty(2))

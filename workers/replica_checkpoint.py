@@ -20,7 +20,7 @@ from jobspec.wire import PartWritten, SnapshotRequest
 from policies.sharding import Span
 from workers.chaos import ChaosSchedule, kill_self
 from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpointing import FlatPieces, PartSnapshot, load_state, take_snapshot, write_snapshot
+from workers.checkpointing import FlatPieces, PartSnapshot, open_checkpoint, take_snapshot, write_snapshot
 from workers.named_tensors import check_fit, copy_by_name
 from workers.replica import Replica
 from workers.sharded_optimizer import ShardedOptimizer
@@ -52,21 +52,37 @@ def restore_state(
     replica: Replica, storage: CheckpointStorage, name: str, manifest: dict[str, Any], span: Span | None = None
 ) -> None:
     """Take checkpoint ``name``'s training state (already verified against ``manifest``) into
-    ``replica``: parameters, buffers, optimizer state (sharded: entries ``span`` of it, None:
-    all), loss scale, RNG and step. Raises CheckpointCorrupt if a file changed since it was
-    verified, ValueError if the checkpoint is for another model."""
-    flat, whole = load_state(storage, name, manifest)
-    # What it restores into besides the optimizer (a sharded one may hold nothing yet).
-    targets = {"params": replica.flat.values, **_model_tensors(replica)}
-    loaded = {k: v for k, v in {**flat, **whole}.items() if not k.startswith(("optim/", "rng/"))}
-    check_fit(targets, loaded, lambda held, needed: f"checkpoint {name} holds {held}, this model needs {needed}")
-    optimizer_flat = {k[len("optim/"):]: v for k, v in flat.items() if k.startswith("optim/")}
+    ``replica``: buffers, loss scale, RNG and step, and the parameters and optimizer state, all
+    of them, or with a sharded optimizer entries ``span`` (None: all) of them: only the parts,
+    and the byte ranges of parts, that hold the span are read, straight into the replica's
+    memory (the join's all-gather brings the other parameters). Raises ValueError if the
+    checkpoint is for another model or optimizer (nothing changed then), CheckpointCorrupt if
+    a file's size or header changed since it was verified or it no longer reads (the replica
+    then holds no state: ``next_step`` -1)."""
+    saved = open_checkpoint(storage, name, manifest)  # its headers only
+    whole = saved.read_whole()
+    # What it restores into besides the optimizer (a sharded one may hold nothing yet), checked
+    # before anything is read into it: the flat tensors' lengths from the headers.
+    model = _model_tensors(replica)
+    loaded = {
+        **{k: torch.empty(v.shape, device="meta") for k, v in saved.flat.items() if not k.startswith("optim/")},
+        **{k: v for k, v in whole.items() if not k.startswith(("optim/", "rng/"))},
+    }
+    check_fit({"params": replica.flat.values, **model}, loaded, lambda held, needed: f"checkpoint {name} holds {held}, this model needs {needed}")
     optimizer_whole = {k[len("optim/"):]: v for k, v in whole.items() if k.startswith("optim/")}
+    optimizer_flat = {k[len("optim/"):]: v for k, v in saved.flat.items() if k.startswith("optim/")}
+    lo, hi = span if span is not None and isinstance(replica.optimizer, ShardedOptimizer) else (0, saved.numel)
+    # Checked and read before it takes any of it: it raises with nothing changed.
     if isinstance(replica.optimizer, ShardedOptimizer):
-        replica.optimizer.restore(optimizer_flat, optimizer_whole, span)
+        replica.optimizer.restore(optimizer_flat, optimizer_whole, (lo, hi))
     else:
-        replica.optimizer.restore(optimizer_flat, optimizer_whole)
-    copy_by_name(targets, loaded)
+        in_memory = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in optimizer_flat.items()}
+        for key, source in optimizer_flat.items():
+            source.read(0, saved.numel, in_memory[key])
+        replica.optimizer.restore(in_memory, optimizer_whole)
+    replica.next_step = -1  # its state is the checkpoint's only once the parameters are read too
+    saved.flat["params"].read(lo, hi, replica.flat.values[lo:hi])
+    copy_by_name(model, {k: whole[k] for k in model})
     replica.scaler.state_restored()
     torch.set_rng_state(whole["rng/torch"])
     replica.next_step = int(manifest["step"])

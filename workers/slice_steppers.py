@@ -16,14 +16,16 @@ differs between parameters) is refused when it is exported.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from policies.sharding import clip_span
-from workers.checkpointing import FlatPieces
+from workers.checkpointing import FlatPieces, SavedFlat, read_span
 from workers.flat_optimizer import FlatOptimizer
 from workers.generic_optimizer import FLAT_PREFIX, SKELETON, TENSOR_PREFIX, GenericOptimizer, decay_groups, resolve_optimizer_class
+from workers.named_tensors import check_fit
 from workers.optimizer_state import FLAT, TENSOR, encode
 from workers.training import FlatParameters
 
@@ -72,14 +74,25 @@ class FusedSlice:
         return {k: FlatPieces((v,), offset=lo, total=numel) for k, v in flat.items()}, wholes
 
     @staticmethod
-    def restored(
-        name: str, kwargs: dict[str, Any], flat: FlatParameters, no_decay: list[tuple[int, int]] | None,
-        saved_flat: dict[str, torch.Tensor], saved_whole: dict[str, torch.Tensor],
-    ) -> "FusedSlice":
-        """Over the whole vector, holding a checkpoint's state (``FlatOptimizer.restore``)."""
-        whole = FusedSlice(name, kwargs, flat, no_decay, 0, flat.numel)
-        whole.optimizer.restore(saved_flat, saved_whole)
-        return whole
+    def saved_span(
+        name: str, kwargs: dict[str, Any], flat: FlatParameters, saved_flat: Mapping[str, torch.Tensor | SavedFlat],
+        saved_whole: Mapping[str, torch.Tensor], lo: int, hi: int,
+    ) -> Exported:
+        """Entries ``[lo, hi)`` of a checkpoint's ``FlatOptimizer`` state (its
+        ``checkpoint_tensors``, written sharded or not; a flat entry whole or a checkpoint's
+        ``SavedFlat``), as ``export`` gives a slice's, on ``flat``'s device in its dtype. Checked
+        first as ``FlatOptimizer.restore`` checks it (ValueError: other names, or flat entries
+        not the parameters' length), then only the span is read."""
+        probe = FlatOptimizer(name, kwargs, torch.zeros(1), torch.zeros(1))  # its keys, over one entry
+        mine_flat, mine_whole = probe.checkpoint_tensors()
+        mine = {**{k: torch.empty(flat.numel, device="meta") for k in mine_flat}, **mine_whole}
+        loaded = {**{k: torch.empty(tuple(v.shape), device="meta") for k, v in saved_flat.items()}, **saved_whole}
+        check_fit(mine, loaded, lambda held, needed: f"optimizer state {held} does not fit {name}'s {needed}")
+        state = {}
+        for key in mine_flat:
+            state[key] = torch.empty(hi - lo, dtype=flat.values.dtype, device=flat.values.device)
+            read_span(saved_flat[key], lo, hi, state[key])
+        return state, {"step": float(saved_whole["step"])}
 
 
 class GenericSlice:
@@ -204,25 +217,44 @@ class GenericSlice:
         return flat, {SKELETON: encode(skeleton), **{f"{TENSOR_PREFIX}{n}": t for n, t in enumerate(tensors)}}
 
     @staticmethod
-    def restored(
+    def saved_span(
         name: str | type, kwargs: dict[str, Any], flat: FlatParameters, decay_biases_and_norms: bool,
-        saved_flat: dict[str, torch.Tensor], saved_whole: dict[str, torch.Tensor],
-    ) -> "GenericSlice":
-        """Over the whole vector, holding a checkpoint's state (written sharded or not):
-        loaded by an unsharded ``GenericOptimizer`` (which checks it), then taken as flat state."""
-        loader = GenericOptimizer(name, kwargs, flat.params, decay_biases_and_norms)
-        loader.restore(saved_flat, saved_whole)
-        slice_ = GenericSlice(name, kwargs, flat, decay_biases_and_norms, 0, flat.numel)
-        states = [loader.optimizer.state.get(param, {}) for param in flat.params]
+        saved_flat: Mapping[str, torch.Tensor | SavedFlat], saved_whole: Mapping[str, torch.Tensor], lo: int, hi: int,
+    ) -> Exported:
+        """Entries ``[lo, hi)`` of a checkpoint's ``GenericOptimizer`` state (written sharded or
+        not; a flat entry whole or a checkpoint's ``SavedFlat``), as ``export`` gives a slice's.
+        Checked first as the unsharded optimizer checks it, without the flat entries' data: an
+        unsharded ``GenericOptimizer`` over stand-ins (one entry each, expanded to each
+        parameter's shape) loads the whole state with stand-ins for the flat entries, in the
+        dtype torch would cast them to (ValueError if it does not fit). Its per-parameter state
+        then gives the template (which must be the same for every parameter, ValueError naming
+        ``sharding.group_size`` else), and only the span of each flat key is read."""
+        values = flat.values
+        stand_ins = [torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape)) for p in flat.params]
+        loader = GenericOptimizer(name, kwargs, stand_ins, decay_biases_and_norms)
+        cast = {k: values.dtype if values.is_floating_point() and k != FLAT_PREFIX + "step" else v.dtype for k, v in saved_flat.items()}
+        loader.restore({k: torch.zeros((), dtype=cast[k]).expand(v.shape[0]) for k, v in saved_flat.items()}, saved_whole)
+        states = [loader.optimizer.state.get(p, {}) for p in stand_ins]
         # One value per entry: a tensor of its parameter's shape in every parameter's state.
-        keys = {
-            k for k in states[0]
-            if all(isinstance(s.get(k), torch.Tensor) and s[k].shape == p.shape for s, p in zip(states, flat.params))
-        }
-        for piece, state in zip(slice_.pieces, states):
-            if state:
-                slice_.optimizer.state[piece] = {k: v.detach().reshape(-1) if k in keys else v for k, v in state.items()}
-        return slice_
+        keys = [k for k in states[0] if all(isinstance(s.get(k), torch.Tensor) and s[k].shape == p.shape for s, p in zip(states, stand_ins))]
+        template = {k: v for k, v in states[0].items() if k not in keys}
+        for state in states:
+            rest = {k: v for k, v in state.items() if k not in keys}
+            if rest.keys() != template.keys() or not all(_same(rest[k], template[k]) for k in template):
+                raise ValueError(
+                    f"the checkpoint's {loader.optimizer.__class__.__name__} state holds per-parameter state that is not one "
+                    f"value per entry ({sorted(set(rest) | set(template))}): sharding.group_size above 1 needs an "
+                    "element-wise optimizer; set sharding.group_size: 1"
+                )
+        tensors = {}
+        for key in keys:
+            # A state saved whole (before the state was taken apart) holds the entries itself.
+            source = saved_flat.get(FLAT_PREFIX + key)
+            if source is None:
+                source = torch.cat([state[key].detach().reshape(-1) for state in states])
+            tensors[key] = torch.empty(hi - lo, dtype=states[0][key].dtype, device=values.device)
+            read_span(source, lo, hi, tensors[key])
+        return tensors, template
 
 
 def shape_blind(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> str | None:
