@@ -213,25 +213,24 @@ class ShardedOptimizer:
             raise RuntimeError("this replica holds no optimizer state to checkpoint (a state transfer did not finish)")
         return self.inner.checkpoint_tensors(whole, self.held[0], self.numel)
 
-    def restore(self, flat: dict[str, torch.Tensor], whole: dict[str, torch.Tensor], span: Span | None = None) -> None:
-        """Hold ``span`` (None: all) of a checkpoint's state (``flat`` entries of the full
-        length, on the host; written sharded or not, in the unsharded optimizer's format): the
-        whole state is read on the host, checked as the unsharded optimizer checks it, and only
-        the span comes to the device. This replica is then the holder of the span at the next
-        join (``restored_at``). Raises ValueError if the state is not the optimizer's."""
+    def restore(self, flat: dict[str, Any], whole: dict[str, torch.Tensor], span: Span | None = None) -> None:
+        """Hold ``span`` (None: all) of a checkpoint's state (written sharded or not, in the
+        unsharded optimizer's format; ``flat``: each entry a whole-length tensor or the
+        checkpoint's ``workers.checkpointing.SavedFlat``, of which only the span is read, into
+        the span's state on the device: nothing whole is built). Checked first as the unsharded
+        optimizer checks it (``FusedSlice.saved_span``, ``GenericSlice.saved_span``). Raises
+        ValueError if the state is not the optimizer's, CheckpointCorrupt if a file no longer
+        reads; either way before anything changed. The span's state is then for no step until
+        ``restored_at`` names it (this replica is then its holder at the next join)."""
         config = self.config
-        host = FlatParameters([torch.nn.Parameter(torch.empty_like(p, device="cpu")) for p in self.flat.params])
-        if config.is_fused:
-            no_decay = None if config.decay_biases_and_norms else host.no_decay_ranges()
-            loaded: FusedSlice | GenericSlice = FusedSlice.restored(str(config.name), config.kwargs, host, no_decay, flat, whole)
-        else:
-            loaded = GenericSlice.restored(config.name, config.kwargs, host, config.decay_biases_and_norms, flat, whole)
-        state, template = loaded.export()
-        del loaded
         lo, hi = span if span is not None else (0, self.numel)
-        device = self.flat.values.device
-        self.inner = self._over(lo, hi, ({k: v[lo:hi].to(device, copy=True) for k, v in state.items()}, template))
-        self.held = (lo, hi)
+        if config.is_fused:
+            state = FusedSlice.saved_span(str(config.name), config.kwargs, self.flat, flat, whole, lo, hi)
+        else:
+            state = GenericSlice.saved_span(config.name, config.kwargs, self.flat, config.decay_biases_and_norms, flat, whole, lo, hi)
+        self.inner = self._over(lo, hi, state)
+        # -1: a join takes it for no step, should the parameters' span fail to read after it.
+        self.held, self.state_step = (lo, hi), -1
 
     def restored_at(self, step: int) -> None:
         """The restored state is the one for job step ``step`` (any kept from before goes)."""
