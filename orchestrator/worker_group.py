@@ -4,12 +4,13 @@ failures ``orchestrator/ray_calls.py`` classifies."""
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
-from ray.util.placement_group import PlacementGroup
+from ray.util.placement_group import PlacementGroup, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from jobspec.job import JobConfig
@@ -42,6 +43,108 @@ def actor_options(scaling: ScalingConfig) -> dict[str, Any]:
     return options
 
 
+#: Resources of Ray's own bookkeeping, not capacity a job can ask for: one per node and per
+#: accelerator type, the placement groups' (``bundle_group_<id>``, ``CPU_group_0_<id>``), and the
+#: object store.
+_RAY_INTERNAL = re.compile(r"^(node:|accelerator_type:|bundle_group_)|_group_(\d+_)?[0-9a-f]{32,}$|^object_store_memory$")
+
+#: Ray's placement-group scheduling states (``placement_group_table``'s ``stats``), in words.
+_SCHEDULING = {
+    "QUEUED": "queued",
+    "SCHEDULING_STARTED": "being scheduled",
+    "NO_RESOURCES": "not enough free resources",
+    "INFEASIBLE": "no node has room for one bundle, waiting for one to join",
+    "FAILED_TO_COMMIT_RESOURCES": "a node failed while reserving, retrying",
+    "REMOVED": "removed",
+}
+
+#: What a worker with a process does until its describe() answers.
+_LOADING = "importing torch and the job's code, building its dataset and model"
+
+
+def _amount(value: float) -> str:
+    """An amount of a resource, without Ray's float noise (3999.99999 -> "4000")."""
+    return f"{round(value, 3):g}"
+
+
+def resources_in_words(resources: Mapping[str, float]) -> str:
+    """``resources`` (Ray's name -> amount) as a person reads them: CPU, GPU, memory in GiB, then
+    custom resources by name, e.g. ``"1.5 CPU, 12.3 GiB memory"``; Ray's internal resources
+    (``_RAY_INTERNAL``) left out; ``"nothing"`` when none is left."""
+    shown = {name: amount for name, amount in resources.items() if not _RAY_INTERNAL.search(name)}
+    first = [name for name in ("CPU", "GPU", "memory") if name in shown]
+    words = [
+        f"{shown[name] / 2**30:.1f}".removesuffix(".0") + " GiB memory" if name == "memory" else f"{_amount(shown[name])} {name}"
+        for name in first + sorted(set(shown) - set(first))
+    ]
+    return ", ".join(words) or "nothing"
+
+
+@dataclass(frozen=True)
+class StartWait:
+    """Where a start of ``count`` workers, ``bundle`` of resources each, stands, as Ray tells it
+    (``RayWorkerGroup._start_wait``); ``start_wait_message`` puts it in words."""
+
+    count: int
+    bundle: Mapping[str, float]  # one worker's resources
+    placed: int  # the workers' bundles placed on a node (all at once: Ray reserves a group whole)
+    scheduling: str  # Ray's scheduling state of their placement group ("NO_RESOURCES", "INFEASIBLE", ...)
+    ready: int  # workers loaded (their describe() answered)
+    loading: int | None  # of the others, those with a process (LOADING); None: Ray did not say
+    free: Mapping[str, float]  # ray.available_resources(): free for new reservations
+    nodes: int  # alive nodes
+
+    @property
+    def reserving(self) -> bool:
+        """Whether the placement group is the stage waited on (else the actors' start)."""
+        return self.placed < self.count
+
+
+def _pending_in_words(wait: StartWait) -> str:
+    """What ``wait`` waits on and what the cluster has free, as one clause."""
+    free = f"free now: {resources_in_words({'CPU': 0.0, 'GPU': 0.0, **wait.free})} on {wait.nodes} node{'s' * (wait.nodes != 1)}"
+    if wait.reserving:
+        why = _SCHEDULING.get(wait.scheduling, wait.scheduling.lower().replace("_", " "))
+        said = f"Ray: {why}; " if why else ""
+        return f"placement group: {wait.placed} of {wait.count} bundles placed; {said}{free}"
+    left = wait.count - wait.ready
+    if wait.loading is None:
+        parts = [f"{left} starting"]
+    else:
+        parts = [f"{wait.loading} loading ({_LOADING})", f"{left - wait.loading} waiting for a worker process"]
+    parts = [f"{wait.ready} of {wait.count} ready"] + [p for p in parts if not p.startswith("0 ")]
+    return f"resources reserved; {', '.join(parts)}; {free}"
+
+
+def _workers_in_words(wait: StartWait) -> str:
+    """The workers being started, e.g. "4 x 0.5 CPU"."""
+    return f"{wait.count} x {resources_in_words(wait.bundle)}"
+
+
+def start_wait_message(wait: StartWait, start_s: float) -> str:
+    """One line for a person while a start waits: the stage (reserving the placement group, or
+    the actors' start: loading, or waiting for a worker process), what the cluster has free,
+    and when the start gives up."""
+    if wait.reserving:
+        stage = f"to reserve {_workers_in_words(wait)}"
+    else:
+        stage = f"for {wait.count} workers ({resources_in_words(wait.bundle)} each) to start"
+    return f"waiting {stage} ({_pending_in_words(wait)}); giving up after timeouts.start_s = {start_s:.0f}s"
+
+
+def start_timeout_message(wait: StartWait, start_s: float) -> str:
+    """Why a start gave up after ``start_s``, ``wait`` being where it stood, and what to change."""
+    if wait.reserving:
+        return (
+            f"could not reserve {_workers_in_words(wait)} within {start_s:.0f}s ({_pending_in_words(wait)}); "
+            "lower scaling.workers or scaling.resources_per_worker"
+        )
+    return (
+        f"workers did not finish 'start' within {start_s:.0f}s ({_pending_in_words(wait)}); "
+        "raise timeouts.start_s if loading takes longer"
+    )
+
+
 @dataclass
 class Member:
     actor: Any
@@ -70,7 +173,8 @@ class RayWorkerGroup(Membership[Member, Joiner]):
     order; worker ids never repeat.
     """
 
-    #: While workers wait for resources, ``on_wait`` is told what is pending this often.
+    #: While a start waits (for its placement group, or its actors to load), ``on_wait`` is told
+    #: what is pending this often.
     WAIT_REPORT_S = 10.0
 
     def __init__(
@@ -109,9 +213,9 @@ class RayWorkerGroup(Membership[Member, Joiner]):
 
         Actors are created at once and wait in Ray for their bundles, so reserving resources
         overlaps their start. Returns each actor's ``describe()``. Raises WorkerGroupError on
-        a timeout (naming the resources if they could not be reserved) or a worker error; on a
-        ``fixed_cluster`` at once if the workers can never fit. While resources are pending,
-        ``on_wait`` is told every WAIT_REPORT_S.
+        a timeout (saying what was still pending) or a worker error; on a ``fixed_cluster`` at
+        once if the workers can never fit. While the start waits, ``on_wait`` is told every
+        WAIT_REPORT_S what it waits on, in one line (``start_wait_message``).
         """
         bundle = self.placement.bundle
         if self.fixed_cluster:
@@ -119,41 +223,54 @@ class RayWorkerGroup(Membership[Member, Joiner]):
             problem = unplaceable(bundle, count, nodes)
             if problem is not None:
                 raise WorkerGroupError(problem)
-        placement, slots = self.placement.reserve(count)
+        _, slots = self.placement.reserve(count)
         actors = [self._new_actor(slot) for slot in slots]
         try:
-            infos = self._await_start([a.describe.remote() for a, _ in actors], placement, count)
-        except ray.exceptions.GetTimeoutError:
-            ready, _ = ray.wait([placement.ready()], timeout=0)
-            if not ready:
-                raise WorkerGroupError(
-                    f"could not reserve {count} x {bundle} within {self.timeouts.start_s:.0f}s "
-                    f"(cluster has {ray.cluster_resources()}); lower scaling.workers or "
-                    "scaling.resources_per_worker"
-                ) from None
-            raise WorkerGroupError(f"workers did not finish 'start' within {self.timeouts.start_s:.0f}s") from None
+            infos = self._await_start([a for a, _ in actors], slots)
         except ray.exceptions.RayError as err:
             raise WorkerGroupError(f"a worker failed to start: {failure_of(-1, err).reason}") from None
         self.members = [Member(actor, info, slot) for (actor, _), info, slot in zip(actors, infos, slots)]
         return self.info
 
-    def _await_start(self, refs: list[ray.ObjectRef], placement: PlacementGroup, count: int) -> list[WorkerInfo]:
-        """The actors' describe() within ``timeouts.start_s``, saying what is pending meanwhile;
-        raises GetTimeoutError after it."""
-        deadline = time.monotonic() + self.timeouts.start_s
+    def _await_start(self, actors: list[Any], slots: list[Slot]) -> list[WorkerInfo]:
+        """The ``actors``' describe() (one each in ``slots``) within ``timeouts.start_s``, telling
+        ``on_wait`` what is pending every WAIT_REPORT_S meanwhile (``start_wait_message``);
+        raises WorkerGroupError after it (``start_timeout_message``)."""
+        refs = [actor.describe.remote() for actor in actors]
+        start_s = self.timeouts.start_s
+        deadline = time.monotonic() + start_s
         while True:
             left = deadline - time.monotonic()
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(self.WAIT_REPORT_S, left)))
             if len(ready) == len(refs):
                 return ray.get(refs, timeout=0)
+            wait = self._start_wait(actors, slots, refs)
             if left <= self.WAIT_REPORT_S:
-                raise ray.exceptions.GetTimeoutError("start")
-            placed, _ = ray.wait([placement.ready()], timeout=0)
-            if not placed:
-                self._on_wait(
-                    f"waiting for {count} x {self.placement.bundle} (available now: {ray.available_resources()}; "
-                    f"giving up after timeouts.start_s = {self.timeouts.start_s:.0f}s)"
-                )
+                raise WorkerGroupError(start_timeout_message(wait, start_s))
+            self._on_wait(start_wait_message(wait, start_s))
+
+    def _start_wait(self, actors: list[Any], slots: list[Slot], refs: list[ray.ObjectRef]) -> StartWait:
+        """Where the start of ``actors`` into ``slots`` (``refs``: their describe()) stands now."""
+        table = placement_group_table(slots[0].placement)
+        nodes_of = table.get("bundles_to_node_id", {})
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        waiting = [actor for actor, ref in zip(actors, refs) if ref not in ready]
+        try:  # Ray's private actor table (a process id once the actor has a process): losing it costs the detail, not the start
+            from ray._private import state
+
+            loading: int | None = sum(state.actors(actor._actor_id.hex())["Pid"] > 0 for actor in waiting)
+        except Exception:
+            loading = None
+        return StartWait(
+            count=len(slots),
+            bundle=self.placement.bundle,
+            placed=sum(1 for slot in slots if nodes_of.get(slot.index)),
+            scheduling=table.get("stats", {}).get("scheduling_state", ""),
+            ready=len(ready),
+            loading=loading,
+            free=ray.available_resources(),
+            nodes=sum(1 for node in ray.nodes() if node.get("Alive")),
+        )
 
     def _new_actor(self, slot: Slot) -> tuple[Any, int]:
         worker = self._new_worker_id()
