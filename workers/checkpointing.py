@@ -367,11 +367,16 @@ def _open_part(storage: CheckpointStorage, name: str, entry: dict[str, Any]) -> 
     with _reading(storage, name, relpath) as reader:
         if reader.size != entry["bytes"]:
             raise CheckpointCorrupt(name, reader.where, f"changed since it was verified: {reader.size} bytes, not {entry['bytes']}")
-        if not tensor_file.is_tensor_file(reader.read(0, min(reader.size, len(tensor_file.MAGIC)))):
+        # Its first page holds most headers: one request for it (a GET on an object store).
+        head = reader.read(0, min(reader.size, tensor_file.ALIGN))
+        if not tensor_file.is_tensor_file(head):
             payload = _load(storage, name, entry)
             return {k: v for k, v in payload.items() if k not in ("slices", "whole")}, _Part(name, relpath, {}, payload)
         try:
-            meta, entries = tensor_file.read_header(reader.read, reader.size)
+            meta, entries = tensor_file.read_header(
+                lambda offset, nbytes: head[offset : offset + nbytes] if offset + nbytes <= len(head) else reader.read(offset, nbytes),
+                reader.size,
+            )
         except ValueError as err:
             raise CheckpointCorrupt(name, reader.where, f"not a readable part: {err}") from None
     unknown = [k for k in entries if not k.startswith(("slices/", "whole/"))]
