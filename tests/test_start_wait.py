@@ -1,5 +1,6 @@
-"""What a start says while it waits (``orchestrator/worker_group.py``): the stage it waits on and
-what the cluster has free, in words, never Ray's internal resources."""
+"""What a start says while it waits (``orchestrator/start_wait.py``, from
+``orchestrator/worker_group.py``): the stage it waits on and what the cluster has free, in
+words, never Ray's internal resources."""
 
 from __future__ import annotations
 
@@ -26,14 +27,14 @@ INTERNAL = ("bundle_group", "_group_", "node:", "__internal_head__", "object_sto
 
 
 def _wait(**fields):
-    from orchestrator.worker_group import StartWait
+    from orchestrator.start_wait import StartWait
 
     base = dict(count=4, bundle={"CPU": 0.5}, placed=0, scheduling="NO_RESOURCES", ready=0, loading=0, free=LOADED, nodes=1)
     return StartWait(**{**base, **fields})
 
 
 def test_a_waiting_start_names_its_stage_and_what_is_free_in_words():
-    from orchestrator.worker_group import start_timeout_message, start_wait_message
+    from orchestrator.start_wait import start_timeout_message, start_wait_message
 
     reserving = start_wait_message(_wait(), 180.0)
     assert "4 x 0.5 CPU" in reserving and "placement group: 0 of 4 bundles placed" in reserving
@@ -63,7 +64,7 @@ def test_a_waiting_start_names_its_stage_and_what_is_free_in_words():
 
 
 def test_resources_in_words_leave_out_rays_bookkeeping():
-    from orchestrator.worker_group import resources_in_words
+    from orchestrator.start_wait import resources_in_words
 
     assert resources_in_words({"CPU": 1.0, "GPU": 1.0, "memory": 2 * 2**30}) == "1 CPU, 1 GPU, 2 GiB memory"
     assert resources_in_words({"TPU": 4.0, "CPU": 0.25}) == "0.25 CPU, 4 TPU"
