@@ -351,8 +351,9 @@ def test_a_generic_optimizer_shards_reshards_and_checkpoints_like_the_whole_one(
 
 
 def test_a_checkpoint_restores_only_the_slice_a_rank_will_own():
-    """Fused AdamW: the whole state read on the host, checked, and the span kept (the rest is
-    never held); the whole of it without a span; another optimizer's state refused."""
+    """Fused AdamW: the state checked as the unsharded optimizer checks it and only the span
+    read (the rest is never held); the whole of it without a span; another optimizer's state
+    refused."""
     flat = FlatParameters(_model().parameters(), extra=EXTRA)
     whole = FlatOptimizer("adamw", {"lr": 0.05}, flat.values, flat.grads, flat.no_decay_ranges())
     for step in range(2):
