@@ -8,6 +8,17 @@ past its timeout even where gloo would. After an abort or a timeout the group is
 ``close`` abandons it and a new generation (a new store prefix) is formed
 (``workers/process_group.py``).
 
+An abandoned operation may go on after its caller's wait raised: gloo's waits on the
+communication thread never look at the abort flag, and a broken gloo group is left alive (its
+thread may be blocked in it), so after a stall in which nobody died, a peer's late sends
+complete its steps. Nothing of it may then reach the caller's tensors, which the next
+generation uses (the gradient buffer outlives generations). So the group checks its state
+before every post and after every wait (``check_live``), and an operation writes a caller's
+tensor only inside ``writing``: under the lock that marking the group broken takes, so once
+``broken`` is set no such write is under way or starts. Received data lands in the
+operation's own scratch, never in a caller's tensor, since the backend writes a receive
+whenever its send arrives (``workers/ring.py``).
+
 Point-to-point traffic goes only through ``CommGroup.exchange``: one call posts a set of sends
 and receives as one group (NCCL: one coalesced launch, so no send waits on a receive posted
 after it, and every exchange runs on the group's one communicator, made at formation), and
@@ -19,9 +30,10 @@ given the same single tag, so both backends match messages in posting order alon
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Callable, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -50,7 +62,8 @@ class PendingOp:
     def wait(self) -> None:
         """Block until done. Raises CollectiveAborted, CollectiveTimeout (both break the group)
         or the error the operation itself raised; a RuntimeError from the operation (gloo/NCCL:
-        a peer closed its connection, ...) breaks the group too and becomes CollectiveTimeout."""
+        a peer closed its connection, ...) breaks the group too and becomes CollectiveTimeout.
+        Once it has raised, the operation writes none of its caller's tensors (``writing``)."""
         group = self._group
         try:
             wait_abortable(
@@ -61,6 +74,9 @@ class PendingOp:
             if not _raised_by(self._future, err):  # the wait's own CollectiveAborted or CollectiveTimeout
                 aborted = isinstance(err, CollectiveAborted)
                 group.broken = f"{'aborted' if aborted else 'timed out'} during {self._what}"
+                raise
+            if isinstance(err, CollectiveAborted):  # the operation stopped itself (``check_live``)
+                group.broken = group.broken or f"aborted during {self._what}"
                 raise
             # gloo/NCCL errors: a peer closed its connection, ...
             group.broken = f"failed during {self._what}: {err}"
@@ -83,6 +99,7 @@ class Exchange:
         self._works = works
 
     def complete(self) -> None:
+        """Raises CollectiveAborted if the group was abandoned meanwhile (``CommGroup.complete``)."""
         for work in self._works:
             self._group.complete(work)
 
@@ -113,8 +130,10 @@ class CommGroup:
         self.size = size
         self.timeout_s = timeout_s
         self.abort_flag = abort_flag
-        #: Why the group can no longer be used, or None while it is healthy.
-        self.broken: str | None = None
+        # Held while an operation writes a caller's tensor (``writing``) and while ``broken``
+        # is set: once it is, no such write is under way or starts.
+        self._writes = threading.Lock()
+        self._broken: str | None = None
         #: Bytes handed to point-to-point sends and native all-reduces (their 2(n-1)/n share).
         self.bytes_sent = 0
         # NCCL coalesces (torch's batch_isend_irecv asks the same property); gloo cannot, and
@@ -122,6 +141,42 @@ class CommGroup:
         self._coalesce = bool(getattr(pg, "supports_coalescing", False))
         # Made on join_group's thread, where the worker's device is current: so is it on this one.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"ringleader-comm-r{rank}", initializer=inherit_device())
+
+    @property
+    def broken(self) -> str | None:
+        """Why the group can no longer be used, or None while it is healthy. Setting it waits
+        for a write under way (``writing``) and makes every later one, every post and every
+        wait's end raise CollectiveAborted: an abandoned operation changes nothing more."""
+        return self._broken
+
+    @broken.setter
+    def broken(self, reason: str | None) -> None:
+        with self._writes:
+            self._broken = reason
+
+    def _stopped(self) -> bool:
+        return self._broken is not None or self.abort_flag.is_set()
+
+    def check_live(self) -> None:
+        """Raise CollectiveAborted if the group is broken or the abort flag is up: whatever
+        runs on the communication thread then stops, rather than post or write for a caller
+        who has given up on it (the flag is cleared when the next generation forms, and
+        ``broken`` stays)."""
+        if self._broken is not None:
+            raise CollectiveAborted(f"the process group is broken ({self._broken}); its operation stops")
+        if self.abort_flag.is_set():
+            raise CollectiveAborted(f"rank {self.rank}'s collectives were aborted by the driver; its operation stops")
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold while writing a caller's tensor on the communication thread (a received
+        segment added or copied into it). Raises CollectiveAborted instead of entering if the
+        group is broken or the abort flag is up (``check_live``); a caller's wait that gives
+        up marks the group broken, which waits until the write is done. Keep it short: no
+        wait for a peer inside (on a GPU the write is only queued on the current stream)."""
+        with self._writes:
+            self.check_live()
+            yield
 
     def submit(self, operation: Callable[[], None], what: str) -> PendingOp:
         """Queue ``operation`` (blocking torch.distributed calls on ``pg``) after those before it."""
@@ -142,7 +197,9 @@ class CommGroup:
         Messages carry no tag (NCCL ignores tags): between two ranks, the k-th tensor one
         sends to the other is the k-th the other receives from it, counted over every
         exchange in posting order. Every caller must post its exchanges in an order its peers
-        match, and keep each group's shapes alike on both sides."""
+        match, and keep each group's shapes alike on both sides. Raises CollectiveAborted,
+        posting nothing, if the group is broken or the abort flag is up (``check_live``)."""
+        self.check_live()
         receives = [(tensor, src) for tensor, src in receives if tensor.numel()]
         sends = [(tensor, dst) for tensor, dst in sends if tensor.numel()]
         self.bytes_sent += sum(tensor.numel() * tensor.element_size() for tensor, _ in sends)
@@ -165,11 +222,16 @@ class CommGroup:
         blocks until then (a caller's PendingOp.wait polls the abort flag meanwhile). NCCL's
         returns at once, and a dead peer would surface later in a CUDA sync that never ends
         (reading the census): its work is polled until done (``poll_work``), raising
-        CollectiveAborted or CollectiveTimeout, so nothing reads a value before it arrived."""
+        CollectiveAborted or CollectiveTimeout, so nothing reads a value before it arrived.
+
+        Gloo's wait sees no abort: a late completion (a stalled peer's send, after the group
+        was abandoned) returns here, then raises CollectiveAborted (``check_live``), so the
+        abandoned operation ends at its first wait that does."""
         if not self.poll_completion:
             work.wait()
-            return
-        poll_work(work, self.abort_flag.is_set, self.timeout_s, f"a collective on rank {self.rank}")
+        else:
+            poll_work(work, self._stopped, self.timeout_s, f"a collective on rank {self.rank}")
+        self.check_live()
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Blocking broadcast from ``root`` (queued behind pending operations)."""
@@ -193,12 +255,14 @@ class CommGroup:
         of SIGABRT on its way out (pytorch/pytorch#190489). A broken gloo group's threads may be
         blocked in gloo: abandoned with it, they keep that risk until they end.
 
-        Once closed, ``submit`` refuses work ("closed") and a second ``close`` does nothing."""
-        if self.broken == CLOSED:
+        Once closed, ``submit`` refuses work ("closed") and a second ``close`` does nothing,
+        and no operation of the group writes a caller's tensor any more (``broken``)."""
+        if self._broken == CLOSED:
             return
-        healthy = self.broken is None
-        self.broken = CLOSED
+        healthy = self._broken is None
+        # A healthy group's queued work runs before ``broken`` is set, which would stop it.
         self._thread.shutdown(wait=healthy, cancel_futures=not healthy)
+        self.broken = CLOSED
         if self.poll_completion:
             release(self.pg, graceful=healthy, name=f"ringleader-comm-r{self.rank}-release")
         elif healthy:

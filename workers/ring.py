@@ -12,11 +12,24 @@ and each leader sends the result back to its node's ranks; the slow inter-node l
 
 These functions block and run on a ``CommGroup``'s communication thread; ``RingAllReduce`` and
 ``HierarchicalAllReduce`` queue them there and are what the worker uses.
+
+What a caller's tensors see: an operation whose caller gave up (an abort, a timeout) may go on,
+its steps completing late once a stalled peer sends (a broken gloo group is left alive, its
+waits blind to the abort), while the next generation uses the same tensors (the gradient
+buffer, the parameters). So no receive lands in a caller's tensor: the backend writes a receive
+whenever its send arrives, beyond our control. Every segment lands in scratch (two segments'
+worth per stream of segments, reused) and is added or copied into place inside
+``CommGroup.writing``, which refuses once the group is broken or the abort flag is up. Once a
+caller's wait has raised, nothing of the operation writes its tensors; what it wrote before is
+partial sums (garbage). Per segment rather than the whole reduction into scratch and one copy
+at the end: no buffer the size of what is summed (a bucket, or the whole gradient in a rescue
+pass), and no extra pass over it but the all-gather's copy out of scratch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -121,8 +134,6 @@ def _pipeline(
         return _segments(*bounds[(me - t - 1) % n], segment)
 
     def landing(t: int, lo: int, hi: int) -> torch.Tensor:  # where segment [lo, hi) of step t arrives
-        if t >= n - 1:  # all-gather: straight into place
-            return flat[lo:hi]
         first = bounds[(me - t - 1) % n][0]
         return buffers[(t % 2) * longest + lo - first :][: hi - lo]
 
@@ -143,12 +154,64 @@ def _pipeline(
         for j in range(max(len(pending), following)):
             if j < len(pending):
                 pending[j].complete()
-                if t < n - 1 and j < len(into):
+                if j < len(into):
                     lo, hi = into[j]
-                    flat[lo:hi].add_(landing(t, lo, hi))
+                    with group.writing():  # reduce-scatter: summed in; all-gather: copied into place
+                        (flat[lo:hi].add_ if t < n - 1 else flat[lo:hi].copy_)(landing(t, lo, hi))
             if j < following:
                 posted.append(post(t + 1, j))
         pending = posted
+
+
+# How a received segment goes into its target: (target, landed) -> the target changed in place.
+Merge = Callable[[torch.Tensor, torch.Tensor], object]
+
+
+def _relay(
+    group: CommGroup,
+    sends: Sequence[tuple[torch.Tensor, int]] = (),
+    receives: Sequence[tuple[torch.Tensor, int]] = (),
+    merge: Merge = torch.Tensor.copy_,
+) -> None:
+    """Send each contiguous tensor of ``sends`` ((tensor, group rank)) and receive into each of
+    ``receives`` ((target, group rank)), every tensor cut into segments of at most
+    ``MAX_SEGMENT_BYTES``. Exchange j holds segment j of every tensor that has one, in list
+    order, two exchanges in flight; each received segment lands in scratch of this call and
+    is merged into its target (``merge``, in list order) inside ``CommGroup.writing``.
+    Blocking; the peers make the matching calls (shapes and dtypes alike, so cut alike).
+
+    Under NCCL's semantics it cannot deadlock: every rank posts its exchanges in increasing j,
+    and exchange j matches only exchanges j of its peers, so the lowest j not complete is
+    first in line on every rank that has it."""
+
+    def cut(tensor: torch.Tensor) -> list[torch.Tensor]:
+        flat = tensor.view(-1)
+        return [flat[lo:hi] for lo, hi in _segments(0, flat.numel(), max(1, MAX_SEGMENT_BYTES // flat.element_size()))]
+
+    outgoing = [(cut(tensor), peer) for tensor, peer in sends]
+    incoming = []
+    for tensor, peer in receives:
+        segments = cut(tensor)  # two landing slots, each as large as the first (largest) segment
+        incoming.append((segments, peer, [torch.empty_like(segments[0]) for _ in range(min(2, len(segments)))]))
+    width = max([len(segments) for segments, _ in outgoing] + [len(segments) for segments, _, _ in incoming], default=0)
+
+    def arriving(j: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:  # exchange j's (target, landing, peer)
+        return [(s[j], slots[j % 2][: s[j].numel()], peer) for s, peer, slots in incoming if j < len(s)]
+
+    def post(j: int) -> Exchange:
+        sent = [(segments[j], peer) for segments, peer in outgoing if j < len(segments)]
+        return group.exchange(sent, [(landing, peer) for _, landing, peer in arriving(j)])
+
+    in_flight = deque(post(j) for j in range(min(2, width)))
+    for j in range(width):
+        in_flight.popleft().complete()
+        arrived = arriving(j)
+        if arrived:
+            with group.writing():
+                for target, landing, _ in arrived:
+                    merge(target, landing)
+        if j + 2 < width:
+            in_flight.append(post(j + 2))
 
 
 def ring_all_gather(
@@ -156,16 +219,17 @@ def ring_all_gather(
 ) -> None:
     """Hand pieces around the ring until every rank holds all of them.
 
-    ``pieces[i]`` is a tuple of tensors (shapes alike on every rank); on entry this rank holds
-    ``pieces[own]``, on exit all of them. Blocking; every rank in ``ranks`` makes the call.
-    Each step is one exchange; its tensors match in tuple order (no tags).
+    ``pieces[i]`` is a tuple of contiguous tensors (shapes alike on every rank); on entry this
+    rank holds ``pieces[own]``, on exit all of them. Blocking; every rank in ``ranks`` makes
+    the call. Each step is one ``_relay``: its tensors in segments, matched in tuple order (no
+    tags), each landing in scratch and copied into place (the module doc: what callers see).
     """
     n = len(ranks)
     me = ranks.index(group.rank)
     right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
     for step in range(n - 1):
         outgoing, incoming = pieces[(own - step) % n], pieces[(own - step - 1) % n]
-        group.exchange([(t, right) for t in outgoing], [(t, left) for t in incoming]).complete()
+        _relay(group, [(t, right) for t in outgoing], [(t, left) for t in incoming])
 
 
 class RingAllReduce:
@@ -198,20 +262,18 @@ def is_flat(groups: Sequence[Sequence[int]], size: int) -> bool:
 def hierarchical_sum(group: CommGroup, flat: torch.Tensor, nodes: list[list[int]], scratch: _Scratch) -> None:
     """Sum ``flat`` in place: into each node's leader (its first rank), ring across leaders,
     back out to each node's ranks. Blocking; every rank makes the same call. Each transfer is
-    its own exchange, posted in the same order on both of its sides: a member sends, then
-    receives; its leader receives from each member in rank order, rings, then sends to all."""
+    a ``_relay``, posted in the same order on both of its sides: a member sends, then
+    receives; its leader receives from its members at once, summing their segments in in rank
+    order, rings, then sends to all of them."""
     mine = next(ranks for ranks in nodes if group.rank in ranks)
     leader = mine[0]
     if group.rank != leader:
-        group.exchange(sends=[(flat, leader)]).complete()
-        group.exchange(receives=[(flat, leader)]).complete()
+        _relay(group, sends=[(flat, leader)])
+        _relay(group, receives=[(flat, leader)])
         return
-    incoming = scratch.get(flat, flat.numel())
-    for member in mine[1:]:
-        group.exchange(receives=[(incoming, member)]).complete()
-        flat.add_(incoming)
+    _relay(group, receives=[(flat, member) for member in mine[1:]], merge=torch.Tensor.add_)
     ring_sum(group, flat, [ranks[0] for ranks in nodes], scratch)
-    group.exchange(sends=[(flat, member) for member in mine[1:]]).complete()
+    _relay(group, sends=[(flat, member) for member in mine[1:]])
 
 
 class HierarchicalAllReduce:
