@@ -121,7 +121,19 @@ class FlatParameters:
     entries of the slice (docs/architecture.md, "Sharded optimizer state").
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], extra: int = 0) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        extra: int = 0,
+        *,
+        device: torch.device | None = None,
+        span: tuple[int, int] | None = None,
+    ) -> None:
+        """Move ``params`` into ``values`` on ``device`` (default: the first one's), one at a
+        time, each parameter's own storage freed as it moves (where nothing else holds it): the
+        device never holds them twice, nor a model moved there whole. Then lay out the gradient
+        (``hold_gradients(extra, span)``): the whole of it by default. Raises ValueError for no
+        trainable parameter or mixed dtypes."""
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
@@ -130,49 +142,60 @@ class FlatParameters:
             raise ValueError(f"mixed parameter dtypes are not supported: {sorted(map(str, dtypes))}")
         self.numel = sum(p.numel() for p in self.params)
         first = self.params[0]
-        self.values = torch.empty(self.numel, dtype=first.dtype, device=first.device)
-        self.buffer = torch.zeros(extra + self.numel, dtype=first.dtype, device=first.device)
-        self.extra = self.buffer[:extra]
-        self.grads = self.buffer[extra:]
-        #: The gradient entries ``grads`` holds, ``[lo, hi)`` of the whole vector.
-        self.span = (0, self.numel)
-        #: Whether ``grads`` holds one slice and the parameters' gradients are their own.
-        self.sliced = False
-        #: ``(start, end)`` of each parameter's gradient in ``buffer``, in parameter order.
-        self.ranges: list[tuple[int, int]] = []
-        self._views = []
+        self.values = torch.empty(self.numel, dtype=first.dtype, device=first.device if device is None else device)
+        #: ``[start, end)`` of each parameter in ``values``, in parameter order.
+        self._offsets: list[tuple[int, int]] = []
         offset = 0
         with torch.no_grad():
             for p in self.params:
                 end = offset + p.numel()
-                self.values[offset:end].copy_(p.reshape(-1))
+                self.values[offset:end].copy_(p.reshape(-1))  # blocking: the source may be freed next
                 p.data = self.values[offset:end].view_as(p)
-                view = self.grads[offset:end].view_as(p)
-                p.grad = view
-                self._views.append(view)
-                self.ranges.append((extra + offset, extra + end))
+                self._offsets.append((offset, end))
                 offset = end
+        self.hold_gradients(extra, span)
+
+    def hold_gradients(self, extra: int, span: tuple[int, int] | None = None) -> None:
+        """Lay the gradient buffer out anew as ``[extra | gradients]``, zeroed: the whole
+        gradient (``span`` None), the parameters' ``.grad`` views into it, or only entries
+        ``span = (lo, hi)`` of it, the parameters' gradients their own (``keep_gradient_slice``).
+        Allocates only that much: a sharded rank never holds a whole gradient. A worker that
+        learns its extra slots only once its parameters are on the device (``TrainWorker``:
+        a probe forward) builds with ``span=(0, 0)`` and calls this then. Raises ValueError
+        for a span outside the parameters."""
+        lo, hi = (0, self.numel) if span is None else span
+        if not 0 <= lo <= hi <= self.numel:
+            raise ValueError(f"a gradient slice [{lo}, {hi}) outside the {self.numel} parameters")
+        self._drop_gradients()  # views of the old buffer, or an aborted step's not taken
+        self.buffer = torch.zeros(extra + hi - lo, dtype=self.values.dtype, device=self.values.device)
+        self.extra = self.buffer[:extra]
+        self.grads = self.buffer[extra:]
+        #: The gradient entries ``grads`` holds, ``[lo, hi)`` of the whole vector.
+        self.span = (lo, hi)
+        #: Whether ``grads`` holds one slice and the parameters' gradients are their own.
+        self.sliced = span is not None
+        #: ``(start, end)`` of each parameter's gradient in ``buffer`` were it whole, in parameter order.
+        self.ranges = [(extra + start, extra + end) for start, end in self._offsets]
+        self._views: list[torch.Tensor] = []
+        if not self.sliced:
+            for p, (start, end) in zip(self.params, self._offsets):
+                p.grad = self.grads[start:end].view_as(p)
+                self._views.append(p.grad)
 
     def no_decay_ranges(self) -> list[tuple[int, int]]:
         """``[start, end)`` in ``values`` of the parameters with fewer than 2 dimensions
         (biases, norm weights): those GPT-style recipes exempt from weight decay."""
-        skip = len(self.extra)
-        return [(lo - skip, hi - skip) for p, (lo, hi) in zip(self.params, self.ranges) if p.dim() < 2]
+        return [offsets for p, offsets in zip(self.params, self._offsets) if p.dim() < 2]
 
     def keep_gradient_slice(self, lo: int, hi: int) -> None:
         """From now on hold only gradient entries ``[lo, hi)`` (zeroed), the extra slots kept:
         the parameters' gradients become their own, taken by ``take_gradients``. Re-made at
-        every join (the slice moves with the group); the same span is left as it is."""
-        if not 0 <= lo <= hi <= self.numel:
-            raise ValueError(f"a gradient slice [{lo}, {hi}) outside the {self.numel} parameters")
-        self._drop_gradients()  # views of the whole buffer, or an aborted step's not taken
+        every join (the slice moves with the group); the same span is left as it is (its
+        leftover gradients freed). Raises ValueError for a slice outside the parameters."""
         if self.sliced and self.span == (lo, hi):
+            self._drop_gradients()  # an aborted step's, not taken
             return
-        extra = self.extra.numel()
-        self.buffer = torch.zeros(extra + hi - lo, dtype=self.values.dtype, device=self.values.device)
-        self.extra = self.buffer[:extra]
-        self.grads = self.buffer[extra:]
-        self.span, self.sliced, self._views = (lo, hi), True, []
+        self.hold_gradients(self.extra.numel(), (lo, hi))
 
     def _drop_gradients(self) -> None:
         for p in self.params:
@@ -227,6 +250,27 @@ class FlatParameters:
         if self.sliced:
             self._drop_gradients()
         self.buffer.zero_()
+
+
+def flatten_onto(model: torch.nn.Module, device: torch.device) -> FlatParameters:
+    """Put ``model`` (built on the host, as a job's factory builds it) on ``device``, its
+    trainable parameters moved one by one into the returned ``FlatParameters``' values (each
+    host copy freed as it goes, never the whole model on the device beside them), the rest
+    (buffers, frozen parameters) by ``model.to``. No gradient is laid out yet (``span (0, 0)``,
+    no extra slots): ``hold_gradients`` does that once the extra slots are known. Raises
+    RuntimeError where ``model.to`` replaced a parameter that had moved (a module's own
+    ``_apply``, or torch's ``overwrite_module_params_on_conversion``): its gradient would
+    never reach the flat buffer."""
+    flat = FlatParameters(model.parameters(), device=device, span=(0, 0))
+    model.to(device)  # what is on the device already is left as it is: the flat values' views
+    moved = [p for p in model.parameters() if p.requires_grad]
+    if len(moved) != len(flat.params) or any(p is not q for p, q in zip(moved, flat.params)):
+        raise RuntimeError(
+            f"field 'model.factory': moving the model to {device} replaced its parameters; ringleader trains the "
+            "parameters it moved into one flat buffer, so keep them the same objects when the model moves "
+            "(torch.__future__.set_overwrite_module_params_on_conversion(False), no _apply that re-creates them)"
+        )
+    return flat
 
 
 @dataclass(frozen=True)
