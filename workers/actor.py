@@ -60,7 +60,7 @@ from workers.step import StepRunner
 from workers.step_buffers import StepBuffers
 from workers.step_report import StepClock, StepTraffic, step_report
 from workers.step_work import ClaimedStep, RescuePass
-from workers.training import FlatParameters, autocast, evaluate_job, fetch_batch, finish_gradient, move_to
+from workers.training import autocast, evaluate_job, fetch_batch, finish_gradient, flatten_onto, move_to
 
 #: When this module (and with it torch and the worker's code) had loaded: the launch's breakdown.
 IMPORTED_AT = time.time()
@@ -111,13 +111,19 @@ class TrainWorker:
         total = None if job.epochs is None else max(1, round(job.epochs * num_samples))
         self.sampler = ShardSampler(num_samples, job.batch_size, job.shards, job.seed, total)
         self.num_steps = job.steps if job.steps is not None else self.sampler.num_steps
-        self.model: torch.nn.Module = factories.build(job.model.factory, job.model.kwargs).to(self.device)
+        self.model: torch.nn.Module = factories.build(job.model.factory, job.model.kwargs)
+        # Onto the device parameter by parameter, into the flat values: never the whole model
+        # there beside them. The gradient waits for its extra slots, which StepBuffers counts
+        # (with a forward on the device where it must).
+        self.flat = flatten_onto(self.model, self.device)
         self.model.train()
         self.objective = Objective(job.loss.name, job.loss.kwargs)
         # Batch-dependent layers (BatchNorm): a pass per shard, buffers kept in step (docs/architecture.md, "Model buffers").
         self.buffers = StepBuffers.of(self.model, self._probe_forward)
-        # Slots in front of the gradient: one census entry per shard, the step's bookkeeping, the buffers' changes.
-        self.flat = FlatParameters(self.model.parameters(), extra=census_slots(job.shards) + self.buffers.slots)
+        # Slots in front of the gradient: one census entry per shard, the step's bookkeeping, the
+        # buffers' changes. Sharded, no gradient until the join gives this rank its slice.
+        extra = census_slots(job.shards) + self.buffers.slots
+        self.flat.hold_gradients(extra, (0, 0) if job.sharding.enabled else None)
         if self.flat.values.dtype in (torch.float16, torch.bfloat16):
             # The census and loss weights ride in the parameters' dtype, and half types count
             # exactly only to 256 (bf16) or 2048 (fp16).
