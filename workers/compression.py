@@ -113,7 +113,8 @@ def int8_ring_sum(group: CommGroup, flat: torch.Tensor) -> None:
         # One exchange per step; codes before scales on both sides (messages match in order).
         group.exchange([(codes, right), (scales, right)], [(r_codes, left), (r_scales, left)]).complete()
         if rhi > rlo:
-            flat[rlo:rhi].add_(dequantize_int8(r_codes, r_scales).to(flat.dtype))
+            with group.writing():  # refused once the group is broken: a late step adds nothing
+                flat[rlo:rhi].add_(dequantize_int8(r_codes, r_scales).to(flat.dtype))
     # Finished chunks travel quantized once; every rank (the owner too) keeps the decoded values.
     pieces = []
     for index, (lo, hi) in enumerate(bounds):
@@ -125,9 +126,10 @@ def int8_ring_sum(group: CommGroup, flat: torch.Tensor) -> None:
                 torch.empty(math.ceil((hi - lo) / INT8_BLOCK), dtype=torch.float32, device=flat.device),
             ))
     ring_all_gather(group, pieces, list(range(n)), own=(me + 1) % n)
-    for (lo, hi), (codes, scales) in zip(bounds, pieces):
-        if hi > lo:
-            flat[lo:hi] = dequantize_int8(codes, scales).to(flat.dtype)
+    with group.writing():
+        for (lo, hi), (codes, scales) in zip(bounds, pieces):
+            if hi > lo:
+                flat[lo:hi] = dequantize_int8(codes, scales).to(flat.dtype)
 
 
 class Int8RingAllReduce:
@@ -180,7 +182,8 @@ class TopKAllReduce:
         total = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
         for indices, entries in pieces:  # same order on every rank: identical results
             total.index_add_(0, indices, entries)
-        flat.copy_(total)
+        with self.group.writing():  # refused once the group is broken: a late sum writes nothing
+            flat.copy_(total)
 
 
     def commit(self) -> None:

@@ -58,7 +58,8 @@ class ShardedSum:
             ring_reduce_scatter(self.group, flat, self._members, owned, self._scratch)
             ring_sum(self.group, flat[lo:hi], self._peers, self._scratch)
             if lo < hi:
-                self._flat.grad_slice(first + lo, first + hi).copy_(flat[lo:hi])
+                with self.group.writing():  # refused once the group is broken: a late sum writes nothing
+                    self._flat.grad_slice(first + lo, first + hi).copy_(flat[lo:hi])
 
         return self.group.submit(reduce, "sharded reduce")
 
