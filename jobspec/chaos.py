@@ -106,7 +106,7 @@ class KillChaos(_WorkerChaos):
     ``during`` (``sigkill`` only): in the step's all-reduce (``step``), while writing the first
     checkpoint taken after ``at_step`` (``checkpoint``), or in the first re-forming of the
     group at or after ``at_step`` (``rejoin``: a failure during recovery), or inside the move of
-    sharded optimizer state in the first re-forming at or after ``at_step`` that moves any
+    sharded optimizer state in the first re-forming from a step at or after ``at_step``
     (``reshard``: after every rank has planned the move, before this one sends or receives). A
     kill that never strikes (its worker gone, its point never reached) is reported as
     ``chaos_skipped``.

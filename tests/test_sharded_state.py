@@ -20,6 +20,7 @@ from workers.loss_scaler import LossScaler
 from workers.overlap import GradientReducer
 from workers.ring import RingAllReduce
 from workers.sharded_optimizer import ShardedOptimizer
+from workers.step_buffers import StepBuffers
 from workers.sharded_reduce import ShardedSum, gather_slices, group_sum
 from workers.slice_steppers import GenericSlice, shape_blind
 from workers.training import FlatParameters, finish_gradient
@@ -269,7 +270,7 @@ def test_reshard_without_a_holder_names_the_lost_entries_and_state_of_another_st
                 optimizer.reshard(groups[rank], layout, 9)
             except LostState as err:
                 # A failed reshard keeps what the rank held: still a holder for the next attempt.
-                assert (optimizer.held, optimizer.state_step) == (layout.slice_of(rank), 9 if rank == 0 else 10)
+                assert optimizer.holding() == ((*layout.slice_of(rank), numel, 9 if rank == 0 else 10),)
                 raise err
         finally:
             groups[rank].close()
@@ -456,7 +457,8 @@ def test_parameters_come_with_the_state_from_each_slices_holders(new_world, new_
 
 class _Replica:
     """What a join moves (``workers.replica.Replica``): a model with running statistics, its
-    flat parameters, sharded optimizer state and an fp16 loss scaler, all at job step ``at``."""
+    flat parameters, sharded optimizer state and an fp16 loss scaler, all at job step ``at``;
+    ``buffers`` keeps the statistics in step as a worker's step does."""
 
     def __init__(self, at: int) -> None:
         torch.manual_seed(0)
@@ -466,17 +468,36 @@ class _Replica:
         self.scaler = LossScaler(enabled=True, init=1024.0, growth_interval=1)
         self.device = torch.device("cpu")
         self.next_step = at
+        self.buffers = StepBuffers(self.model, [f"1.{n}" for n in ("running_mean", "running_var", "num_batches_tracked")], ["1"])
+
+    def update(self, link: object | None, step: int) -> None:
+        """Step ``step`` as ``TrainWorker.train_step`` runs it up to the all-gather: a shard's
+        pass (moving the statistics), the update of the scale and the statistics."""
+        self.buffers.begin()
+        self.model(torch.randn(6, 7, generator=torch.Generator().manual_seed(step)))
+        self.buffers.record(0)
+        if link is not None:
+            link.before_update(step, [(self.scaler.state, self.scaler.state.clone()), *self.buffers.pre_step()])
+        self.scaler.update(1.0)
+        slots = torch.zeros(self.buffers.slots, dtype=torch.float64)
+        self.buffers.write(slots, [0])
+        self.buffers.apply(slots)
+        self.optimizer.stepped_to(step + 1)
+
+    def extras(self) -> list[torch.Tensor]:
+        return [self.scaler.state.clone(), *(b.clone() for b in self.model.buffers())]
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["redo-the-step", "start-after-it"])
 def test_a_rank_that_updated_before_its_all_gather_broke_hands_out_the_scale_and_buffers_of_the_start_step(ahead):
     """Step 3's gradient-norm all-reduce completed on some ranks and was aborted on others (the
-    abort reaches ranks at different times): rank 0 stepped its slice and moved its loss scale
-    and BatchNorm statistics to step 4, then lost the all-gather; its replica (rank 2) never
-    stepped. The group starts again at step 3, led by rank 0 (next step 3, lowest id): every
-    rank must get step 3's scale and statistics, not rank 0's step-4 ones (fp16's scale and the
-    statistics would otherwise advance twice). Control: where every rank stepped, the group
-    starts after step 3 and the step-4 ones are right."""
+    abort reaches ranks at different times): rank 0 ran its pass, stepped its slice and moved
+    its loss scale and BatchNorm statistics to step 4, then lost the all-gather; its replica
+    (rank 2) never stepped. The group starts again at step 3, led by rank 0 (next step 3,
+    lowest id): every rank must get step 3's scale and statistics, not rank 0's step-4 ones
+    nor what its pass left in them (fp16's scale and the statistics would otherwise advance
+    twice). Control: where every rank stepped, the group starts after step 3 and the step-4
+    ones are right."""
     from jobspec.runtime import CollectiveConfig
     from workers.group_link import GroupLink
 
@@ -494,13 +515,10 @@ def test_a_rank_that_updated_before_its_all_gather_broke_hands_out_the_scale_and
             replica.optimizer.held, replica.optimizer.state_step = (lo, hi), step
             link = GroupLink(CollectiveConfig(), TIMEOUT_S, threading.Event(), group_size=2)
             link.layout = layout
-            if rank in stepped:  # what train_step does up to the all-gather, which then breaks off
-                link.before_update(replica, step)
-                replica.scaler.update(1.0)
-                replica.model[1].running_mean.add_(1.0)
-                replica.optimizer.state_step = step + 1
+            if rank in stepped:
+                replica.update(link, step)  # ... and the all-gather then breaks off
             link._take_root_state(groups[rank], replica, None, step + 1 if ahead else step)
-            return [replica.scaler.state.clone(), replica.model[1].running_mean.clone()]
+            return replica.extras()
         finally:
             groups[rank].close()
 
@@ -508,8 +526,52 @@ def test_a_rank_that_updated_before_its_all_gather_broke_hands_out_the_scale_and
     _raise_first(outcomes)
     start = _Replica(step)
     if ahead:
-        start.scaler.update(1.0)
-        start.model[1].running_mean.add_(1.0)
-    for rank, (scale, mean) in enumerate(outcomes):
-        torch.testing.assert_close(scale, start.scaler.state, rtol=0, atol=0, msg=f"rank {rank}: loss scale")
-        torch.testing.assert_close(mean, start.model[1].running_mean, rtol=0, atol=0, msg=f"rank {rank}: statistics")
+        start.update(None, step)
+    for rank, got in enumerate(outcomes):
+        for name, value, want in zip(["loss scale", "mean", "var", "batches"], got, start.extras()):
+            torch.testing.assert_close(value, want, rtol=0, atol=0, msg=f"rank {rank}: {name}")
+
+
+def test_a_regroup_never_confirmed_keeps_the_slices_stepped_past_it_for_a_group_after_it():
+    """Step 5's all-gather broke off after ranks 0 and 3 stepped their slices (A and B, held for
+    step 6) and before ranks 1 and 2 did (B and A, held for step 5). A group of 4 in one sharding
+    group forms at step 5 from ranks 1 and 2 and completes its move and all-gather, but not its
+    confirmation (a rank dies): ranks 0 and 3 still hold A and B for step 6, parameters
+    included, though the move and the all-gather wrote their parameters, so the next group
+    can start after step 5 from them."""
+    numel = FlatParameters(_model().parameters()).numel
+    old, regrouped = ShardingLayout(4, 2, numel), ShardingLayout(4, 4, numel)
+    first, second = _groups(4), _groups(4)
+    truth = {5: torch.arange(numel, dtype=torch.float32) / 7, 6: torch.arange(numel, dtype=torch.float32) / 3}
+    was = {0: 6, 1: 5, 2: 5, 3: 6}  # the step each old rank's slice is held for
+
+    def run(rank: int) -> tuple[tuple, torch.Tensor, torch.Tensor]:
+        flat = FlatParameters(_model().parameters())
+        optimizer = ShardedOptimizer(_config("adam", {"lr": 0.1}), flat)
+        lo, hi = old.slice_of(rank)
+        flat.values.fill_(-1.0)
+        flat.values[lo:hi] = truth[was[rank]][lo:hi]
+        marks = {k: v + was[rank] for k, v in _held_state(old, rank, numel).items()}
+        optimizer.inner = optimizer._over(lo, hi, (marks, {"step": float(was[rank] - 1)}))
+        optimizer.held, optimizer.state_step = (lo, hi), was[rank]
+        try:
+            optimizer.reshard(first[rank], regrouped, 5)
+            gather_slices(first[rank], regrouped, flat.values)
+        finally:
+            first[rank].close()
+        holding = optimizer.holding()  # not confirmed
+        try:
+            optimizer.reshard(second[rank], old, 6)
+            gather_slices(second[rank], old, flat.values)
+        finally:
+            second[rank].close()
+        return holding, flat.values.clone(), optimizer.state_tensors()["exp_avg"].clone()
+
+    outcomes = on_ranks(4, run)
+    _raise_first(outcomes)
+    for rank, (holding, values, exp_avg) in enumerate(outcomes):
+        if was[rank] == 6:
+            assert (*old.slice_of(rank), numel, 6) in holding, (rank, holding)
+        torch.testing.assert_close(values, truth[6], rtol=0, atol=0, msg=f"rank {rank}: parameters")
+        lo, hi = old.slice_of(rank)
+        torch.testing.assert_close(exp_avg, torch.arange(numel, dtype=torch.float32)[lo:hi] + 0.25 + 6, rtol=0, atol=0)

@@ -354,7 +354,8 @@ class TrainWorker:
             self.job.optimizer.clip_grad_norm, sum_squares,
         )
         lr = self.optimizer.base_lr * self.schedule.factor(step, self.job.schedule.total_steps or self.num_steps)
-        link.before_update(self, step)  # sharded: the scale and buffers kept until the all-gather completes
+        # Sharded: the scale and the step's buffers as they were kept until the all-gather completes.
+        link.before_update(step, [(self.scaler.state, self.scaler.state.clone()), *self.buffers.pre_step()])
         skipped = self.scaler.update(update.grad_norm)
         if not self.scaler.enabled and not math.isfinite(update.grad_norm):
             # Every replica holds this same gradient, so all stop here: better than parameters
@@ -421,6 +422,7 @@ class TrainWorker:
             sharded = isinstance(self.optimizer, ShardedOptimizer)
             layout = ShardingLayout.plan(world, self.link.group_size, self.flat.numel) if sharded else None
             restore_state(self, storage, name, manifest, None if layout is None else layout.slice_of(rank))
+            self.link.undo = None  # the checkpoint's loss scale and buffers are the ones now
 
     @compute_method
     def evaluate(self) -> dict[str, float]:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from jobspec.chaos import KillPoint
+from jobspec.failures import CollectiveAborted
 from jobspec.runtime import CollectiveConfig
 from jobspec.wire import Joined, JoinRequest
 from policies.collective_choice import CollectiveChoice
@@ -40,24 +41,26 @@ from workers.training import FlatParameters
 
 @dataclass
 class StepUndo:
-    """With sharded state, a rank's loss scale and model buffers around the update of ``step``,
-    until that step's all-gather completes: ``before`` it (kept as the update begins) and
-    ``after`` it (taken at the next join, if the step failed). A rank may apply the update and
-    then fail in the all-gather while others never stepped (the abort reaches ranks at
-    different times): the next group starts at ``step`` or ``step + 1``, and every rank's copy
-    must be the one for that step before rank 0's is sent (``for_step``)."""
+    """With sharded state, what a rank's update of ``step`` moved besides its slice, until that
+    step's all-gather completes: each changed tensor (the loss scaler's state, the step's
+    running statistics) live, with its value ``before`` the step and (taken at the next join,
+    if the step failed) ``after`` it. A rank may apply the update and then fail in the
+    all-gather while others never stepped (the abort reaches ranks at different times): the
+    next group starts at ``step`` or ``step + 1``, and every rank's copy must be the one for
+    that step before rank 0's is sent (``for_step``)."""
 
     step: int
+    live: list[torch.Tensor]
     before: list[torch.Tensor]
     after: list[torch.Tensor] | None = None
 
-    def for_step(self, live: list[torch.Tensor], step: int) -> None:
-        """Make ``live`` (the scale, then the buffers) the copy for job step ``step`` (the
-        update's step or the next); nothing for another step."""
+    def for_step(self, step: int) -> None:
+        """Make the live tensors the copy for job step ``step`` (the update's step or the
+        next); nothing for another step."""
         if self.after is None:
-            self.after = [tensor.clone() for tensor in live]
+            self.after = [tensor.clone() for tensor in self.live]
         chosen = {self.step: self.before, self.step + 1: self.after}.get(step)
-        for tensor, value in zip(live, chosen or ()):
+        for tensor, value in zip(self.live, chosen or ()):
             tensor.copy_(value)
 
 
@@ -206,12 +209,13 @@ class GroupLink:
         lo, hi = layout.slice_of(self.rank)
         return flat.grad_slice(lo, hi), lambda local: group_sum(group, layout, local)
 
-    def before_update(self, replica: Replica, step: int) -> None:
-        """As ``step``'s update begins (before the loss scale and buffers change): with sharded
-        state, keep them as they are until the step's all-gather completes (``StepUndo``).
-        Nothing without sharded state: no collective follows the update there."""
+    def before_update(self, step: int, changing: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """As ``step``'s update begins: with sharded state, keep what it changes besides the
+        slice (``changing``: each tensor with its value before the step, which the caller no
+        longer writes) until the step's all-gather completes (``StepUndo``). Nothing without
+        sharded state: no collective follows the update there."""
         if self.layout is not None:
-            self.undo = StepUndo(step, [tensor.clone() for tensor in _scale_and_buffers(replica)])
+            self.undo = StepUndo(step, [live for live, _ in changing], [before for _, before in changing])
 
     def gather_stepped(self, replica: Replica, step: int, stepped: bool) -> None:
         """After ``step``'s optimizer update (``stepped``: False on an fp16 skip), with sharded
@@ -221,7 +225,7 @@ class GroupLink:
         Nothing without sharded state."""
         if self.layout is None or self.group is None or not isinstance(replica.optimizer, ShardedOptimizer):
             return
-        replica.optimizer.state_step = step + 1
+        replica.optimizer.stepped_to(step + 1)
         if stepped:
             gather_slices(self.group, self.layout, replica.flat.values)
         self.undo = None
@@ -272,13 +276,17 @@ class GroupLink:
             group.broadcast(replica.flat.values, root=0)
             replica.optimizer.sync(lambda tensor: group.broadcast(tensor, root=0), is_root=self.rank == 0)
         if self.undo is not None:  # this rank updated them in a step whose all-gather failed
-            self.undo.for_step(_scale_and_buffers(replica), root_step)
-        for tensor in _scale_and_buffers(replica):  # buffers: running statistics, restored on one worker
-            group.broadcast(tensor, root=0)
+            self.undo.for_step(root_step)
+        group.broadcast(replica.scaler.state, root=0)
+        for buffer in replica.model.buffers():  # running statistics: a checkpoint restores them on one worker
+            group.broadcast(buffer, root=0)
         replica.scaler.state_restored()
         if isinstance(replica.optimizer, ShardedOptimizer):
-            # Every rank has its whole state now: what was kept from before the join may go.
-            NativeAllReduce(group).start_sum(torch.ones(1, device=replica.device)).wait()
+            # Every rank has its whole state now (each counts itself in): what it kept may go.
+            confirmed = torch.ones(1, dtype=torch.float64, device=replica.device)
+            NativeAllReduce(group).start_sum(confirmed).wait()
+            if int(confirmed.item()) != group.size:
+                raise CollectiveAborted(f"the join's confirmation counted {int(confirmed.item())} of {group.size} ranks")
             replica.optimizer.confirm()
             self.undo = None
         replica.next_step = root_step
@@ -293,9 +301,3 @@ class GroupLink:
                 self.group.broken = "aborted by the driver"  # its thread may be stuck: abandon it
             self.group.close()
             self.group = None
-
-
-def _scale_and_buffers(replica: Replica) -> list[torch.Tensor]:
-    """The loss scaler's state and the model's buffers: what rank 0 hands every replica besides
-    parameters and optimizer state."""
-    return [replica.scaler.state, *replica.model.buffers()]

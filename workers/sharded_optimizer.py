@@ -19,6 +19,7 @@ step, and for nothing else.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -67,6 +68,7 @@ class ShardedOptimizer:
         self.state_step = 0
         #: Slices held before the last regroup, until every rank confirms it (``reshard``).
         self.kept: list[KeptSlice] = []
+        self._lock = threading.Lock()  # what it holds changes as a whole (``holding``)
         self.inner = self._over(0, 0)
 
     def _over(self, lo: int, hi: int, state: Exported | None = None) -> FusedSlice | GenericSlice:
@@ -92,10 +94,17 @@ class ShardedOptimizer:
         return self.inner.state_tensors()
 
     def holding(self) -> tuple[tuple[int, int, int, int], ...]:
-        """What it holds, for the driver (``Progress.held``): ``(lo, hi, numel, step)`` of the
-        slice it steps (first), then of those kept from an unconfirmed regroup; () for none."""
-        current = () if self.held is None else ((self.held[0], self.held[1], self.numel, self.state_step),)
-        return current + tuple((k.span[0], k.span[1], self.numel, k.step) for k in self.kept)
+        """What it holds, for the driver (``Progress.held``, asked on another thread: never a
+        half-made change): ``(lo, hi, numel, step)`` of the slice it steps (first), then of
+        those kept from an unconfirmed regroup; () for none."""
+        with self._lock:
+            current = () if self.held is None else ((self.held[0], self.held[1], self.numel, self.state_step),)
+            return current + tuple((k.span[0], k.span[1], self.numel, k.step) for k in self.kept)
+
+    def stepped_to(self, step: int) -> None:
+        """The slice was stepped: its state is ready for job step ``step``."""
+        with self._lock:
+            self.state_step = step
 
     def reshard(
         self, group: CommGroup, layout: ShardingLayout, step: int, before_move: Callable[[], None] = lambda: None
@@ -108,18 +117,22 @@ class ShardedOptimizer:
         this call. Raises LostState (naming the entries) if no rank holds some of it,
         CollectiveAborted/CollectiveTimeout if the transfer breaks off.
 
-        Two-phase: until the transfer has completed this rank keeps what it held, and after it
-        the slices it held for ``step`` stay too (``kept``, reported by ``holding``) until the
-        caller has seen every rank of the group finish its whole join (``confirm``). A join that
-        fails part-way, here or in the all-gather after it, thus leaves every rank a holder of
-        what it held before (and of its new slice where its own part completed): the next join
-        finds every slice the survivors held. ``before_move`` is called once the move is
-        planned, before this rank sends or receives any of it (where chaos strikes)."""
+        Two-phase: nothing this rank holds is dropped or written until the caller has seen
+        every rank of the group finish its whole join (``confirm``). The slice it steps, if it
+        is for another step (stepped before an all-gather that broke off), is first set aside
+        with a copy of its parameters (``kept``: the move writes the parameters); the slices
+        it held for ``step`` stay as they are until the transfer has completed, then are kept
+        too, beside the new one (``holding`` reports them all). A join that fails part-way,
+        here or after, thus leaves every rank a holder of everything it held before (and of
+        its new slice where its own part completed). ``before_move`` is called once the move
+        is planned, before this rank sends or receives any of it (where chaos strikes)."""
         lo, hi = layout.slice_of(group.rank)
-        sources = self._sources(step) if step > 0 else []
+        self._set_aside(step)
+        sources = self._held_for(step) if step > 0 else []
         held = self._held_by_rank(group, [source.span for source in sources])
         if step == 0:  # the state is zero everywhere: nothing moves
-            self.inner, self.held, self.state_step, self.kept = self._over(lo, hi), (lo, hi), 0, []
+            with self._lock:
+                self.inner, self.held, self.state_step, self.kept = self._over(lo, hi), (lo, hi), 0, []
             return
         moves = plan_moves(held, [layout.slice_of(r) for r in range(group.size)])
         # The template's source holds entries: an empty slice's stepper exports no state at all.
@@ -129,18 +142,18 @@ class ShardedOptimizer:
         first = next((s for s in sources if s.span[0] < s.span[1]), None)
         dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in first.state.items()} if first else {}
         meta = self._from(group, source, {"dtypes": dtypes, "template": first.template if first else {}})
-        device = self.flat.values.device
-        new_flat = {k: torch.empty(hi - lo, dtype=getattr(torch, name), device=device) for k, name in meta["dtypes"].items()}
         values = self.flat.values
+        new_flat = {k: torch.empty(hi - lo, dtype=getattr(torch, t), device=values.device) for k, t in meta["dtypes"].items()}
         for kept in sources:  # what this rank holds of its own new slice
             a, b = max(lo, kept.span[0]), min(hi, kept.span[1])
-            if a >= b:
-                continue
-            there, here = slice(a - kept.span[0], b - kept.span[0]), slice(a - lo, b - lo)
-            for key in new_flat:
-                new_flat[key][here].copy_(kept.state[key][there])
-            values[a:b].copy_(kept.values[there])  # a kept slice's: the parameters there may be stale
-        sends, receives = [], []  # a rank sends from spans it holds and receives outside them: disjoint
+            if a < b:
+                there, here = slice(a - kept.span[0], b - kept.span[0]), slice(a - lo, b - lo)
+                for key in new_flat:
+                    new_flat[key][here].copy_(kept.state[key][there])
+                values[a:b].copy_(kept.values[there])  # the same step's: equal where a source's values are these
+        # Received parameters land in scratch, written into place only once all of it is in.
+        incoming = torch.empty(hi - lo, dtype=values.dtype, device=values.device)
+        sends, receives = [], []
         for move in moves:
             if move.source == group.rank:
                 kept = next(s for s in sources if s.span[0] <= move.lo and move.hi <= s.span[1])
@@ -148,20 +161,36 @@ class ShardedOptimizer:
                 sends += [(kept.state[key][cut], move.target) for key in sorted(new_flat)] + [(kept.values[cut], move.target)]
             if move.target == group.rank:
                 receives += [(new_flat[key][move.lo - lo : move.hi - lo], move.source) for key in sorted(new_flat)]
-                receives.append((values[move.lo : move.hi], move.source))
+                receives.append((incoming[move.lo - lo : move.hi - lo], move.source))
         before_move()
         group.submit(lambda: group.exchange(sends, receives).complete(), "reshard optimizer state").wait()
-        # Kept until ``confirm``, but for what the new slice holds already. The stepper's values
-        # are a view of the parameters, which the all-gather overwrites: copied out.
+        # The slice it stepped (a source) keeps its values, copied: the all-gather overwrites them.
         stepped = sources[0] if sources and self.held == sources[0].span and self.state_step == step else None
-        self.kept = [
-            replace(s, values=s.values.clone()) if s is stepped else s
-            for s in sources if not (lo <= s.span[0] and s.span[1] <= hi)
-        ]
-        self.inner = self._over(lo, hi, (new_flat, meta["template"]))
-        self.held, self.state_step = (lo, hi), step
+        previous = [replace(s, values=s.values.clone()) if s is stepped else s for s in sources]
+        previous += [k for k in self.kept if k.step != step]
+        for move in moves:
+            if move.target == group.rank:
+                values[move.lo : move.hi].copy_(incoming[move.lo - lo : move.hi - lo])
+        inner = self._over(lo, hi, (new_flat, meta["template"]))
+        with self._lock:  # kept: all but what the new slice holds at the same step
+            self.kept = [s for s in previous if not (s.step == step and lo <= s.span[0] and s.span[1] <= hi)]
+            self.inner, self.held, self.state_step = inner, (lo, hi), step
 
-    def _sources(self, step: int) -> list[KeptSlice]:
+    def _set_aside(self, step: int) -> None:
+        """If the slice this rank steps is for another job step than ``step`` (the group's), keep
+        it (with a copy of its parameters, which the move and the all-gather write) among the
+        slices kept: nothing of it is overwritten, and it still counts where a later group
+        starts at its step."""
+        if self.held is None or self.state_step == step:
+            return
+        lo, hi = self.held
+        state, template = self.inner.export()
+        aside = KeptSlice(self.held, self.state_step, state, template, self.flat.values[lo:hi].clone())
+        with self._lock:
+            self.kept = [*self.kept, aside]
+            self.held = None
+
+    def _held_for(self, step: int) -> list[KeptSlice]:
         """The slices this rank holds for job step ``step``, one per span: first the one it
         steps, if it is at that step (its values a view of the parameters), then those kept
         from an unconfirmed regroup."""
@@ -192,7 +221,8 @@ class ShardedOptimizer:
 
     def confirm(self) -> None:
         """Every rank of the group has its whole state: the slices kept from before go."""
-        self.kept = []
+        with self._lock:
+            self.kept = []
 
     def _from(self, group: CommGroup, source: int, value: Any) -> Any:
         """``value`` as rank ``source`` has it (small: encoded and broadcast)."""
@@ -228,13 +258,15 @@ class ShardedOptimizer:
             state = FusedSlice.saved_span(str(config.name), config.kwargs, self.flat, flat, whole, lo, hi)
         else:
             state = GenericSlice.saved_span(config.name, config.kwargs, self.flat, config.decay_biases_and_norms, flat, whole, lo, hi)
-        self.inner = self._over(lo, hi, state)
-        # -1: a join takes it for no step, should the parameters' span fail to read after it.
-        self.held, self.state_step = (lo, hi), -1
+        inner = self._over(lo, hi, state)
+        with self._lock:  # a rollback: what was held in memory (kept too) is replaced
+            # -1: a join takes it for no step, should the parameters' span fail to read after it.
+            self.inner, self.held, self.state_step, self.kept = inner, (lo, hi), -1, []
 
     def restored_at(self, step: int) -> None:
-        """The restored state is the one for job step ``step`` (any kept from before goes)."""
-        self.state_step, self.kept = step, []
+        """The restored state is the one for job step ``step``."""
+        with self._lock:
+            self.state_step = step
 
 
 def build_optimizer(job: JobConfig, flat: FlatParameters) -> FlatOptimizer | GenericOptimizer | ShardedOptimizer:

@@ -200,6 +200,11 @@ class StepBuffers:
         self._before = [b.detach().clone() for b in self._live()]
         self._changes = {}
 
+    def pre_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each changing buffer (live) with its pre-step value, from ``begin`` until ``apply``
+        (the values are never written: ``apply`` lets go of them)."""
+        return list(zip(self._live(), self._before)) if self._before else []
+
     def reset(self) -> None:
         """Put the pre-step values back into the model, before a shard's pass."""
         if not self._before:
