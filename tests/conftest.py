@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.helpers.jobs import Reference
 
 
 @pytest.fixture(scope="session")
@@ -49,13 +52,33 @@ def private_ray_home(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory, ray_cluster):
-    """Parameters of the clean single-worker run of ``tests.helpers.jobs.run``'s job, which
-    every run of it must match whatever happened to its workers. One run for the session (the
-    run is deterministic, and tests only read the tensors): four modules compare against it."""
-    from tests.helpers.jobs import params, run
+def one_worker(tmp_path_factory, ray_cluster) -> Callable[..., Reference]:
+    """``one_worker(*overrides)``: the clean single-worker run of ``tests.helpers.jobs.run``'s
+    job with ``overrides``, with the job's yardstick (``reference_run``: two runs). Run once a
+    session for each ``overrides`` (the runs are deterministic, and tests only read them)."""
+    from tests.helpers.jobs import reference_run
 
-    return params(run(tmp_path_factory.mktemp("ref"), "w1", "scaling.workers=1").run_dir)
+    done: dict[tuple[str, ...], Reference] = {}
+
+    def reference_of(*overrides: str) -> Reference:
+        if overrides not in done:
+            done[overrides] = reference_run(tmp_path_factory.mktemp("ref"), *overrides)
+        return done[overrides]
+
+    return reference_of
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, one_worker) -> Reference:
+    """The built-in job's one-worker run (``one_worker()``), which every run of it must match
+    whatever happened to its workers; many modules compare against it. Its control is checked
+    here, once: the same job with another seed ends far outside the bound."""
+    from tests.helpers.jobs import assert_control_differs, params, run
+
+    ran = one_worker()
+    other_seed = run(tmp_path_factory.mktemp("control"), "seed1", "scaling.workers=1", "seed=1")
+    assert_control_differs(params(other_seed.run_dir), ran, "the built-in job with seed 1")
+    return ran
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -14,7 +14,7 @@ import torch
 from jobspec.step_record import read_telemetry
 from orchestrator.worker_group import RayWorkerGroup
 from tests.helpers.factories import make_norm_cnn
-from tests.helpers.jobs import assert_same_params, jsonl, params, run
+from tests.helpers.jobs import Reference, assert_same_params, jsonl, params, run
 from workers.step_buffers import StepBuffers, find_batch_dependent
 
 BN = "norm"
@@ -184,9 +184,10 @@ NORM_JOB = (f"steps={STEPS}", "model.factory=tests.helpers.factories:make_norm_c
 
 
 @pytest.fixture(scope="module")
-def norm_alone(tmp_path_factory, ray_cluster):
-    """The BatchNorm CNN's state after a clean single-worker run (fuse_shards on, the default)."""
-    return params(run(tmp_path_factory.mktemp("norm"), "w1", *NORM_JOB, "scaling.workers=1").run_dir)
+def norm_alone(one_worker) -> Reference:
+    """The BatchNorm CNN's state after a clean single-worker run (fuse_shards on, the default),
+    with its yardstick: the shards' passes (one per shard, the layer forces it) in another order."""
+    return one_worker(*NORM_JOB)
 
 
 @pytest.fixture
@@ -203,7 +204,7 @@ def replicas(monkeypatch) -> list[dict[str, torch.Tensor]]:
     return states
 
 
-def _assert_same_state(run_dir, alone, name: str, replicas: list[dict[str, torch.Tensor]], workers: int) -> None:
+def _assert_same_state(run_dir, alone: Reference, name: str, replicas: list[dict[str, torch.Tensor]], workers: int) -> None:
     """Parameters and buffers as the single worker's, the statistics counted once per step, and
     every replica (at least ``workers``) left with exactly rank 0's, saved as model.pt."""
     spread = params(run_dir)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from orchestrator.run_dir import read_run_id
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
@@ -194,14 +195,18 @@ def test_topk_residuals_survive_recovery_and_travel_in_checkpoints(tmp_path):
             shutil.rmtree(later)
     resumed = run(tmp_path, "resumed", "scaling.workers=3", "steps=20", *fixed)
     assert [e["checkpoint"] for e in jsonl(resumed.run_dir / "events.jsonl") if e["event"] == "resume"] == ["step-00000010"]
-    assert_same_params(params(resumed.run_dir), params(straight.run_dir), "top-k through a resume")
+    # Bit for bit: the same ranks ran the same shards and summed them in the same order (top-k
+    # runs our ring whatever the algorithm), so only lost or stale residuals could move it.
+    got, want = params(resumed.run_dir), params(straight.run_dir)
+    assert got.keys() == want.keys()
+    assert [key for key in want if not torch.equal(got[key], want[key])] == [], "top-k through a resume"
 
 
-def test_a_warmup_cosine_schedule_is_the_same_through_a_death_and_on_any_worker_count(tmp_path):
+def test_a_warmup_cosine_schedule_is_the_same_through_a_death_and_on_any_worker_count(tmp_path, one_worker):
     """The learning rate is a function of the step alone: a run on 4 workers with a SIGKILL
     mid-run (steps redone on a re-formed group) ends with the parameters of a clean run on 1."""
     schedule = "schedule={name: warmup_cosine, warmup_steps: 5, min_lr_ratio: 0.1}"
-    one = run(tmp_path, "cosine-1", "scaling.workers=1", schedule, "optimizer.kwargs={lr: 0.01}")
+    one = one_worker(schedule, "optimizer.kwargs={lr: 0.01}")
     four = run(
         tmp_path, "cosine-4", "scaling.workers=4", schedule, "optimizer.kwargs={lr: 0.01}",
         _kills("{at_step: 12, worker: 1, how: sigkill}"),
@@ -210,4 +215,4 @@ def test_a_warmup_cosine_schedule_is_the_same_through_a_death_and_on_any_worker_
     rates = {e["step"]: e["lr"] for e in jsonl(four.run_dir / "events.jsonl") if e["event"] == "step"}
     assert rates[0] == pytest.approx(0.002) and rates[4] == pytest.approx(0.01) and rates[24] == pytest.approx(0.001)
     assert rates == {e["step"]: e["lr"] for e in jsonl(one.run_dir / "events.jsonl") if e["event"] == "step"}
-    assert_same_params(params(four.run_dir), params(one.run_dir), "warmup_cosine through a death")
+    assert_same_params(params(four.run_dir), one, "warmup_cosine through a death")

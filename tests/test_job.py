@@ -7,21 +7,21 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from jobspec.step_record import read_telemetry
 from orchestrator.job_file import load_job
 from orchestrator.launch import run_job
 from orchestrator.summary import EVENT_COUNTERS
 from ringleader.cli import main
-from tests.helpers.jobs import assert_same_params, params, run
+from tests.helpers.jobs import assert_control_differs, assert_same_params, params, run
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-def test_parameters_do_not_depend_on_worker_count_or_assignment(tmp_path):
-    """docs/architecture.md, "Commit and census": any assignment of shards to workers gives the same update."""
-    reference = params(run(tmp_path, "w1", "scaling.workers=1").run_dir)
+def test_parameters_do_not_depend_on_worker_count_or_assignment(tmp_path, reference):
+    """docs/architecture.md, "Commit and census": any assignment of shards to workers gives the
+    same update (to float noise: tests/helpers/jobs.py; the ``reference`` fixture checks that
+    another seed lands far outside that bound)."""
     variants = {
         "w3": run(tmp_path, "w3", "scaling.workers=3"),
         "w4": run(tmp_path, "w4", "scaling.workers=4"),
@@ -35,12 +35,9 @@ def test_parameters_do_not_depend_on_worker_count_or_assignment(tmp_path):
     }
     for name, result in variants.items():
         assert_same_params(params(result.run_dir), reference, name)
-    # The check must be able to fail: a different seed moves the parameters well past tolerance.
-    other = params(run(tmp_path, "seed1", "scaling.workers=1", "seed=1").run_dir)
-    assert any(not torch.allclose(other[k], reference[k], rtol=1e-5, atol=1e-6) for k in reference)
 
 
-def test_dropout_model_is_invariant_with_unfused_shards(tmp_path):
+def test_dropout_model_is_invariant_with_unfused_shards(tmp_path, one_worker):
     """Per-shard seeding makes forward randomness depend on (seed, step, shard) only.
 
     SGD, not Adam: the attention key bias has a true gradient of zero, and Adam would scale its
@@ -52,13 +49,14 @@ def test_dropout_model_is_invariant_with_unfused_shards(tmp_path):
         "dataset={factory: 'ringleader_examples.tinylm:make_dataset', kwargs: {seq_len: 16}}",
         "batch_size=32", "shards=8", "steps=6", "worker.fuse_shards=false",
     ]
-    one = params(run(tmp_path, "lm1", *tiny, "scaling.workers=1").run_dir)
+    # Unfused, each shard's forward is seeded by the shard: the yardstick's shuffled order on
+    # one worker draws the same dropout masks, so it re-orders the sums and nothing else.
+    one = one_worker(*tiny)
     three = params(run(tmp_path, "lm3", *tiny, "scaling.workers=3", "chaos.shuffle_shards=true").run_dir)
-    for key in one:
-        torch.testing.assert_close(three[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert_same_params(three, one, "3 workers, shuffled")
     # Control: fused passes draw different dropout masks, and the comparison sees it.
     fused = params(run(tmp_path, "lm1f", *tiny, "scaling.workers=1", "worker.fuse_shards=true").run_dir)
-    assert any(not torch.allclose(fused[k], one[k], rtol=1e-5, atol=1e-6) for k in one)
+    assert_control_differs(fused, one, "fused shards (other dropout masks)")
 
 
 def test_shuffled_assignment_really_moves_shards(tmp_path):

@@ -54,8 +54,8 @@ def _split_run_with_kills(tmp_path, name: str, *job: str):
     return second
 
 
-def test_an_own_job_keeps_the_single_worker_trajectory_through_a_kill_and_a_resume(tmp_path):
-    reference = run(tmp_path, "one", "scaling.workers=1", *OWN_JOB, EVAL)
+def test_an_own_job_keeps_the_single_worker_trajectory_through_a_kill_and_a_resume(tmp_path, one_worker):
+    reference = one_worker(*OWN_JOB, EVAL)
     steps = _steps(reference.run_dir)
     # Token counts differ from shard to shard (padding): the weight is the step's real tokens.
     assert len({e["weight"] for e in steps.values()}) > 5 and all(e["weight"] < 40 * 12 for e in steps.values())
@@ -67,21 +67,21 @@ def test_an_own_job_keeps_the_single_worker_trajectory_through_a_kill_and_a_resu
     metrics = next(e for e in jsonl(reference.run_dir / "events.jsonl") if e["event"] == "eval")["metrics"]
     assert {"loss", "token_accuracy", "samples"} <= metrics.keys() and metrics["samples"] == 30
     split = _split_run_with_kills(tmp_path, "split", *OWN_JOB)
-    assert_same_params(params(split.run_dir), params(reference.run_dir), "own job: kill + resume")
+    assert_same_params(params(split.run_dir), reference, "own job: kill + resume")
     assert {s: e["lr"] for s, e in _steps(split.run_dir).items()} == pytest.approx({s: e["lr"] for s, e in steps.items()})
 
 
-def test_one_worker_takes_the_steps_of_a_plain_pytorch_loop(tmp_path):
+def test_one_worker_takes_the_steps_of_a_plain_pytorch_loop(one_worker):
     """The anchor for the invariance tests (which compare runs with each other): the token-mean
     gradient, clipped to the global norm, stepped by SGD, is what a plain loop over the same
-    batches computes."""
+    batches computes (to float noise: the loop sums the step's batch in one pass)."""
     from tests.helpers import losses
 
     job = (
         *[o for o in OWN_JOB if not o.startswith(("optimizer=", "schedule="))],
-        "optimizer={name: sgd, kwargs: {lr: 0.5}, clip_grad_norm: 0.5}", "steps=4", "scaling.workers=1",
+        "optimizer={name: sgd, kwargs: {lr: 0.5}, clip_grad_norm: 0.5}", "steps=4",
     )
-    ours = run(tmp_path, "ours", *job)
+    ours = one_worker(*job)
     torch.manual_seed(0)
     data = losses.make_sequences(n=320)
     model = losses.make_model(width=32)
@@ -94,7 +94,7 @@ def test_one_worker_takes_the_steps_of_a_plain_pytorch_loop(tmp_path):
         (total / weight).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
-    assert_same_params(params(ours.run_dir), {k: v.detach() for k, v in model.state_dict().items()}, "vs plain PyTorch")
+    assert_same_params({k: v.detach() for k, v in model.state_dict().items()}, ours, "plain PyTorch")
 
 
 def test_bf16_autocast_keeps_the_trajectory_within_bf16_tolerance(tmp_path):
@@ -171,10 +171,10 @@ def test_a_bad_loss_schedule_or_model_fails_the_job_saying_why(tmp_path, overrid
     assert expected in result.summary["error"]
 
 
-def test_a_function_schedule_gives_its_rates_on_any_worker_count(tmp_path):
+def test_a_function_schedule_gives_its_rates_on_any_worker_count(tmp_path, one_worker):
     schedule = (f"schedule={{name: '{H}:halving_schedule', warmup_steps: 2}}", "optimizer.kwargs={lr: 0.01}", "steps=12")
-    one = run(tmp_path, "one", "scaling.workers=1", *schedule)
+    one = one_worker(*schedule)
     three = run(tmp_path, "three", "scaling.workers=3", *schedule)
     rates = {s: e["lr"] for s, e in _steps(three.run_dir).items()}
     assert rates == pytest.approx({0: 0.005, 1: 0.01, **{s: 0.01 * 0.5 ** (s // 5) for s in range(2, 12)}})
-    assert_same_params(params(three.run_dir), params(one.run_dir), "function schedule")
+    assert_same_params(params(three.run_dir), one, "function schedule")

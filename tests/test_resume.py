@@ -68,15 +68,15 @@ def test_a_relative_run_dir_holds_every_part_when_workers_run_elsewhere(tmp_path
     assert_same_params(params(tmp_path / "relative-run"), reference, "relative run dir")
 
 
-def test_a_step_schedule_resumes_on_another_worker_count_with_the_same_rates(tmp_path):
+def test_a_step_schedule_resumes_on_another_worker_count_with_the_same_rates(tmp_path, one_worker):
     """The schedule's factor depends on the step only (``step`` does not depend on the job's
     step count, so extending the run keeps the earlier rates): resumed on 3 workers after 2, the
     run ends where a clean single-worker run with the same schedule does."""
     schedule = ("schedule={name: step, warmup_steps: 3, step_size: 6, gamma: 0.5}", "optimizer.kwargs={lr: 0.01}")
-    clean = run(tmp_path, "clean", "scaling.workers=1", *schedule)
+    clean = one_worker(*schedule)
     run(tmp_path, "split", "steps=12", "scaling.workers=2", "checkpoint.every_steps=5", *schedule)
     resumed = run(tmp_path, "split", "scaling.workers=3", "checkpoint.every_steps=5", *schedule)
     assert [e["checkpoint"] for e in _resumes(resumed.run_dir)] == ["step-00000012"]
     rates = [e["lr"] for e in jsonl(resumed.run_dir / "events.jsonl") if e["event"] == "step"]
     assert rates[0] == pytest.approx(0.01 / 3) and rates[-1] == pytest.approx(0.01 * 0.5**3)
-    assert_same_params(params(resumed.run_dir), params(clean.run_dir), "step schedule resumed on 3 workers")
+    assert_same_params(params(resumed.run_dir), clean, "step schedule resumed on 3 workers")

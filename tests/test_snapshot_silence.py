@@ -143,7 +143,7 @@ RADAM = "optimizer={name: RAdam, kwargs: {lr: 0.01, weight_decay: 0.1}}"
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_a_generic_optimizer_checkpoints_under_a_short_silent_s_and_resumes_exactly(tmp_path):
+def test_a_generic_optimizer_checkpoints_under_a_short_silent_s_and_resumes_exactly(tmp_path, one_worker):
     job = (SLOW_MODEL, RADAM, "stragglers.silent_s=5")
     first = run(tmp_path, "split", "steps=8", "scaling.workers=2", "checkpoint.every_steps=4", *job)
     second = run(tmp_path, "split", "steps=12", "scaling.workers=3", "checkpoint.every_steps=4", *job)
@@ -159,5 +159,5 @@ def test_a_generic_optimizer_checkpoints_under_a_short_silent_s_and_resumes_exac
     parts = sorted((Path(second.summary["checkpoints"]["root"]) / "step-00000012").glob("part-*.pt"))
     slices = [read_part(p.read_bytes())["slices"]["optim/state/exp_avg"].numel() for p in parts]
     assert len(slices) == 3 and all(n > 0 for n in slices)
-    reference = run(tmp_path, "one", "steps=12", "scaling.workers=1", "checkpoint.every_steps=0", *job)
-    assert_same_params(params(second.run_dir), params(reference.run_dir), "RAdam: checkpointed, resumed on 3")
+    reference = one_worker("steps=12", "checkpoint.every_steps=0", *job)
+    assert_same_params(params(second.run_dir), reference, "RAdam: checkpointed, resumed on 3")
