@@ -174,16 +174,7 @@ class GenericSlice:
                 for s, p in zip(states, self.pieces)
             )
         ]
-        template = {k: v for k, v in first.items() if k not in keys}
-        for piece, state in zip(self.pieces, states):
-            rest = {k: v for k, v in state.items() if k not in keys}
-            if rest.keys() != template.keys() or not all(_same(rest[k], template[k]) for k in template):
-                raise ValueError(
-                    f"{self.cls.__name__} keeps per-parameter state that is not one value per entry "
-                    f"({sorted(set(rest) | set(template))}): sharding.group_size above 1 needs an element-wise "
-                    "optimizer; set sharding.group_size: 1"
-                )
-        return keys, template
+        return keys, _shared_template(states, keys, f"{self.cls.__name__} keeps")
 
     def export(self) -> Exported:
         keys, template = self._per_piece()
@@ -237,15 +228,7 @@ class GenericSlice:
         states = [loader.optimizer.state.get(p, {}) for p in stand_ins]
         # One value per entry: a tensor of its parameter's shape in every parameter's state.
         keys = [k for k in states[0] if all(isinstance(s.get(k), torch.Tensor) and s[k].shape == p.shape for s, p in zip(states, stand_ins))]
-        template = {k: v for k, v in states[0].items() if k not in keys}
-        for state in states:
-            rest = {k: v for k, v in state.items() if k not in keys}
-            if rest.keys() != template.keys() or not all(_same(rest[k], template[k]) for k in template):
-                raise ValueError(
-                    f"the checkpoint's {loader.optimizer.__class__.__name__} state holds per-parameter state that is not one "
-                    f"value per entry ({sorted(set(rest) | set(template))}): sharding.group_size above 1 needs an "
-                    "element-wise optimizer; set sharding.group_size: 1"
-                )
+        template = _shared_template(states, keys, f"the checkpoint's {loader.optimizer.__class__.__name__} state holds")
         tensors = {}
         for key in keys:
             # A state saved whole (before the state was taken apart) holds the entries itself.
@@ -299,6 +282,21 @@ def check_element_wise(name: str | type, kwargs: dict[str, Any]) -> None:
             "sharded optimizer state needs an element-wise optimizer (Adam-likes, RAdam, Adagrad, Lion, ...); "
             "set sharding.group_size: 1"
         )
+
+
+def _shared_template(states: list[dict[str, Any]], keys: list[str], holder: str) -> dict[str, Any]:
+    """What every per-parameter state in ``states`` holds besides the one-value-per-entry ``keys``
+    (the step count), which must be the same in each. Raises ValueError (``holder``: who holds
+    it, e.g. "RAdam keeps") naming ``sharding.group_size`` otherwise."""
+    template = {k: v for k, v in states[0].items() if k not in keys}
+    for state in states:
+        rest = {k: v for k, v in state.items() if k not in keys}
+        if rest.keys() != template.keys() or not all(_same(rest[k], template[k]) for k in template):
+            raise ValueError(
+                f"{holder} per-parameter state that is not one value per entry ({sorted(set(rest) | set(template))}): "
+                "sharding.group_size above 1 needs an element-wise optimizer; set sharding.group_size: 1"
+            )
+    return template
 
 
 def _same(a: Any, b: Any) -> bool:
