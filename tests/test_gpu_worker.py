@@ -25,6 +25,7 @@ from jobspec.recipe import OptimizerConfig
 from jobspec.runtime import CollectiveConfig
 from jobspec.wire import JoinRequest, SnapshotRequest
 from tests.helpers.devices import DEVICES
+from tests.helpers.gradients import finish_gradient
 from workers.chaos import ChaosSchedule
 from workers.checkpoint_manifest import verify_checkpoint, write_manifest
 from workers.checkpoint_storage import CheckpointStorage
@@ -36,7 +37,7 @@ from workers.loss_scaler import LossScaler
 from workers.overlap import GradientReducer
 from workers.replica_checkpoint import CheckpointWriter, restore_state
 from workers.seeding import seed_forward
-from workers.training import FlatParameters, finish_gradient
+from workers.training import FlatParameters
 
 ADAMW = OptimizerConfig(name="adamw", kwargs={"lr": 0.01, "weight_decay": 0.1}, decay_biases_and_norms=False)
 # Every algorithm and compression a group can be built with (auto: the link probe runs too).

@@ -12,7 +12,8 @@ from jobspec.step_record import StepRecord
 from jobspec.wire import StepTelemetry
 from orchestrator.errors import JobFailed
 from orchestrator.ledger import CommitLedger
-from workers.census import BOOKKEEPING_SLOTS, check_census, missing_shards, write_census
+from workers.census import BOOKKEEPING_SLOTS, write_census
+from workers.step_verdict import GradientMeasure, StepVerdict, read_verdict
 from workers.step_work import PassResult
 
 SHARDS = 4
@@ -68,11 +69,17 @@ def _census(counts: list[float]) -> torch.Tensor:
     return torch.tensor([*counts, 6.0, 8.0, 8.0])  # then the loss sum, samples and weight
 
 
+def _verdict(extra: torch.Tensor) -> StepVerdict:
+    """The reduced ``extra`` slots as the host reads them (a gradient of norm 0)."""
+    measure = GradientMeasure(torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64))
+    return read_verdict(extra, SHARDS, measure, clip=None, local_weight=0.0)
+
+
 def test_the_census_written_by_each_rank_sums_to_one_per_shard():
     ranks = [torch.zeros(SHARDS + BOOKKEEPING_SLOTS) for _ in range(2)]
     write_census(ranks[0], SHARDS, [0, 3], PassResult(loss=1.5, weight=4.0, samples=4))
     write_census(ranks[1], SHARDS, [1, 2], PassResult(loss=2.5, weight=4.0, samples=4))
-    census = check_census(ranks[0] + ranks[1], SHARDS, step=7)
+    census = _verdict(ranks[0] + ranks[1]).census(step=7)
     assert (census.shards_counted, census.loss_sum, census.samples, census.weight) == (SHARDS, 4.0, 8, 8.0)
 
 
@@ -83,15 +90,15 @@ def test_the_census_written_by_each_rank_sums_to_one_per_shard():
 )
 def test_the_census_refuses_a_shard_not_counted_exactly_once(counts, bad):
     with pytest.raises(ShardCensusError, match=f"step 3: shards not committed exactly once: {bad}"):
-        check_census(_census(counts), SHARDS, step=3)
+        _verdict(_census(counts)).census(step=3)
 
 
 def test_the_rescue_pass_runs_only_for_shards_nobody_brought():
-    assert missing_shards(_census([1, 0, 0, 1]), SHARDS) == [1, 2]
-    assert missing_shards(_census([1, 1, 1, 1]), SHARDS) == []  # every shard is there: no rescue
+    assert _verdict(_census([1, 0, 0, 1])).missing_shards() == [1, 2]
+    assert _verdict(_census([1, 1, 1, 1])).missing_shards() == []  # every shard is there: no rescue
     # A shard counted twice is not the rescue's to mend (it would only add more): the census check fails it.
-    assert missing_shards(_census([2, 0, 1, 1]), SHARDS) == []
-    assert missing_shards(_census([1, 0.5, 1, 1]), SHARDS) == []
+    assert _verdict(_census([2, 0, 1, 1])).missing_shards() == []
+    assert _verdict(_census([1, 0.5, 1, 1])).missing_shards() == []
 
 
 def _two_ranks_commit_one_shard(rank: int, world: int, port: int, results: dict) -> None:

@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.gradients import finish_gradient
 from tests.helpers.losses import IGNORE, make_model, make_sequences, pad_collate, token_loss
 from workers.flat_optimizer import FlatOptimizer
 from workers.generic_optimizer import GenericOptimizer, decay_groups
 from workers.loss_scaler import LossScaler
 from workers.objective import Objective
-from workers.training import FlatParameters, evaluate_model, fetch_batch, finish_gradient, move_to
+from workers.training import FlatParameters, evaluate_model, fetch_batch, move_to
 
 
 def _grads(model: torch.nn.Module) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from jobspec.recipe import OptimizerConfig
 from policies.sharding import LostState, ShardingLayout
 from tests.helpers.devices import DEVICES
+from tests.helpers.gradients import finish_gradient
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
 from workers.comm_group import CommGroup
 from workers.flat_optimizer import FlatOptimizer
@@ -23,7 +24,7 @@ from workers.sharded_optimizer import ShardedOptimizer
 from workers.step_buffers import StepBuffers
 from workers.sharded_reduce import ShardedSum, gather_slices, group_sum
 from workers.slice_steppers import GenericSlice, shape_blind
-from workers.training import FlatParameters, finish_gradient
+from workers.training import FlatParameters
 
 TIMEOUT_S = 8.0
 EXTRA = 5  # census-like slots in front of the gradient

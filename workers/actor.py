@@ -42,7 +42,7 @@ from jobspec.wire import (
 from policies.sharding import ShardingLayout
 from policies.work_stealing import StepPlan
 from workers import plan_channel
-from workers.census import census_slots, check_census
+from workers.census import WEIGHT_SLOT, census_slots
 from workers.chaos import ChaosSchedule, death_key, kill_self
 from workers.checkpoint_storage import CheckpointStorage
 from workers.checkpointing import load_residuals
@@ -59,8 +59,9 @@ from workers.sharded_optimizer import ShardedOptimizer, build_optimizer
 from workers.step import StepRunner
 from workers.step_buffers import StepBuffers
 from workers.step_report import StepClock, StepTraffic, step_report
-from workers.step_work import ClaimedStep, RescuePass
-from workers.training import autocast, evaluate_job, fetch_batch, finish_gradient, flatten_onto, move_to
+from workers.step_verdict import GradientMeasure, StepVerdict, measure_gradient, read_verdict
+from workers.step_work import ClaimedStep, RescuePass, StepWork
+from workers.training import autocast, evaluate_job, fetch_batch, flatten_onto, move_to
 
 #: When this module (and with it torch and the worker's code) had loaded: the launch's breakdown.
 IMPORTED_AT = time.time()
@@ -295,11 +296,11 @@ class TrainWorker:
         With the plan's mitigations off the rank runs exactly its planned shards; with them on
         it claims, steals and backs up shards through the driver's store (``workers/step.py``).
         The all-reduced buffer holds the sum of every shard's loss-sum gradient and the step's
-        total loss weight; divided by it (``finish_gradient``, which also clips) it is the
+        total loss weight; divided by it (``workers/step_verdict.py``, which also clips) it is the
         step's mean gradient whoever ran what; the model's changing buffers become the mean of
         what each shard's pass left in them (``workers/step_buffers.py``). Raises
         ShardCensusError if the ranks together did not commit every shard exactly once
-        (``check_census``, ``workers/census.py``), FloatingPointError if the gradient is not
+        (``StepVerdict.census``), FloatingPointError if the gradient is not
         finite (fp32, bf16; fp16 skips the step), ValueError (naming ``loss``) for a bad loss.
         A step that raises leaves the buffers as they were before it (its passes left one
         shard's in them, and a group re-formed next takes rank 0's).
@@ -340,19 +341,21 @@ class TrainWorker:
             kill_self(self._record_death)  # mid all-reduce: overlapped buckets are on the wire
         comm_s = reducer.finish(watch)
         rescue = RescuePass()
+        verdict, measure = self._judge(step, plan.num_shards, work)  # the step's one host sync
         if plan.mitigating:
-            rescue = self.runner.rescue(claimed, work)
-            comm_s += rescue.comm_s
+            missing = verdict.missing_shards()
+            if missing:  # rare: a rank gave up waiting for its data; its shards run now
+                rescue = self.runner.rescue(claimed, work, missing)
+                comm_s += rescue.comm_s
+                verdict, measure = self._judge(step, plan.num_shards, work)
             claims.forget()
         self.chaos.record(step, work.compute_s, work.shards_run)
-        census = check_census(self.flat.extra, plan.num_shards, step)
+        census = verdict.census(step)
+        update = verdict.update()
         link.commit_residuals()
         reduced = time.perf_counter()
-        grads, sum_squares = link.owned_gradient(self.flat)  # sharded: its slice, the norm from all
-        update = finish_gradient(
-            grads, census.weight, self.runner.loss_scale / self.sampler.step_batch_size(step),
-            self.job.optimizer.clip_grad_norm, sum_squares,
-        )
+        if math.isfinite(update.grad_norm):
+            measure.apply(link.owned_gradient(self.flat)[0])
         lr = self.optimizer.base_lr * self.schedule.factor(step, self.job.schedule.total_steps or self.num_steps)
         # Sharded: the scale and the step's buffers as they were kept until the all-gather completes.
         link.before_update(step, [(self.scaler.state, self.scaler.state.clone()), *self.buffers.pre_step()])
@@ -377,10 +380,20 @@ class TrainWorker:
             claims_store.bytes - store_bytes,
         )
         report = step_report(
-            step, link.rank, self.worker_id, work, rescue, census, update, lr, skipped, clock, comm_s, traffic
+            step, link.rank, self.worker_id, work, rescue, census, update, verdict.local_weight, lr, skipped, clock,
+            comm_s, traffic,
         )
         self._kept.append(report)
         return report
+
+    def _judge(self, step: int, num_shards: int, work: StepWork) -> tuple[StepVerdict, GradientMeasure]:
+        """The reduced ``step``'s measure (on the device) and verdict (read in one copy)."""
+        grads, sum_squares = self.link.owned_gradient(self.flat)  # sharded: its slice, the norm from all
+        weight = self.flat.extra[num_shards + WEIGHT_SLOT]
+        scaled_by = self.runner.loss_scale / self.sampler.step_batch_size(step)
+        clip = self.job.optimizer.clip_grad_norm
+        measure = measure_gradient(grads, weight, scaled_by, clip, sum_squares)
+        return read_verdict(self.flat.extra, num_shards, measure, clip, work.total.weight), measure
 
     @compute_method
     def snapshot(self, request: SnapshotRequest) -> float:

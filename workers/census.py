@@ -5,16 +5,13 @@ The census and the step's bookkeeping ride in the flat buffer's extra slots
 brings the shard's gradient, 0 elsewhere), then the step's loss sum, sample count and loss
 weight. Reduced, the census is the same on every rank and must count every shard exactly once
 (docs/architecture.md, "Commit and census"): a rank raises ShardCensusError otherwise, before
-its optimizer step, so a wrong sum is never applied.
+its optimizer step, so a wrong sum is never applied (``workers/step_verdict.py`` reads it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from jobspec.failures import ShardCensusError
 from workers.step_work import PassResult
 
 #: Where the step's bookkeeping sits after the census in the buffer's extra slots.
@@ -39,36 +36,3 @@ def write_census(extra: torch.Tensor, num_shards: int, committed: list[int], tot
     extra[num_shards + LOSS_SLOT] = total.loss
     extra[num_shards + SAMPLES_SLOT] = total.samples
     extra[num_shards + WEIGHT_SLOT] = total.weight
-
-
-def missing_shards(extra: torch.Tensor, num_shards: int) -> list[int]:
-    """The shards the reduced census shows nobody brought (the rescue pass runs them), in
-    order; none when it counts some shard more than once: that census is not the rescue's to
-    mend."""
-    counts = extra[:num_shards]
-    if not bool(torch.all((counts == 0) | (counts == 1))):
-        return []
-    return torch.nonzero(counts == 0).flatten().tolist()
-
-
-@dataclass(frozen=True)
-class StepCensus:
-    """The reduced census of a step that counted every shard once, and the step's bookkeeping
-    summed over the ranks: the loss sum, the samples and the weight normalising the loss."""
-
-    shards_counted: int
-    loss_sum: float
-    samples: int
-    weight: float
-
-
-def check_census(extra: torch.Tensor, num_shards: int, step: int) -> StepCensus:
-    """Read the reduced ``extra`` slots of ``step``. Raises ShardCensusError unless every one of
-    the ``num_shards`` shards was counted exactly once."""
-    extra = extra.cpu()
-    counts = extra[:num_shards]
-    if not torch.all(counts == 1):
-        bad = {i: float(c) for i, c in enumerate(counts.tolist()) if c != 1}
-        raise ShardCensusError(f"step {step}: shards not committed exactly once: {bad}")
-    loss_sum, samples, weight = (float(extra[num_shards + slot]) for slot in (LOSS_SLOT, SAMPLES_SLOT, WEIGHT_SLOT))
-    return StepCensus(int(counts.sum().item()), loss_sum, int(samples), weight)

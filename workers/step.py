@@ -53,7 +53,7 @@ from policies.work_stealing import (
     claim_focus,
     pick_work,
 )
-from workers.census import census_slots, missing_shards, write_census
+from workers.census import census_slots, write_census
 from workers.chaos import ChaosSchedule
 from workers.claims import ShardClaims
 from workers.devices import host_batch
@@ -257,20 +257,16 @@ class StepRunner:
             self._write_bookkeeping(work, ctx.plan.num_shards)
         return work
 
-    def rescue(self, ctx: ClaimedStep, work: StepWork) -> RescuePass:
-        """After the step's all-reduce: if its census (the same on every rank) shows shards
-        nobody brought (their owner stopped waiting for its data, see ``run_claimed``), run the
-        rescue pass for them, on every rank alike. The reduced gradient is set aside and the
+    def rescue(self, ctx: ClaimedStep, work: StepWork, missing: list[int]) -> RescuePass:
+        """After the step's all-reduce, whose census (the same on every rank) shows ``missing``
+        shards nobody brought (their owner stopped waiting for its data, see ``run_claimed``):
+        run the rescue pass for them, on every rank alike. The reduced gradient is set aside and the
         buffer zeroed; every rank claims, steals and backs up the shards still free until all
         are done, reading only the blocks of the missing shards' owners; nobody seals (every
         rank counts as a suspect), so each shard counts through a compare-and-set commit; a
         rank whose data is still being read (``work.data_ready``) only waits. The pass is
         summed exactly in one more all-reduce and added back. Its passes and commits are added
-        to ``work``. A census that is not all 0s and 1s is left
-        for the caller to reject."""
-        missing = missing_shards(self.flat.extra, ctx.plan.num_shards)
-        if not missing:
-            return RescuePass()
+        to ``work``."""
         # Only the blocks of the missing shards' owners are read: every other shard was
         # counted (the census says so), and reading the whole step on every rank at every poll
         # made rescue passes the store's heaviest load at 32-64 workers.

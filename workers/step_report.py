@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jobspec.wire import StepTelemetry
-from workers.census import StepCensus
+from workers.step_verdict import GradientUpdate, StepCensus
 from workers.step_work import RescuePass, StepWork
-from workers.training import GradientUpdate
 
 
 @dataclass(frozen=True)
@@ -41,6 +40,7 @@ def step_report(
     rescue: RescuePass,
     census: StepCensus,
     update: GradientUpdate,
+    local_weight: float,
     lr: float,
     skipped: bool,
     clock: StepClock,
@@ -49,7 +49,7 @@ def step_report(
 ) -> StepTelemetry:
     """The report of ``step`` by ``worker`` (rank ``rank``): ``work`` its passes (``rescue`` its
     share of the rescue pass, already counted in ``work``), ``census`` the reduced bookkeeping,
-    ``update`` the gradient's norm, ``lr`` and ``skipped`` the optimizer's step, ``comm_s`` the
+    ``update`` the gradient's norm, ``local_weight`` this rank's loss weight, ``lr`` and ``skipped`` the optimizer's step, ``comm_s`` the
     seconds waited for the reduction (the rescue pass's included)."""
     busy_s = work.compute_s + work.slowed_s
     return StepTelemetry(
@@ -72,7 +72,7 @@ def step_report(
         shards_run=work.shards_run,
         shard_s=busy_s / work.shards_run if work.shards_run else 0.0,
         samples_per_s=work.total.samples / busy_s if busy_s > 0 else 0.0,
-        weight_per_s=float(work.total.weight) / busy_s if busy_s > 0 else 0.0,
+        weight_per_s=local_weight / busy_s if busy_s > 0 else 0.0,
         idle_s=work.idle_s,
         stalled_s=work.stalled_s,
         gave_up=work.gave_up,

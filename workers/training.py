@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -271,46 +269,3 @@ def flatten_onto(model: torch.nn.Module, device: torch.device) -> FlatParameters
             "(torch.__future__.set_overwrite_module_params_on_conversion(False), no _apply that re-creates them)"
         )
     return flat
-
-
-@dataclass(frozen=True)
-class GradientUpdate:
-    """The reduced gradient made ready for the optimizer: its global L2 norm (of the mean
-    gradient, before clipping; inf or nan if it overflowed) and whether it was clipped."""
-
-    grad_norm: float
-    clipped: bool = False
-
-
-def finish_gradient(
-    grads: torch.Tensor,
-    weight: float,
-    scaled_by: float,
-    clip: float | None,
-    sum_squares: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> GradientUpdate:
-    """Turn the reduced ``grads`` (the sum of every shard's loss-sum gradient, times
-    ``scaled_by``: the loss scale over the global batch size) into the step's mean gradient,
-    in place: divided by the step's total ``weight``, then clipped to global norm ``clip``.
-    The reduced buffer is the same on every replica, so is the result. ``sum_squares``: where
-    ``grads`` is one slice of the gradient (sharded state), it turns this slice's sum of squares
-    (a float64 tensor of one entry on its device) into the whole gradient's (the same on every
-    rank, so are the norm and the clipping); read to the host once. A
-    non-finite gradient is left as it is, its norm inf or nan (the caller skips the step or
-    fails). Raises ValueError if the weights sum to 0 or less."""
-    if not weight > 0:
-        raise ValueError(f"field 'loss': the step's loss weights sum to {weight}; expected a total > 0")
-    factor = 1.0 / (scaled_by * weight)
-    if sum_squares is None:
-        norm = float(torch.linalg.vector_norm(grads)) * factor
-    else:
-        local = torch.linalg.vector_norm(grads).double().square().reshape(1)  # no float64 copy of the slice
-        norm = math.sqrt(float(sum_squares(local))) * factor
-    if not math.isfinite(norm):
-        return GradientUpdate(norm)
-    clipped = clip is not None and norm > clip
-    if clipped:
-        factor *= clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s epsilon
-    if factor != 1.0:
-        grads.mul_(factor)
-    return GradientUpdate(norm, clipped)
