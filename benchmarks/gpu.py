@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from benchmarks.plain_loop import PlainLoop, sync
 
 #: Dense bf16 tensor-core peak FLOP/s by device-name fragment (a whole model name: "L4" is not
 #: "L40"), first match wins (NVIDIA's data
@@ -177,45 +178,18 @@ def run_plain(job: Any, device: torch.device, warmup: int) -> Measured:
 
 def _plain_loop(job: Any, device: torch.device, warmup: int) -> tuple[float, float]:
     """``run_plain``'s loop: the timed seconds and the peak GiB allocated on ``device``."""
-    from ringleader_examples.gpt import make_dataset, make_model
-    from workers.generic_optimizer import decay_groups
-    from workers.sampler import ShardSampler
-    from workers.training import autocast, fetch_batch
-
-    torch.manual_seed(job.seed)
-    model = make_model(**job.model.kwargs).to(device)
-    groups = [g for g in decay_groups(model.parameters(), job.optimizer.decay_biases_and_norms) if g["params"]]
-    optimizer = torch.optim.AdamW(groups, **job.optimizer.kwargs, fused=True)
-    dataset = make_dataset(**job.dataset.kwargs)
-    sampler = ShardSampler(len(dataset), job.batch_size, job.shards, job.seed)
+    loop = PlainLoop(job, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-    def step(index: int) -> None:
-        indices = [int(i) for shard in range(job.shards) for i in sampler.shard_indices(index, shard)]
-        ids = fetch_batch(dataset, indices).to(device, non_blocking=True)
-        with autocast(device, job.precision):
-            logits = model(ids)
-        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), job.optimizer.clip_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
     for index in range(warmup):
-        step(index)
-    _sync(device)
+        loop.step(index)
+    sync(device)
     started = time.perf_counter()
     for index in range(warmup, job.steps):
-        step(index)
-    _sync(device)
+        loop.step(index)
+    sync(device)
     seconds = time.perf_counter() - started
     return seconds, torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def summarize(rows: list[Measured], num_params: int, size: GptSize, peak: float | None) -> dict[str, Any]:

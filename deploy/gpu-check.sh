@@ -5,8 +5,8 @@
 #                                            machine lacks (Ray without its Java jars, pydantic,
 #                                            orjson, jsonschema's family), cp312 x86-64, into DIR
 #   deploy/gpu-check.sh suite                there: pytest -m gpu (worker parts, then whole jobs)
-#   deploy/gpu-check.sh bench                there: ringleader bench gpu
-#   deploy/gpu-check.sh all                  there: both, the bench also after a failed test
+#   deploy/gpu-check.sh bench                there: ringleader bench gpu, then bench overhead on the GPU
+#   deploy/gpu-check.sh all                  there: both, the benches also after a failed test
 #                                            (each fits a 10-minute call alone)
 #
 # Wheels found in $RINGLEADER_WHEELS (default .device-wheels) are installed first, without an
@@ -20,6 +20,7 @@ WHEELS=${RINGLEADER_WHEELS:-.device-wheels}
 OUT=${OUT:-gpu-check-out}
 SUITE_S=${SUITE_S:-570}
 BENCH_S=${BENCH_S:-570}
+OVERHEAD_S=${OVERHEAD_S:-120}
 # What a machine with torch, numpy, pyarrow, pyyaml, requests, msgpack and protobuf lacks.
 PACKAGES=(ray pydantic pydantic-core annotated-types typing-inspection orjson jsonschema
   jsonschema-specifications referencing rpds-py)
@@ -72,11 +73,13 @@ install_wheels() {
 suite() {
   # Worker parts first: they need neither Ray nor a Ray wheel.
   timeout "$SUITE_S" "$PY" -m pytest -m gpu -rA -p no:cacheprovider --junitxml="$OUT/gpu-suite.xml" \
-    tests/test_gpu_worker.py tests/test_gpu_nccl.py tests/test_gpu_jobs.py 2>&1 | tee "$OUT/gpu-suite.log"
+    tests/test_gpu_worker.py tests/test_gpu_nccl.py tests/test_host_syncs.py tests/test_gpu_jobs.py 2>&1 | tee "$OUT/gpu-suite.log"
 }
 
 bench() {
   timeout "$BENCH_S" "$PY" -m ringleader bench gpu --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.log"
+  timeout "$OVERHEAD_S" "$PY" -m ringleader bench overhead --device cuda --json "$OUT/bench-overhead.json" 2>&1 |
+    tee "$OUT/bench-overhead.log"
 }
 
 case "${1:-all}" in

@@ -178,6 +178,16 @@ def _parser() -> argparse.ArgumentParser:
     gpu.add_argument("--rounds", type=int, default=2, help="alternating ringleader/plain rounds (medians)")
     gpu.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, where its name is not in the table")
     gpu.add_argument("--json", dest="json_path", metavar="FILE", help="write the medians as JSON")
+
+    overhead = benches.add_parser(
+        "overhead", help="ringleader's host cost a step vs a plain PyTorch loop (the 710M GPT's tensor layout, scaled "
+        "down) and syncs a step: a CPU proxy for the GPU's step"
+    )
+    overhead.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    overhead.add_argument("--steps", type=int, default=20, help="steps per round and contender")
+    overhead.add_argument("--warmup", type=int, default=3, help="untimed steps of each contender first")
+    overhead.add_argument("--rounds", type=int, default=9, help="alternating plain/ringleader rounds (medians)")
+    overhead.add_argument("--json", dest="json_path", metavar="FILE", help="write the figures as JSON")
     return parser
 
 
@@ -389,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import gpu
 
         return gpu.main(args.device, args.tiny, args.steps, args.warmup, args.rounds, args.peak_tflops, args.json_path)
+    if args.command == "bench" and args.bench == "overhead":
+        from benchmarks import overhead
+
+        return overhead.main(args.device, args.steps, args.warmup, args.rounds, args.json_path)
     raise AssertionError(f"unhandled command {args.command}")
 
 
