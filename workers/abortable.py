@@ -65,6 +65,16 @@ def call_abortable(operation: Callable[[], T], abort_flag: threading.Event, time
     return wait_abortable(future, abort_flag, timeout_s, what)
 
 
+def poll_until(done: Callable[[], bool], deadline: float) -> bool:
+    """Poll ``done`` every ``COMPLETION_POLL_S`` until it is true or ``time.monotonic()``
+    passes ``deadline``; whether it became true."""
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(COMPLETION_POLL_S)
+    return True
+
+
 def poll_work(work: dist.Work, stopped: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Wait for NCCL-like ``work`` (whose ``wait()`` does not block the CPU) by polling
     ``is_completed()`` every ``COMPLETION_POLL_S``; raises CollectiveAborted (``"<what> was

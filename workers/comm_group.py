@@ -19,6 +19,17 @@ tensor only inside ``writing``: under the lock that marking the group broken tak
 operation's own scratch, never in a caller's tensor, since the backend writes a receive
 whenever its send arrives (``workers/ring.py``).
 
+On a GPU the communication thread runs on a CUDA stream of its own (``marks``: the device's
+``StreamMarks``), so that what it launches (NCCL's collectives wait on the launching thread's
+current stream, our ring's additions and casts run there) waits only for what it was told to
+wait for (a bucket's writers: ``GradientReducer``'s hand-off), never for everything backward
+has queued on the compute stream. Events go both ways: every operation ends with a mark on
+that stream, and whoever waits for the operation polls the mark (with the abort flag and the
+deadline) and then orders its own stream after it, so nothing of the caller reads a result
+before it is there. A native collective is therefore only launched on the communication
+thread, never polled there: the next one launches at once, NCCL runs them in order, and the
+waits poll each in turn, which costs what polling the last does.
+
 Point-to-point traffic goes only through ``CommGroup.exchange``: one call posts a set of sends
 and receives as one group (NCCL: one coalesced launch, so no send waits on a receive posted
 after it, and every exchange runs on the group's one communicator, made at formation), and
@@ -30,6 +41,7 @@ given the same single tag, so both backends match messages in posting order alon
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -39,8 +51,8 @@ import torch
 import torch.distributed as dist
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
-from workers.abortable import poll_work, wait_abortable
-from workers.devices import inherit_device
+from workers.abortable import ABORT_POLL_S, poll_until, poll_work, wait_abortable
+from workers.devices import StreamMarks, inherit_device
 from workers.process_group import release
 
 # ``CommGroup.broken`` once the group is closed.
@@ -56,8 +68,16 @@ class PendingOp:
         self._what = what
 
     def ended_within(self, timeout_s: float) -> bool:
-        """Block until the operation has ended or ``timeout_s`` passed; whether it has ended."""
-        return bool(wait_futures([self._future], timeout=max(0.0, timeout_s)).done)
+        """Block until the operation has ended (on a GPU: its work on the device too) or
+        ``timeout_s`` passed; whether it has ended."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        if not wait_futures([self._future], timeout=max(0.0, timeout_s)).done:
+            return False
+        marks = self._group.marks
+        if marks is None or self._future.exception() is not None or self._future.result() is None:
+            return True
+        mark = self._future.result()
+        return poll_until(lambda: marks.done(mark), deadline)
 
     def wait(self) -> None:
         """Block until done. Raises CollectiveAborted, CollectiveTimeout (both break the group)
@@ -65,11 +85,11 @@ class PendingOp:
         a peer closed its connection, ...) breaks the group too and becomes CollectiveTimeout.
         Once it has raised, the operation writes none of its caller's tensors (``writing``)."""
         group = self._group
+        detail = f"rank {group.rank} of {group.size}; a peer died, hung or is far behind"
         try:
-            wait_abortable(
-                self._future, group.abort_flag, group.timeout_s, self._what,
-                detail=f"rank {group.rank} of {group.size}; a peer died, hung or is far behind",
-            )
+            mark = wait_abortable(self._future, group.abort_flag, group.timeout_s, self._what, detail=detail)
+            if mark is not None:
+                group.await_mark(mark, self._what, detail)
         except RuntimeError as err:
             if not _raised_by(self._future, err):  # the wait's own CollectiveAborted or CollectiveTimeout
                 aborted = isinstance(err, CollectiveAborted)
@@ -110,6 +130,8 @@ class CommGroup:
     ``timeout_s`` bounds every wait; ``abort_flag`` is shared with whoever may abort (the actor's
     control thread). Operations queued with ``submit`` run on the communication thread; they
     exchange tensors with ``exchange`` and wait for each torch ``Work`` with ``complete``.
+    ``marks`` (a GPU: the device's ``StreamMarks``): the communication thread runs on a stream
+    of its own, ordered with the callers' by marks both ways (the module doc).
     ``poll_completion`` (NCCL): ``Work.wait()`` does not block the CPU there (it only orders the
     current CUDA stream), so completion is polled with ``is_completed()`` against the abort
     flag and the deadline, and its communicators are released when it closes.
@@ -123,8 +145,10 @@ class CommGroup:
         timeout_s: float,
         abort_flag: threading.Event,
         poll_completion: bool = False,
+        marks: StreamMarks | None = None,
     ) -> None:
         self.pg = pg
+        self.marks = marks
         self.poll_completion = poll_completion
         self.rank = rank
         self.size = size
@@ -139,8 +163,16 @@ class CommGroup:
         # NCCL coalesces (torch's batch_isend_irecv asks the same property); gloo cannot, and
         # needs not: its sends never wait for the peer's receive.
         self._coalesce = bool(getattr(pg, "supports_coalescing", False))
-        # Made on join_group's thread, where the worker's device is current: so is it on this one.
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"ringleader-comm-r{rank}", initializer=inherit_device())
+        # Made on join_group's thread, where the worker's device is current: so is it on this
+        # one, with a stream of its own there.
+        on_device, stream = inherit_device(), marks.own_stream() if marks is not None else None
+
+        def start_thread() -> None:
+            on_device()
+            if marks is not None:
+                marks.use(stream)
+
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"ringleader-comm-r{rank}", initializer=start_thread)
 
     @property
     def broken(self) -> str | None:
@@ -179,10 +211,50 @@ class CommGroup:
             yield
 
     def submit(self, operation: Callable[[], None], what: str) -> PendingOp:
-        """Queue ``operation`` (blocking torch.distributed calls on ``pg``) after those before it."""
+        """Queue ``operation`` (blocking torch.distributed calls on ``pg``) after those before it.
+        On a GPU its work on the communication thread's stream waits for what the caller had
+        queued on its own stream (a mark recorded now), and ends with a mark the ``PendingOp``
+        waits for."""
         if self.broken is not None:
             raise CollectiveAborted(f"the process group is broken ({self.broken}); re-form it")
-        return PendingOp(self._thread.submit(operation), self, what)
+        marks = self.marks
+        # What the caller queued on its stream before this: the operation's inputs.
+        before = None if marks is None else marks.record()
+
+        def run() -> object:
+            if marks is None:
+                operation()
+                return None
+            marks.wait(before)
+            operation()
+            return marks.record()
+
+        return PendingOp(self._thread.submit(run), self, what)
+
+    def await_mark(self, mark: object, what: str, detail: str) -> None:
+        """On a caller's thread: poll until the device has run what ``mark`` covers (raising
+        CollectiveAborted once the group is broken or the abort flag is up, CollectiveTimeout
+        after ``timeout_s``), then order the caller's stream after it."""
+        marks = self.marks
+        assert marks is not None, "marks exist only on a group with streams"
+        deadline = time.monotonic() + self.timeout_s
+        while not poll_until(lambda: marks.done(mark), min(deadline, time.monotonic() + ABORT_POLL_S)):
+            if self._stopped():
+                raise CollectiveAborted(f"{what} aborted by the driver")
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeout(f"{what} did not finish on the device within {self.timeout_s:.0f}s ({detail})")
+        marks.wait(mark)
+
+    def launched(self, work: dist.Work) -> None:
+        """On the communication thread, after launching a collective that writes only its own
+        tensors (a native one): with a stream of its own (NCCL on a GPU), order that stream after
+        ``work`` and go on (its waiter polls the operation's mark); else wait for it
+        (``complete``)."""
+        if self.marks is not None and self.poll_completion:
+            work.wait()  # NCCL: orders the current stream after the collective; never blocks the host
+            self.check_live()
+        else:
+            self.complete(work)
 
     # Blocking primitives, for operations run on the comm thread.
 

@@ -48,7 +48,7 @@ class NativeAllReduce:
             # Counted here, on the communication thread, like our algorithms' sends: one
             # thread updates the counter.
             self.group.bytes_sent += tensor.numel() * tensor.element_size() * 2 * (size - 1) // size
-            self.group.complete(self.group.pg.allreduce([tensor], options))
+            self.group.launched(self.group.pg.allreduce([tensor], options))
 
         return self.group.submit(reduce, "native all-reduce")
 

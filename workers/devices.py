@@ -188,6 +188,18 @@ class StreamMarks(Protocol):
         """On the consuming thread: make its current stream's later work wait for ``mark``."""
         ...
 
+    def done(self, mark: object) -> bool:
+        """Whether everything ``mark`` covers has run (never blocks)."""
+        ...
+
+    def own_stream(self) -> object:
+        """A new stream of the device, for a thread of its own (the communication thread's)."""
+        ...
+
+    def use(self, stream: object) -> None:
+        """Make ``stream`` (``own_stream``'s) the calling thread's current stream."""
+        ...
+
 
 class CudaStreamMarks:
     """``StreamMarks`` as CUDA events on ``device``'s current streams (neither call blocks the host)."""
@@ -207,6 +219,17 @@ class CudaStreamMarks:
     def wait(self, mark: object) -> None:
         assert isinstance(mark, torch.cuda.Event)
         torch.cuda.current_stream(self.device).wait_event(mark)
+
+    def done(self, mark: object) -> bool:
+        assert isinstance(mark, torch.cuda.Event)
+        return mark.query()
+
+    def own_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)
+
+    def use(self, stream: object) -> None:
+        assert isinstance(stream, torch.cuda.Stream)
+        torch.cuda.set_stream(stream)
 
 
 def stream_marks(device: torch.device) -> StreamMarks | None:

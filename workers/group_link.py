@@ -29,11 +29,11 @@ from workers.claims import ClaimStores, CountingStore
 from workers.comm_group import CommGroup
 from workers.communicator import Communicator, NativeAllReduce, make_communicator, pick_backend
 from workers.compression import OWN_TRANSPORT, TopKAllReduce, compress
+from workers.devices import stream_marks
 from workers.link_probe import auto_communicator
 from workers.overlap import DEFAULT_BUCKET_BYTES, GradientReducer, default_bucket_bytes
 from workers.process_group import form_process_group
 from workers.replica import Replica
-from workers.ring import RingAllReduce
 from workers.sharded_optimizer import ShardedOptimizer
 from workers.sharded_reduce import ShardedSum, gather_slices, group_sum
 from workers.training import FlatParameters
@@ -140,7 +140,8 @@ class GroupLink:
         previous = self.reducer_comm
         residuals = self.residuals or self.restored_residuals
         self.group = CommGroup(
-            pg, request.rank, request.world_size, self.timeout_s, self.abort_flag, poll_completion=backend == "nccl"
+            pg, request.rank, request.world_size, self.timeout_s, self.abort_flag, poll_completion=backend == "nccl",
+            marks=stream_marks(replica.device),
         )
         self.rank, self.world_size = request.rank, request.world_size
         if isinstance(replica.optimizer, ShardedOptimizer):
@@ -233,8 +234,9 @@ class GroupLink:
     def _build_sharded_reducer(self, group: CommGroup, layout: ShardingLayout, flat: FlatParameters) -> None:
         """The reducer for sharded state: buckets reduce-scattered in the sharding group and
         summed across replicas (``ShardedSum``, our ring: nothing to probe), the extra slots
-        summed whole by the ring over every rank."""
-        exact = RingAllReduce(group)
+        summed whole by one native all-reduce over every rank (NCCL's or gloo's: exact, and one
+        launch where our ring took 2(n-1) round trips on the step's critical path)."""
+        exact = NativeAllReduce(group)
         self.reducer_comm = ShardedSum(group, layout, flat)
         self.reducer = GradientReducer(
             flat,

@@ -9,6 +9,11 @@ constructor, ``Options``, ``supports_coalescing``, ``_start_coalescing``/``_end_
   and starts only when everything before it there has completed: collectives and groups on
   the rank's main stream; an ungrouped ``send``/``recv`` on the rank's stream for that peer
   (NCCL gives each pair of ranks its own communicator and stream for single p2p ops).
+- **Device streams** (optional, ``streams``: ``tests/helpers/fake_streams.py``). A launch
+  also waits for everything queued on the launching thread's current stream before it (NCCL
+  makes its stream wait on the caller's), and ``wait()`` queues the work on the waiting
+  thread's current stream. ``FakeNcclWorld.nudge`` re-checks what may start (after a gate
+  on a stream opened).
 - **Matching.** Between an ordered pair of ranks the k-th send posted matches the k-th
   receive posted, whatever the tags (NCCL ignores them). A send and its receive complete
   together, once both of their launches have started; the data is copied then, and a send
@@ -53,23 +58,33 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from tests.helpers.fake_streams import FakeDeviceStreams, Mark
+
 MAIN = "main"  # the key of a rank's main stream (its other streams are keyed by peer rank)
 NONBLOCKING_TIMEOUT_DEFAULT_S = 30 * 60  # torch's, where TORCH_NCCL_NONBLOCKING_TIMEOUT is unset
 
 
 class FakeWork:
-    """NCCL-like work: ``wait()`` returns at once (it would only order a CUDA stream)."""
+    """NCCL-like work: ``wait()`` never blocks; with device streams it orders the waiting
+    thread's current stream after the work (queues it there), as NCCL's does."""
 
-    def __init__(self) -> None:
+    def __init__(self, streams: FakeDeviceStreams | None = None) -> None:
         self.completed = False
         self.error: str | None = None
+        self.streams = streams
 
     def is_completed(self) -> bool:
         return self.completed or self.error is not None
 
+    def done(self) -> bool:
+        """As an item of a fake stream: done once completed without error."""
+        return self.completed
+
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self.error is not None:
             raise RuntimeError(self.error)
+        if self.streams is not None:
+            self.streams.queue(self)
         return True
 
 
@@ -91,6 +106,10 @@ class _Launch:
     stream: tuple[int, object]
     ops: list[_Op]
     work: FakeWork = field(default_factory=FakeWork)
+    after: Mark | None = None  # with device streams: the launching thread's stream when launched
+
+    def started(self) -> bool:
+        return self.after is None or self.after.done()
 
 
 class FakeNcclWorld:
@@ -110,6 +129,11 @@ class FakeNcclWorld:
         self.receives: dict[tuple[int, int], list[_Op]] = defaultdict(list)
         self.collectives: dict[int, list[_Op]] = defaultdict(list)
 
+    def nudge(self) -> None:
+        """Start and complete what now can (something a launch waited for on a stream is done)."""
+        with self.cond:
+            self.progress()
+
     def pending(self, rank: int) -> int:
         """Launches of ``rank`` not ended, plus 1 if its thread waits in a rendezvous."""
         with self.cond:
@@ -119,7 +143,7 @@ class FakeNcclWorld:
     def _running(self, op: _Op) -> bool:
         launch = op.launch
         queue = self.streams.get(launch.stream) if launch is not None else None
-        return bool(queue) and queue[0] is launch and launch.work.error is None
+        return bool(queue) and queue[0] is launch and launch.work.error is None and launch.started()
 
     def _partner(self, op: _Op) -> _Op | None:
         if op.kind == "send":
@@ -142,7 +166,7 @@ class FakeNcclWorld:
         while changed:
             changed = False
             for queue in list(self.streams.values()):
-                if not queue or queue[0].work.error is not None:
+                if not queue or queue[0].work.error is not None or not queue[0].started():
                     continue
                 for op in queue[0].ops:
                     if op.done:
@@ -209,9 +233,18 @@ class FakeProcessGroupNCCL:
             self._timeout = timedelta(minutes=10)
             self.config = SimpleNamespace(blocking=True)
 
-    def __init__(self, world: FakeNcclWorld, rank: int, size: int, options: FakeProcessGroupNCCL.Options) -> None:
+    def __init__(
+        self,
+        world: FakeNcclWorld,
+        rank: int,
+        size: int,
+        options: FakeProcessGroupNCCL.Options,
+        streams: FakeDeviceStreams | None = None,
+    ) -> None:
         assert size == world.size, f"world of {world.size} ranks, group of {size}"
         self.world, self.rank, self.size = world, rank, size
+        #: The rank's device streams, if modelled: a launch waits for the launching thread's.
+        self.device_streams = streams
         self.options = options
         self.timeout_s = options._timeout.total_seconds()
         nonblocking = not options.config.blocking
@@ -273,8 +306,9 @@ class FakeProcessGroupNCCL:
 
     def _launch(self, stream: object, ops: list[_Op]) -> FakeWork:
         world = self.world
+        streams = self.device_streams
         with world.cond:
-            launch = _Launch((self.rank, stream), ops)
+            launch = _Launch((self.rank, stream), ops, FakeWork(streams), streams.record() if streams is not None else None)
             if self.aborted or self.shut_down:
                 launch.work.error = f"rank {self.rank}: NCCL communicator was aborted"
                 return launch.work
