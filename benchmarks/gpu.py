@@ -132,7 +132,7 @@ def peak_memory(model: torch.nn.Module, batch: Any) -> dict[str, float]:
     return {"peak_memory_bytes": float(peak) * len(batch)}
 
 
-def _job(size: GptSize, device: str, steps: int) -> Any:
+def _job(size: GptSize, device: str, steps: int, compile_model: bool = False) -> Any:
     from benchmarks.workloads import EXAMPLES
     from orchestrator.job_file import load_job
 
@@ -147,6 +147,7 @@ def _job(size: GptSize, device: str, steps: int) -> Any:
         f"batch_size={size.batch}", "shards=4", f"steps={steps}", "checkpoint.every_steps=0",
         f"scaling={{workers: 1, min_workers: 1, max_workers: 1, resources_per_worker: {resources}}}",
         "collective.algorithm=native",  # one worker: nothing to probe
+        f"model.compile={str(compile_model).lower()}",
     ])
 
 
@@ -220,7 +221,14 @@ def format_table(table: dict[str, Any]) -> str:
 
 
 def main(
-    device_name: str, tiny: bool, steps: int, warmup: int, rounds: int, peak_tflops: float | None, json_path: str | None
+    device_name: str,
+    tiny: bool,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    peak_tflops: float | None,
+    json_path: str | None,
+    compile_model: bool = False,
 ) -> int:
     if device_name == "cuda" and not torch.cuda.is_available():
         print("ringleader: bench gpu: no CUDA device (torch.cuda.is_available() is False); "
@@ -233,13 +241,14 @@ def main(
         size = choose_size(torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_tflops * 1e12 if peak_tflops else (peak_flops(name) if device.type == "cuda" else None)
-    job = _job(size, device_name, steps)
+    job = _job(size, device_name, steps, compile_model)
     from ringleader_examples.gpt import make_model
 
     num_params = sum(p.numel() for p in make_model(**job.model.kwargs).parameters())
     print(f"bench gpu: {name}; peak bf16 {f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown (--peak-tflops)'}; "
           f"GPT {size.name} ({num_params / 1e6:.0f}M parameters, {size.n_layer} layers, width {size.n_embd}, "
-          f"block {size.block_size}), batch {size.batch}, bf16, {steps} steps ({warmup} warm-up), {rounds} rounds; "
+          f"block {size.block_size}), batch {size.batch}, bf16, {'compiled' if compile_model else 'eager'}, "
+          f"{steps} steps ({warmup} warm-up), {rounds} rounds; "
           f"FLOPs/token 6N + 12*L*d*T = {flops_per_token(num_params, size):.3e}")
     rows: list[Measured] = []
     with tempfile.TemporaryDirectory(prefix="rl-bench-gpu-") as scratch:
@@ -251,7 +260,10 @@ def main(
     table = summarize(rows, num_params, size, peak)
     print(format_table(table))
     if json_path:
-        payload = {**table, "device": name, "peak_flops": peak, "size": asdict(size), "num_params": num_params}
+        payload = {
+            **table, "device": name, "peak_flops": peak, "size": asdict(size), "num_params": num_params,
+            "compile": compile_model,
+        }
         Path(json_path).write_text(json.dumps(payload, indent=2))
         print(f"wrote {json_path}")
     return 0

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 
 class PlainLoop:
-    """``job`` (a GPT-recipe ``JobConfig``: causal LM loss, AdamW) on ``device``."""
+    """``job`` (a GPT-recipe ``JobConfig``: causal LM loss, AdamW) on ``device``; its model
+    compiled where ``model.compile`` says so, as the worker's is."""
 
     def __init__(self, job: Any, device: torch.device) -> None:
         from jobspec.targets import build
@@ -22,6 +23,8 @@ class PlainLoop:
         torch.manual_seed(job.seed)
         self.job, self.device = job, device
         self.model = build(job.model.factory, job.model.kwargs).to(device)
+        if job.model.compile:
+            self.model.compile()  # as the worker does (``model.compile``)
         groups = [g for g in decay_groups(self.model.parameters(), job.optimizer.decay_biases_and_norms) if g["params"]]
         self.optimizer = torch.optim.AdamW(groups, **job.optimizer.kwargs, fused=True)
         self.dataset = build(job.dataset.factory, job.dataset.kwargs)

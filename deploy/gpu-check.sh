@@ -5,7 +5,8 @@
 #                                            machine lacks (Ray without its Java jars, pydantic,
 #                                            orjson, jsonschema's family), cp312 x86-64, into DIR
 #   deploy/gpu-check.sh suite                there: pytest -m gpu (worker parts, then whole jobs)
-#   deploy/gpu-check.sh bench                there: ringleader bench gpu, then bench overhead on the GPU
+#   deploy/gpu-check.sh bench                there: ringleader bench gpu, eager and compiled, then bench
+#                                            overhead on the GPU
 #   deploy/gpu-check.sh all                  there: both, the benches also after a failed test
 #                                            (each fits a 10-minute call alone)
 #
@@ -19,8 +20,8 @@ PY=${PYTHON:-python3}
 WHEELS=${RINGLEADER_WHEELS:-.device-wheels}
 OUT=${OUT:-gpu-check-out}
 SUITE_S=${SUITE_S:-570}
-BENCH_S=${BENCH_S:-570}
-OVERHEAD_S=${OVERHEAD_S:-120}
+BENCH_S=${BENCH_S:-240}
+OVERHEAD_S=${OVERHEAD_S:-90}
 # What a machine with torch, numpy, pyarrow, pyyaml, requests, msgpack and protobuf lacks.
 PACKAGES=(ray pydantic pydantic-core annotated-types typing-inspection orjson jsonschema
   jsonschema-specifications referencing rpds-py)
@@ -78,6 +79,8 @@ suite() {
 
 bench() {
   timeout "$BENCH_S" "$PY" -m ringleader bench gpu --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.log"
+  timeout "$BENCH_S" "$PY" -m ringleader bench gpu --compile --json "$OUT/bench-gpu-compiled.json" 2>&1 |
+    tee "$OUT/bench-gpu-compiled.log"
   timeout "$OVERHEAD_S" "$PY" -m ringleader bench overhead --device cuda --json "$OUT/bench-overhead.json" 2>&1 |
     tee "$OUT/bench-overhead.log"
 }

@@ -13,8 +13,16 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from jobspec.chaos import ChaosConfig
-from jobspec.fields import FactorySpec, StrictModel
-from jobspec.recipe import DatasetSpec, EvalSpec, LossConfig, LossScalingConfig, OptimizerConfig, ScheduleConfig
+from jobspec.fields import StrictModel
+from jobspec.recipe import (
+    DatasetSpec,
+    EvalSpec,
+    LossConfig,
+    LossScalingConfig,
+    ModelSpec,
+    OptimizerConfig,
+    ScheduleConfig,
+)
 from jobspec.runtime import (
     CheckpointConfig,
     CollectiveConfig,
@@ -34,7 +42,7 @@ class JobConfig(StrictModel):
 
     name: str = Field("digits", pattern=r"^[\w.-]+$")
     seed: int = 0
-    model: FactorySpec = FactorySpec(factory=f"{_DIGITS}:make_model", kwargs={"hidden": 128})
+    model: ModelSpec = ModelSpec(factory=f"{_DIGITS}:make_model", kwargs={"hidden": 128})
     dataset: DatasetSpec = DatasetSpec(factory=f"{_DIGITS}:make_dataset", kwargs={"split": "train"})
     eval: EvalSpec | None = EvalSpec(factory=f"{_DIGITS}:make_dataset", kwargs={"split": "test"})
     loss: LossConfig = LossConfig()

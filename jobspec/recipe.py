@@ -12,6 +12,17 @@ from jobspec.targets import as_callable
 from policies.schedule import BUILTIN_SCHEDULES, LearningRateSchedule
 
 
+class ModelSpec(FactorySpec):
+    """The model's factory, and ``compile``: compile it with ``torch.compile`` (in place,
+    ``nn.Module.compile``: the same parameters and state_dict names, so checkpoints and the
+    flat buffers are as without it). Gradient hooks and buckets work as in eager mode; the
+    first step (and each new input shape) pays the compilation. Compiled kernels sum in
+    another float order: a trajectory moves by about the yardstick of summing the same job in
+    another order, and a checkpoint resumes either way."""
+
+    compile: bool = False
+
+
 class DatasetSpec(FactorySpec):
     """A dataset factory, and ``collate`` (``module:function``, optional): turns a list of
     dataset items into a batch (default: torch's ``default_collate``, which stacks tensors,

@@ -47,6 +47,8 @@ def trajectory_config(job: JobConfig) -> dict[str, Any]:
     # float summation order (for a model with dropout it also changes the masks): a run may
     # resume on smaller devices with smaller passes.
     del config["worker"]["max_samples_per_pass"]
+    # Compiling, like the pass size, moves only float order: either way resumes the other.
+    del config["model"]["compile"]
     if config["dataset"]["collate"] is None:
         del config["dataset"]["collate"]
     if not job.loss.kwargs:

@@ -177,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     gpu.add_argument("--warmup", type=int, default=10, help="steps before the timed span")
     gpu.add_argument("--rounds", type=int, default=2, help="alternating ringleader/plain rounds (medians)")
     gpu.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, where its name is not in the table")
+    gpu.add_argument("--compile", action="store_true", help="both contenders' model compiled (model.compile: true)")
     gpu.add_argument("--json", dest="json_path", metavar="FILE", help="write the medians as JSON")
 
     overhead = benches.add_parser(
@@ -398,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "gpu":
         from benchmarks import gpu
 
-        return gpu.main(args.device, args.tiny, args.steps, args.warmup, args.rounds, args.peak_tflops, args.json_path)
+        return gpu.main(
+            args.device, args.tiny, args.steps, args.warmup, args.rounds, args.peak_tflops, args.json_path, args.compile
+        )
     if args.command == "bench" and args.bench == "overhead":
         from benchmarks import overhead
 

@@ -118,6 +118,8 @@ class TrainWorker:
         # (with a forward on the device where it must).
         self.flat = flatten_onto(self.model, self.device)
         self.model.train()
+        if job.model.compile:
+            self.model.compile()  # in place: the same parameters (the flat buffer's views) and names
         self.objective = Objective(job.loss.name, job.loss.kwargs)
         # Batch-dependent layers (BatchNorm): a pass per shard, buffers kept in step (docs/architecture.md, "Model buffers").
         self.buffers = StepBuffers.of(self.model, self._probe_forward)
