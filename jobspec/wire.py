@@ -160,6 +160,30 @@ class SnapshotRequest:
 
 
 @dataclass(frozen=True)
+class SnapshotOrder:
+    """A checkpoint taken inside a batch of steps (``train_steps``, ``lead_steps``): right
+    after the step that leaves the state at ``step`` steps, ranks ``0..count-1`` each copy
+    part ``rank`` of ``count`` into checkpoint ``name`` under ``root`` as attempt ``tag`` and
+    write it in the background, and the batch goes on; the copy's seconds come back in that
+    step's report (``StepTelemetry.snapshot_s``), the write's outcome through
+    ``checkpoint_written``."""
+
+    step: int
+    root: str
+    name: str
+    tag: str
+    count: int
+
+    def request(self, rank: int) -> SnapshotRequest | None:
+        """Rank ``rank``'s part, or None for a rank that writes none."""
+        return self.parts()[rank] if rank < self.count else None
+
+    def parts(self) -> list[SnapshotRequest]:
+        """Every part's request, rank ``i``'s at ``i``."""
+        return [SnapshotRequest(self.step, self.root, self.name, self.tag, index, self.count) for index in range(self.count)]
+
+
+@dataclass(frozen=True)
 class StepTelemetry:
     """One worker's account of one step (``train_step``'s answer). Times are wall-clock
     seconds on that worker.
@@ -189,6 +213,8 @@ class StepTelemetry:
     ``rescued``: shards nobody brought to the step's all-reduce (their owner was stalled and
     stopped waiting), run in its rescue pass (the same on every rank); ``rescue_s``: the
     seconds that pass took here, its all-reduce included (also counted in ``comm_s``).
+    ``snapshot_s``: the seconds a checkpoint's copy held this worker right after the step (a
+    ``SnapshotOrder`` of its batch; 0 for none, or a rank that writes no part).
     """
 
     step: int
@@ -223,6 +249,7 @@ class StepTelemetry:
     races_lost: int = 0
     store_round_trips: int = 0
     store_bytes: int = 0
+    snapshot_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         # Every field is a number, a bool or the shards tuple: a shallow copy is enough, and

@@ -1,8 +1,10 @@
 """Coordinated checkpoints, the driver's side: when, who writes what, the manifest, resuming.
 
-At a step boundary the driver queues a ``snapshot`` on every worker between two steps (so each
-sees exactly the state after that step), each copies its slice of the state to memory and
-writes it in the background while training goes on; when every part is written the driver
+The driver has every worker copy its slice of the state after a step to memory and write it
+in the background while training goes on: inside a batch of steps (a ``SnapshotOrder`` riding
+with the batch, taken right after the step that ends there, the copy's seconds coming back in
+that step's report), or between two batches (a ``snapshot`` call queued behind the first:
+the final checkpoint, one before failing, one due where a batch starts); when every part is written the driver
 writes the manifest (sha256 of every file) last, atomically, and prunes to the last ``keep``.
 A checkpoint whose writers fail (a death mid-write) never gets a manifest and is cleaned up.
 All of it happens in the run's own namespace under the checkpoint root, which this driver holds
@@ -22,7 +24,8 @@ from typing import Any, Callable
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
 from jobspec.redaction import redact_all
-from jobspec.wire import FileEntry, PartWritten, SnapshotRequest
+from jobspec.step_record import StepRecord
+from jobspec.wire import FileEntry, PartWritten, SnapshotOrder
 from orchestrator.checkpoint_namespace import namespace_root, run_namespace
 from orchestrator.errors import JobFailed
 from orchestrator.group import Call, CallFailed, WorkerGroup
@@ -116,13 +119,18 @@ def find_resume_point(job: JobConfig, run_dir: Path, warn: Callable[[str], None]
 
 @dataclass
 class PendingCheckpoint:
+    """A checkpoint being taken. ``copies``: the snapshot calls (between batches), each
+    answering its copy's seconds; None inside a batch, where ``copy_s`` arrives with the
+    reports of the step that ends at ``step`` (``CheckpointCoordinator.copied``)."""
+
     name: str
     step: int
     started: float
-    copies: list[Call]
+    copies: list[Call] | None
     writes: list[Call]
     meta: dict[str, Any]
     why: str
+    copy_s: float | None = None
 
 
 @dataclass
@@ -187,19 +195,48 @@ class CheckpointCoordinator:
         return self.enabled and step > self.last_step and self.policy.due(step - self.last_step)
 
     def start(self, group: WorkerGroup, step: int, meta: dict[str, Any], why: str = "periodic", ranks: int | None = None) -> None:
-        """Queue the snapshot of the state after ``step`` steps on the first ``ranks`` members
-        (all by default; with sharded optimizer state, the first sharding group, each rank
-        writing the slice it owns), each writing a slice; ``meta`` goes into the manifest."""
+        """Queue the snapshot of the state after ``step`` steps, between two batches, on the
+        first ``ranks`` members (all by default; with sharded optimizer state, the first
+        sharding group, each rank writing the slice it owns), each writing a slice; ``meta``
+        goes into the manifest."""
+        order = self._order(group, step, ranks)
+        copies, writes = group.snapshot(order.parts(), self.job.timeouts.checkpoint_s)
+        self._pending(group, order, copies, writes, meta, why)
+
+    def order(self, group: WorkerGroup, step: int, meta: dict[str, Any]) -> SnapshotOrder:
+        """The periodic checkpoint of the state after ``step`` steps, taken inside the batch
+        that runs the step ending there (``submit_steps``' ``snapshot``): its writes are
+        awaited from now, its copy's seconds come with that step's reports (``copied``)."""
+        order = self._order(group, step, None)
+        writes = group.await_writes(order.parts(), self.job.timeouts.checkpoint_s)
+        self._pending(group, order, None, writes, meta, "periodic")
+        return order
+
+    def copied(self, record: StepRecord) -> None:
+        """Note the copy's seconds of a checkpoint taken inside a batch, from the reports of
+        the step it follows (the longest of its writers'), once that step is committed."""
+        pending = self.pending
+        if pending is not None and pending.copies is None and record.step + 1 == pending.step:
+            # A step committed without its reports (survivors finished it) tells no copy time.
+            pending.copy_s = float(record.column("snapshot_s").max()) if len(record) else 0.0
+
+    def _order(self, group: WorkerGroup, step: int, ranks: int | None) -> SnapshotOrder:
+        """A new attempt at the checkpoint of the state after ``step`` steps on ``ranks`` parts
+        (see ``start``)."""
         sharding = self.job.sharding
         count = ranks or (effective_group_size(group.size, sharding.group_size) if sharding.enabled else group.size)
-        name = checkpoint_name(step)
         self.attempts += 1
-        tag = f"{self.driver}-a{self.attempts}"
-        requests = [SnapshotRequest(step, self.root, name, tag, index, count) for index in range(count)]
-        copies, writes = group.snapshot(requests, self.job.timeouts.checkpoint_s)
+        return SnapshotOrder(step, self.root, checkpoint_name(step), f"{self.driver}-a{self.attempts}", count)
+
+    def _pending(
+        self, group: WorkerGroup, order: SnapshotOrder, copies: list[Call] | None, writes: list[Call], meta: dict[str, Any],
+        why: str,
+    ) -> None:
+        """``order`` is under way on ``group``: it is the pending checkpoint."""
+        step, count = order.step, order.count
         self.group = group
         self.pending = PendingCheckpoint(
-            name=name,
+            name=order.name,
             step=step,
             started=time.perf_counter(),
             copies=copies,
@@ -230,10 +267,12 @@ class CheckpointCoordinator:
             return
         group = self.group
         assert group is not None, "a pending checkpoint has its group"
-        calls = pending.copies + pending.writes
+        copies = pending.copies or []
+        calls = copies + pending.writes
         _, waiting = group.wait(calls, len(calls), wait_s)
-        if waiting:
-            copied, _ = group.wait(pending.copies, len(pending.copies), 0.0)
+        # Inside a batch, the copy's seconds come once its step is committed.
+        if waiting or (pending.copies is None and pending.copy_s is None):
+            copied, _ = group.wait(copies, len(copies), 0.0)
             try:
                 for call in copied:
                     group.result(call)
@@ -244,7 +283,7 @@ class CheckpointCoordinator:
                 self.abandon(f"not written within timeouts.checkpoint_s ({self.job.timeouts.checkpoint_s:.0f}s)")
             return
         try:
-            copy_s = max(group.result(c) for c in pending.copies)
+            copy_s = pending.copy_s if pending.copy_s is not None else max(group.result(c) for c in copies)
             parts: list[PartWritten] = [group.result(c) for c in pending.writes]
         except CallFailed as err:
             self.abandon(f"a part failed: {err}")

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from jobspec.job import JobConfig
+from jobspec.wire import SnapshotOrder
 from orchestrator.chaos_control import ChaosControl, ChaosError
 from orchestrator.checkpointing import CheckpointCoordinator, ResumePoint
 from orchestrator.control_meter import ControlPlaneMeter
@@ -187,7 +188,9 @@ class JobController:
         if self._train_started is None:
             self._train_started = time.perf_counter()
         if self._pipeline is None:  # entering Running: nothing in flight
-            self._pipeline = StepPipeline(self.group, state.next_step, self._plan, self.run_ahead, self._boundary)
+            self._pipeline = StepPipeline(
+                self.group, state.next_step, self._plan, self.run_ahead, self._boundary, self._snapshot_inside
+            )
             self.run_ahead.restart()
             self.meter.restart()
         pipeline = self._pipeline
@@ -226,15 +229,29 @@ class JobController:
         self.meter.committed(outcome.records)
         return Running(pipeline.next_step)
 
-    def _hold(self, step: int) -> bool:
-        """Whether to submit ``step`` later: a checkpoint is due before it and the last one is
-        still being written (submitted now, it would go without; after the next commit the
-        write has likely ended, as it had with one step in flight)."""
-        return self.checkpoints.pending is not None and self.checkpoints.would_be_due(step)
+    def _hold(self, first: int, count: int) -> bool:
+        """Whether to submit the batch of ``count`` steps from ``first`` later: a checkpoint is
+        due inside it (or where it starts) and the last one is still being written (submitted
+        now, it would go without; after the next commit the write has likely ended)."""
+        last = max(first, min(first + count, self.num_steps - 1))
+        return self.checkpoints.pending is not None and self.checkpoints.would_be_due(last)
 
     def _boundary(self, step: int) -> bool:
-        """Whether the driver acts before ``step`` (a checkpoint, chaos): no batch runs past it."""
-        return self.checkpoints.would_be_due(step) or self.chaos.acts_at(step)
+        """Whether the driver acts before ``step`` (chaos; a checkpoint due there while the
+        last is still being written, taken between two batches once it is): no batch runs past
+        it. Otherwise a checkpoint does not end a batch: it is taken inside
+        (``_snapshot_inside``)."""
+        checkpoints = self.checkpoints
+        return self.chaos.acts_at(step) or (checkpoints.pending is not None and checkpoints.would_be_due(step))
+
+    def _snapshot_inside(self, first: int, count: int) -> SnapshotOrder | None:
+        """The periodic checkpoint due after one of the steps ``first`` .. ``first + count - 1``
+        (before the job's last: the final one is taken apart), ordered now to ride with their
+        batch; None if none is due there (or one is still being written)."""
+        for step in range(first + 1, min(first + count, self.num_steps - 1) + 1):
+            if self.checkpoints.due(step):
+                return self.checkpoints.order(self.group, step, self._policy_state())
+        return None
 
     def _plan(self, step: int) -> StepPlan:
         plan = self._stragglers().plan(step)

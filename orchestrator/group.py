@@ -15,7 +15,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-from jobspec.wire import Progress, SnapshotRequest, StepTelemetry, WorkerInfo
+from jobspec.wire import Progress, SnapshotOrder, SnapshotRequest, StepTelemetry, WorkerInfo
 from orchestrator.rendezvous import RendezvousStore
 from policies.work_stealing import StepPlan
 
@@ -108,10 +108,12 @@ class WorkerGroup(Protocol):
         (died) and WorkerGroupError if it timed out."""
         ...
 
-    def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> Submitted:
+    def submit_steps(self, first: int, plans: Sequence[StepPlan], snapshot: SnapshotOrder | None = None) -> Submitted:
         """Queue steps ``first``, ``first + 1``... (``plans[i]`` for step ``first + i``) on every
-        member. Rank 0 leads: it publishes the plans to the others (running on published plans
-        until ``release_followers``) and answers every rank's reports."""
+        member, with ``snapshot`` taken inside the batch (``SnapshotOrder``; its writes are
+        waited for with ``await_writes``). Rank 0 leads: it publishes the plans to the others
+        (running on published plans until ``release_followers``) and answers every rank's
+        reports."""
         ...
 
     def release_followers(self) -> None:
@@ -161,10 +163,14 @@ class WorkerGroup(Protocol):
     def admit(self, members: Sequence[Any]) -> None: ...
 
     def snapshot(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> tuple[list[Call], list[Call]]:
-        """Queue ``requests[i]`` on rank i; returns (the copies' calls, each answering the
-        seconds training was held up; the writes' calls, each answering a
-        ``jobspec.wire.PartWritten``: the files written and the write's CPU). ``timeout_s``
-        bounds each write."""
+        """Queue ``requests[i]`` on rank i, between two batches; returns (the copies' calls,
+        each answering the seconds training was held up; ``await_writes``'s calls)."""
+        ...
+
+    def await_writes(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> list[Call]:
+        """Calls into rank i, each answering once ``requests[i]``'s part is written (a
+        ``jobspec.wire.PartWritten``: the files written and the write's CPU) or raising why
+        not; ``timeout_s`` bounds each."""
         ...
 
     def restore(self, root: str, name: str, manifest: dict[str, Any]) -> None: ...

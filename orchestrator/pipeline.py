@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 from jobspec.job import JobConfig
 from jobspec.step_record import StepRecord
-from jobspec.wire import StepTelemetry
+from jobspec.wire import SnapshotOrder, StepTelemetry
 from orchestrator.errors import JobFailed
 from orchestrator.group import Call, CallFailed, FailureKind, WorkerGroup
 from policies.eviction import Evict, silent_workers
@@ -84,11 +84,12 @@ class StepPipeline:
     """Submits steps from ``next_step`` on in batches sized by ``run_ahead``, keeping
     ``BATCHES_IN_FLIGHT`` queued, and waits for them in order. ``plan(step)`` gives each step's
     plan (and opens its claims); ``boundary(step)`` says the driver must act before ``step``
-    (a batch ends in front of it)."""
+    (a batch ends in front of it); ``snapshot(first, count)``, the checkpoint to take inside
+    the batch of ``count`` steps from ``first``, if one is due there."""
 
     def __init__(
         self, group: WorkerGroup, next_step: int, plan: Callable[[int], StepPlan], run_ahead: RunAhead,
-        boundary: Callable[[int], bool],
+        boundary: Callable[[int], bool], snapshot: Callable[[int, int], SnapshotOrder | None],
     ) -> None:
         self.group = group
         self.next_step = next_step
@@ -96,21 +97,23 @@ class StepPipeline:
         self.run_ahead = run_ahead
         self._plan = plan
         self._boundary = boundary
+        self._snapshot = snapshot
 
-    def top_up(self, num_steps: int, before_submit: Callable[[int], None], hold: Callable[[int], bool]) -> None:
+    def top_up(self, num_steps: int, before_submit: Callable[[int], None], hold: Callable[[int, int], bool]) -> None:
         """Submit batches until ``BATCHES_IN_FLIGHT`` are queued or ``num_steps`` reached;
         ``before_submit(step)`` runs first for each batch's first step (chaos at the boundary,
-        checkpoints). While a batch is in flight, ``hold(step)`` may keep the next one back
-        for a later turn (a checkpoint due before it is still being written)."""
+        checkpoints). While a batch is in flight, ``hold(first, count)`` may keep the next one
+        (``count`` steps from ``first``) back for a later turn (a checkpoint due inside it
+        while the last is still being written)."""
         while self.next_step < num_steps and len(self.in_flight) < BATCHES_IN_FLIGHT:
-            if self.in_flight and hold(self.next_step):
-                break
             first = self.next_step
-            before_submit(first)
             count = self.run_ahead.batch(first, num_steps, self._boundary)
+            if self.in_flight and hold(first, count):
+                break
+            before_submit(first)
             plans = [self._plan(step) for step in range(first, first + count)]
             workers = tuple(self.group.workers)
-            submitted = self.group.submit_steps(first, plans)
+            submitted = self.group.submit_steps(first, plans, self._snapshot(first, count))
             self.in_flight.append(InFlight(first, submitted.reporting, count, submitted.watched, workers))
             self.next_step += count
         if len(self.in_flight) < BATCHES_IN_FLIGHT:

@@ -96,6 +96,7 @@ class StepAccounting:
                 observe(step, record)
         step_s = float(record.column("step_s").max()) if len(record) else 0.0
         self.checkpoints.observe_step(step_s)
+        self.checkpoints.copied(record)  # a checkpoint taken inside the batch right after this step
         self.last_record = record
         # Closed before the step event, whose listeners read the goodput so far.
         closed = self.recoveries.committed(step)

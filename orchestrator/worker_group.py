@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from jobspec.job import JobConfig
 from jobspec.runtime import ScalingConfig
-from jobspec.wire import JoinRequest, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
+from jobspec.wire import JoinRequest, Progress, SnapshotOrder, SnapshotRequest, StepTelemetry, WorkerInfo
 from orchestrator.group import Call, Submitted, WorkerGroupError
 from orchestrator.membership import Membership
 from orchestrator.ray_calls import failure_of, ray_errors_as_group_errors
@@ -202,7 +202,7 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         return max(j.transfer_s for j in joined)
 
     @ray_errors_as_group_errors
-    def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> Submitted:
+    def submit_steps(self, first: int, plans: Sequence[StepPlan], snapshot: SnapshotOrder | None = None) -> Submitted:
         """One call, into rank 0, per batch: it publishes the plans to the other ranks, which
         run on them (one ``follow`` call each until ``release_followers``), and answers every
         rank's reports (docs/architecture.md, "Published plans")."""
@@ -212,7 +212,7 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         leader, *followers = self.members
         if self._followers is None:
             self._followers = tuple(Call(m.info.worker, m.actor.follow.remote()) for m in followers)
-        lead = Call(leader.info.worker, leader.actor.lead_steps.remote(first, list(plans)))
+        lead = Call(leader.info.worker, leader.actor.lead_steps.remote(first, list(plans), snapshot))
         return Submitted((lead,), self._followers)
 
     def release_followers(self) -> None:
@@ -333,8 +333,11 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         self.release_followers()  # a snapshot runs between two steps, off the published plans
         members = self.members[: len(requests)]
         copies = [Call(m.info.worker, m.actor.snapshot.remote(r)) for m, r in zip(members, requests)]
-        writes = [Call(m.info.worker, m.actor.checkpoint_written.remote(r.name, r.tag, timeout_s)) for m, r in zip(members, requests)]
-        return copies, writes
+        return copies, self.await_writes(requests, timeout_s)
+
+    def await_writes(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> list[Call]:
+        members = self.members[: len(requests)]
+        return [Call(m.info.worker, m.actor.checkpoint_written.remote(r.name, r.tag, timeout_s)) for m, r in zip(members, requests)]
 
     def evaluate(self, timeout_s: float) -> dict[str, float]:
         """Rank 0's evaluation metrics ({} without an eval dataset)."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from jobspec.failures import CollectiveAborted
+from jobspec.wire import SnapshotOrder
 from policies.work_stealing import StepPlan
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
 from tests.multiproc import comm_group, run_ranks
@@ -48,26 +49,29 @@ def test_compact_plans_carry_block_counts_and_expand_to_the_same_plans():
     assert compact_plans([swapped])[0][0] == "shards" and expand_plans(compact_plans([swapped])) == [swapped]
 
 
+ORDER = SnapshotOrder(3, "/checkpoints", "step-00000003", "abc-a1", 2)
+
+
 def _lead_and_follow(channel: PlanChannel, rank: int, size: int) -> list[object]:
-    """Rank 0 publishes two batches then ends the run; every rank answers each batch with a
-    payload of its own length; returns what each rank saw."""
+    """Rank 0 publishes two batches (the second with a checkpoint inside) then ends the run;
+    every rank answers each batch with a payload of its own length; returns what each rank saw."""
     seen: list[object] = []
     if rank == 0:
         for first, count in ((0, 2), (2, 1)):
-            channel.publish(first, _plans(size, first, count))
+            channel.publish(first, _plans(size, first, count), ORDER if first == 2 else None)
             seen.append(channel.gather(b"r0" * (first + 1)))
         channel.end()
         return seen
     while (batch := channel.receive()) is not None:
-        first, plans = batch
-        seen.append((first, plans))
+        first, plans, snapshot = batch
+        seen.append((first, plans, snapshot))
         assert channel.gather(bytes([rank]) * (rank + first)) is None
     return seen
 
 
 def _check(seen: list[list[object]], size: int) -> None:
     for rank in range(1, size):
-        assert seen[rank] == [(0, _plans(size, 0, 2)), (2, _plans(size, 2, 1))]
+        assert seen[rank] == [(0, _plans(size, 0, 2), None), (2, _plans(size, 2, 1), ORDER)]
     assert seen[0] == [
         [b"r0" * (first + 1)] + [bytes([rank]) * (rank + first) for rank in range(1, size)] for first in (0, 2)
     ]

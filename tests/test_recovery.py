@@ -213,6 +213,20 @@ def test_run_ahead_grows_while_quiet_and_a_death_mid_batch_keeps_the_steps_befor
     assert {count for _, count in ran_once.group.batches} == {1}
 
 
+def test_a_periodic_checkpoint_rides_inside_its_batch_and_ends_no_call(tmp_path):
+    """Checkpoints every 6 steps: the batches grow as without them (1, 1, 2, 4, 8, ...), each
+    checkpoint is taken inside the batch that runs its step (no snapshot call between
+    batches), its copy time comes from that step's reports, and the parts are written."""
+    ran = _run(tmp_path, None, "checkpoint.every_steps=6", "checkpoint.keep=10")
+    ran.assert_exact()
+    assert ran.group.batches[:5] == [(0, 1), (1, 1), (2, 2), (4, 4), (8, 8)]
+    # The only snapshot call: the final checkpoint's, after the last batch.
+    assert [c.expect_step for c in ran.group.calls if c.expect_step is not None] == [STEPS] * 3
+    periodic = [e for e in ran.of("checkpoint") if e["why"] == "periodic"]
+    assert [e["step"] for e in periodic] == [6, 12, 18] and all(e["copy_s"] == 0.001 for e in periodic)
+    assert verify_checkpoint(CheckpointStorage(ran.summary["checkpoints"]["root"]), "step-00000012")["files"]
+
+
 def test_a_batch_longer_than_the_step_timeout_runs_while_its_steps_advance(tmp_path):
     # Steps 8-15 go out in one call and take 0.3 s each, 2.4 s in all: the step timeout (1 s)
     # bounds each step, not the batch.

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Callable
 
 import ray
@@ -35,6 +36,7 @@ from jobspec.wire import (
     PartWritten,
     Phase,
     Progress,
+    SnapshotOrder,
     SnapshotRequest,
     StepTelemetry,
     WorkerInfo,
@@ -250,20 +252,41 @@ class TrainWorker:
         self.link.leave()
 
     @compute_method
-    def train_steps(self, first: int, plans: list[StepPlan]) -> list[StepTelemetry]:
+    def train_steps(self, first: int, plans: list[StepPlan], snapshot: SnapshotOrder | None = None) -> list[StepTelemetry]:
         """Run steps ``first``, ``first + 1``... with ``plans[i]`` for step ``first + i`` (the
         driver's run-ahead: one call for several steps while its plan holds); returns their
         reports in order. Raises as ``train_step`` does at the first step that fails; the steps
-        applied before it stay applied and their reports stay in ``kept_reports``."""
-        return [self.train_step(first + i, plan) for i, plan in enumerate(plans)]
+        applied before it stay applied and their reports stay in ``kept_reports``.
+        ``snapshot``: a checkpoint taken inside the batch, right after the step that leaves
+        the state at ``snapshot.step`` steps, as ``snapshot`` does between batches: its copy's
+        seconds go into that step's report (``snapshot_s``); a snapshot that fails fails its
+        checkpoint (``checkpoint_written`` raises why), not the batch."""
+        reports = []
+        for index, plan in enumerate(plans):
+            report = self.train_step(first + index, plan)
+            if snapshot is not None and snapshot.step == report.step + 1:
+                report = replace(report, snapshot_s=self._snapshot_in_batch(snapshot))
+                self._kept[-1] = report
+            reports.append(report)
+        return reports
+
+    def _snapshot_in_batch(self, order: SnapshotOrder) -> float:
+        """This rank's part of ``order``, taken now; the copy's seconds (0: no part, or it failed)."""
+        request = order.request(self.link.rank)
+        if request is None:
+            return 0.0
+        try:
+            return self.snapshot(request)
+        except Exception:  # noqa: BLE001 - the part's write future holds it: checkpoint_written raises it
+            return 0.0
 
     @compute_method
-    def lead_steps(self, first: int, plans: list[StepPlan]) -> list[StepRecord]:
-        """Rank 0: publish the batch to the followers (``follow``), run it as ``train_steps``
-        does, and gather every rank's reports: one ``StepRecord`` per step, every rank's row
-        in it (docs/architecture.md, "Published plans"). Raises as ``train_steps``, or
-        CollectiveAborted/CollectiveTimeout if a follower is gone."""
-        return plan_channel.lead(self._channel(), first, plans, self.train_steps)
+    def lead_steps(self, first: int, plans: list[StepPlan], snapshot: SnapshotOrder | None = None) -> list[StepRecord]:
+        """Rank 0: publish the batch (and its ``snapshot``) to the followers (``follow``), run
+        it as ``train_steps`` does, and gather every rank's reports: one ``StepRecord`` per
+        step, every rank's row in it (docs/architecture.md, "Published plans"). Raises as
+        ``train_steps``, or CollectiveAborted/CollectiveTimeout if a follower is gone."""
+        return plan_channel.lead(self._channel(), first, plans, snapshot, self.train_steps)
 
     @compute_method
     def follow(self) -> int:

@@ -8,7 +8,7 @@ abort or the collective timeout ends every wait):
 - ``publish``/``receive``: a broadcast from rank 0 of a header (kind, first step, payload
   bytes) and then the payload, the batch's plans in compact form (``compact_plans``: a plan
   whose shards are contiguous blocks in rank order travels as its block counts, not as
-  tuples of shard numbers). ``end`` broadcasts a header that ends the followers' run.
+  tuples of shard numbers) and its checkpoint, if one is taken inside it (``SnapshotOrder``). ``end`` broadcasts a header that ends the followers' run.
 - ``gather``: each follower's pickled reports to rank 0, as two grouped exchanges (the lengths,
   then the payloads of exactly those lengths), since NCCL matches every receive to a send of
   its own size.
@@ -27,12 +27,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from jobspec.step_record import StepRecord, batch_records, pack_batch
-from jobspec.wire import StepTelemetry
+from jobspec.wire import SnapshotOrder, StepTelemetry
 from policies.work_stealing import StepPlan
 from workers.comm_group import CommGroup
 
-#: Runs a batch: its first step and plans in, each step's report out (``TrainWorker.train_steps``).
-RunBatch = Callable[[int, list[StepPlan]], list[StepTelemetry]]
+#: Runs a batch: its first step, plans and checkpoint in, each step's report out
+#: (``TrainWorker.train_steps``).
+RunBatch = Callable[[int, list[StepPlan], SnapshotOrder | None], list[StepTelemetry]]
 
 #: A header's kinds: a batch follows, or the followers' run ends.
 BATCH, END = 1, 0
@@ -83,9 +84,10 @@ class PlanChannel:
     def _header(self, kind: int, first: int, length: int) -> torch.Tensor:
         return self._broadcast(torch.tensor([kind, first, length], dtype=torch.int64))
 
-    def publish(self, first: int, plans: Sequence[StepPlan]) -> None:
-        """Rank 0: the batch from step ``first`` runs ``plans``; blocks until broadcast."""
-        payload = pickle.dumps(compact_plans(plans), protocol=pickle.HIGHEST_PROTOCOL)
+    def publish(self, first: int, plans: Sequence[StepPlan], snapshot: SnapshotOrder | None = None) -> None:
+        """Rank 0: the batch from step ``first`` runs ``plans`` (and takes ``snapshot`` inside
+        it); blocks until broadcast."""
+        payload = pickle.dumps((compact_plans(plans), snapshot), protocol=pickle.HIGHEST_PROTOCOL)
         self._header(BATCH, first, len(payload))
         self._broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
 
@@ -93,14 +95,15 @@ class PlanChannel:
         """Rank 0: the followers' run ends (they return from ``TrainWorker.follow``)."""
         self._header(END, 0, 0)
 
-    def receive(self) -> tuple[int, list[StepPlan]] | None:
-        """A follower: the next batch (its first step, its plans), or None once rank 0 ended the
-        run. Raises CollectiveAborted or CollectiveTimeout as any collective."""
+    def receive(self) -> tuple[int, list[StepPlan], SnapshotOrder | None] | None:
+        """A follower: the next batch (its first step, its plans, its checkpoint), or None once
+        rank 0 ended the run. Raises CollectiveAborted or CollectiveTimeout as any collective."""
         kind, first, length = (int(v) for v in self._header(0, 0, 0).tolist())
         if kind == END:
             return None
         payload = self._broadcast(torch.empty(length, dtype=torch.uint8))
-        return first, expand_plans(pickle.loads(payload.numpy().tobytes()))
+        compact, snapshot = pickle.loads(payload.numpy().tobytes())
+        return first, expand_plans(compact), snapshot
 
     def gather(self, payload: bytes) -> list[bytes] | None:
         """Every rank's ``payload`` to rank 0: there, all of them in rank order; elsewhere None."""
@@ -127,11 +130,13 @@ class PlanChannel:
         group.submit(lambda: group.exchange(sends, receives).complete(), "report gather").wait()
 
 
-def lead(channel: PlanChannel, first: int, plans: list[StepPlan], run_batch: RunBatch) -> list[StepRecord]:
+def lead(
+    channel: PlanChannel, first: int, plans: list[StepPlan], snapshot: SnapshotOrder | None, run_batch: RunBatch
+) -> list[StepRecord]:
     """Rank 0's side of a batch: publish it, run it, gather every rank's reports; one
     ``StepRecord`` per step, every rank's row in it."""
-    channel.publish(first, plans)
-    packed = channel.gather(pack_batch(run_batch(first, plans)))
+    channel.publish(first, plans, snapshot)
+    packed = channel.gather(pack_batch(run_batch(first, plans, snapshot)))
     assert packed is not None, "rank 0 gathers"
     return batch_records(first, packed)
 
@@ -141,7 +146,6 @@ def follow(channel: PlanChannel, run_batch: RunBatch) -> int:
     0 ends the run; returns how many batches it ran."""
     batches = 0
     while (batch := channel.receive()) is not None:
-        first, plans = batch
-        channel.gather(pack_batch(run_batch(first, plans)))
+        channel.gather(pack_batch(run_batch(*batch)))
         batches += 1
     return batches

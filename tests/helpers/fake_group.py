@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from jobspec.job import JobConfig
 from jobspec.step_record import StepRecord
-from jobspec.wire import FileEntry, PartWritten, Phase, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
+from jobspec.wire import FileEntry, PartWritten, Phase, Progress, SnapshotOrder, SnapshotRequest, StepTelemetry, WorkerInfo
 from orchestrator.group import Call, CallFailed, FailureKind, Submitted
 from orchestrator.membership import Membership
 from orchestrator.rendezvous import RendezvousStore
@@ -197,6 +197,8 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
         self.leaders: list[FakeLeader] = []  # every batch's leader call
         self.follows: list[FakeFollow] = []  # every run on published plans, of every follower
         self._following: tuple[Call, ...] | None = None  # the open run's calls (FakeFollow handles), shared as Ray's are
+        # A checkpoint's writes awaited before its batch is submitted (by name and tag).
+        self._awaited: dict[tuple[str, str], list[FakeCall]] = {}
 
     # Membership
 
@@ -274,13 +276,15 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
         self.calls.append(call)
         return Call(call.worker.worker, call)
 
-    def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> Submitted:
+    def submit_steps(self, first: int, plans: Sequence[StepPlan], snapshot: SnapshotOrder | None = None) -> Submitted:
         self.batches.append((first, len(plans)))
         by_member: list[list[FakeCall]] = [[] for _ in self.members]
         for index, plan in enumerate(plans):
             for parts, call in zip(by_member, self._submit_step(first + index, plan)):
                 call.before = parts[-1] if parts else None
                 parts.append(call)
+        if snapshot is not None:
+            self._take_inside(first, snapshot, by_member)
         batches = [FakeBatch(parts) for parts in by_member]
         if self._following is None:
             runs = [FakeFollow(member) for member in self.members[1:]]
@@ -291,6 +295,16 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
         leader = FakeLeader(self.members[0], batches)
         self.leaders.append(leader)
         return Submitted((Call(self.members[0].worker, leader),), self._following)
+
+    def _take_inside(self, first: int, order: SnapshotOrder, by_member: list[list[FakeCall]]) -> None:
+        """``order`` taken inside the batch from ``first``: the step ending at ``order.step``
+        reports its copy, and each awaited write ends with that step (never, if it failed)."""
+        writes = self._awaited.pop((order.name, order.tag))
+        for parts, write in zip(by_member, writes):
+            call = parts[order.step - 1 - first]
+            if call.value is not None:
+                call.value = replace(call.value, snapshot_s=0.001)
+            write.ends_at, write.before = call.ends_at, call
 
     def release_followers(self) -> None:
         for call in self._following or ():
@@ -448,6 +462,23 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
             copies.append(self._call(copy))
             writes.append(self._call(write))
         return copies, writes
+
+    def await_writes(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> list[Call]:
+        """Writes of a checkpoint its batch takes (``submit_steps`` next): each ends with the
+        step it follows. A worker set to die writing dies in the step after it."""
+        writes = []
+        for member, request in zip(self.members, requests):
+            write = FakeCall(member, BLOCKED)
+            if (member.worker, request.step) in self.faults.die_writing:
+                self.faults.die_writing.discard((member.worker, request.step))
+                self.faults.die_in_step[(member.worker, request.step)] = False
+                write.error = CallFailed(member.worker, FailureKind.DIED, "ActorDiedError: died writing")
+            else:
+                part = _write_part(request, written=(member.worker, request.step) not in self.faults.unwritten)
+                write.value = PartWritten((part,), 0.001)
+            writes.append(write)
+        self._awaited[(requests[0].name, requests[0].tag)] = writes
+        return [self._call(write) for write in writes]
 
     def evaluate(self, timeout_s: float) -> dict[str, float]:
         return {"loss": 0.0}
