@@ -28,7 +28,7 @@ import numpy as np
 
 from jobspec.job import JobConfig
 from jobspec.step_record import COLUMNS, StepRecord
-from jobspec.wire import Phase, Progress, SnapshotRequest, StepTelemetry, WorkerInfo
+from jobspec.wire import Phase, Progress, SnapshotOrder, SnapshotRequest, StepTelemetry, WorkerInfo
 from orchestrator.chaos_control import ChaosControl
 from orchestrator.controller import JobController
 from orchestrator.group import Call, Submitted
@@ -75,7 +75,8 @@ class SyntheticGroup(Membership[SyntheticMember, SyntheticMember]):
         store.next_prefix()
         return 0.0
 
-    def submit_steps(self, first: int, plans: Sequence[StepPlan]) -> Submitted:
+    def submit_steps(self, first: int, plans: Sequence[StepPlan], snapshot: SnapshotOrder | None = None) -> Submitted:
+        assert snapshot is None, "the synthetic job takes no checkpoints"
         pickle.dumps(list(plans), protocol=pickle.HIGHEST_PROTOCOL)  # the call's argument, as Ray sends it
         started = time.thread_time()
         records = [self._record(first + index, plan) for index, plan in enumerate(plans)]
@@ -129,6 +130,9 @@ class SyntheticGroup(Membership[SyntheticMember, SyntheticMember]):
         return []
 
     def snapshot(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> tuple[list[Call], list[Call]]:
+        raise AssertionError("the synthetic job takes no checkpoints")
+
+    def await_writes(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> list[Call]:
         raise AssertionError("the synthetic job takes no checkpoints")
 
     def restore(self, root: str, name: str, manifest: dict[str, Any]) -> None:
