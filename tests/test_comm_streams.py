@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from jobspec.failures import CollectiveTimeout
 from tests.helpers.fake_streams import FakeDeviceStreams, Gate, Mark
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
 from workers.comm_group import CommGroup
@@ -56,8 +57,9 @@ def _sum_while_backward_runs(own_stream: bool) -> list[tuple[bool, list[float], 
         ended = pending.ended_within(1.0)
         rest_of_backward.open()
         pending.wait()
-        last = streams.default.items[-1]
-        ordered = isinstance(last, Mark) and last.stream is not streams.default and last.done()
+        # The compute stream now waits for the sum's end, a mark of the thread's own stream.
+        ordered = any(isinstance(i, Mark) and i.stream is not streams.default for i in streams.default.items)
+        ordered = ordered and streams.record().done()
         group.close()
         return ended, bucket.tolist(), ordered
 
@@ -138,3 +140,37 @@ def test_buckets_reduced_during_backward_on_a_stream_of_their_own_hold_the_summe
     want = gradient(0, None) + gradient(1, None)
     for got in on_ranks(2, lambda rank: gradient(rank, reducer)):
         torch.testing.assert_close(got, want)
+
+
+def test_a_collective_that_ends_in_an_error_after_its_launch_breaks_the_group():
+    """NCCL's watchdog aborts a communicator whose collective failed or timed out (a stalled
+    peer, no abort from the driver): the kernels exit and the mark after them completes. The
+    waiter must raise and mark the group broken, not hand on a half-reduced buffer."""
+    world = FakeNcclWorld(2)
+    done = threading.Event()
+
+    def rank_step(rank: int) -> tuple[str, bool, list[float]] | None:
+        group, _ = _group(world, rank, own_stream=True)
+        if rank == 1:  # connected, but never launches its sum
+            done.wait(TIMEOUT_S)
+            group.close()
+            return None
+        bucket = torch.ones(4)
+        pending = NativeAllReduce(group).start_sum(bucket)
+        deadline = time.monotonic() + TIMEOUT_S
+        while not world.collectives[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        group.pg.abort()  # the watchdog's abort
+        try:
+            pending.wait()
+            raised = "nothing"
+        except CollectiveTimeout as err:
+            raised = str(err)
+        finally:
+            done.set()
+        broken = group.broken is not None
+        group.close()
+        return raised, broken, bucket.tolist()
+
+    raised, broken, bucket = on_ranks(2, rank_step)[0]  # type: ignore[misc]
+    assert "failed on rank 0" in raised and broken and bucket == [1.0] * 4

@@ -461,9 +461,14 @@ class _Replica:
     flat parameters, sharded optimizer state and an fp16 loss scaler, all at job step ``at``;
     ``buffers`` keeps the statistics in step as a worker's step does."""
 
+    # Ranks are threads sharing torch's global generator: seeding and drawing the weights
+    # together, or one rank's draws would land in another's model.
+    _BUILDING = threading.Lock()
+
     def __init__(self, at: int) -> None:
-        torch.manual_seed(0)
-        self.model = torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.BatchNorm1d(9), torch.nn.Linear(9, 3))
+        with self._BUILDING:
+            torch.manual_seed(0)
+            self.model = torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.BatchNorm1d(9), torch.nn.Linear(9, 3))
         self.flat = FlatParameters(self.model.parameters())
         self.optimizer = ShardedOptimizer(_config("adam", {"lr": 0.1}), self.flat)
         self.scaler = LossScaler(enabled=True, init=1024.0, growth_interval=1)

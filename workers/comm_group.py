@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -73,11 +74,10 @@ class PendingOp:
         deadline = time.monotonic() + max(0.0, timeout_s)
         if not wait_futures([self._future], timeout=max(0.0, timeout_s)).done:
             return False
-        marks = self._group.marks
-        if marks is None or self._future.exception() is not None or self._future.result() is None:
+        marks, ended = self._group.marks, self._future.result() if self._future.exception() is None else None
+        if marks is None or ended is None:
             return True
-        mark = self._future.result()
-        return poll_until(lambda: marks.done(mark), deadline)
+        return poll_until(lambda: marks.done(ended.mark), deadline)
 
     def wait(self) -> None:
         """Block until done. Raises CollectiveAborted, CollectiveTimeout (both break the group)
@@ -87,9 +87,9 @@ class PendingOp:
         group = self._group
         detail = f"rank {group.rank} of {group.size}; a peer died, hung or is far behind"
         try:
-            mark = wait_abortable(self._future, group.abort_flag, group.timeout_s, self._what, detail=detail)
-            if mark is not None:
-                group.await_mark(mark, self._what, detail)
+            ended = wait_abortable(self._future, group.abort_flag, group.timeout_s, self._what, detail=detail)
+            if ended is not None:
+                group.await_end(ended, self._what, detail)
         except RuntimeError as err:
             if not _raised_by(self._future, err):  # the wait's own CollectiveAborted or CollectiveTimeout
                 aborted = isinstance(err, CollectiveAborted)
@@ -107,6 +107,15 @@ def _raised_by(future: Future[object], err: BaseException) -> bool:
     """Whether ``err`` is the error ``future``'s operation ended with (not one raised while
     waiting for it)."""
     return future.done() and not future.cancelled() and future.exception() is err
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """An operation's end on the communication thread's stream: ``mark`` after its work there,
+    and the collectives it launched without waiting for them (``CommGroup.launched``)."""
+
+    mark: object
+    works: tuple[dist.Work, ...]
 
 
 class Exchange:
@@ -158,6 +167,7 @@ class CommGroup:
         # is set: once it is, no such write is under way or starts.
         self._writes = threading.Lock()
         self._broken: str | None = None
+        self._launched: list[dist.Work] = []  # the running operation's (communication thread only)
         #: Bytes handed to point-to-point sends and native all-reduces (their 2(n-1)/n share).
         self.bytes_sent = 0
         # NCCL coalesces (torch's batch_isend_irecv asks the same property); gloo cannot, and
@@ -221,29 +231,39 @@ class CommGroup:
         # What the caller queued on its stream before this: the operation's inputs.
         before = None if marks is None else marks.record()
 
-        def run() -> object:
+        def run() -> _Ended | None:
+            self._launched = []
             if marks is None:
                 operation()
                 return None
             marks.wait(before)
             operation()
-            return marks.record()
+            return _Ended(marks.record(), tuple(self._launched))
 
         return PendingOp(self._thread.submit(run), self, what)
 
-    def await_mark(self, mark: object, what: str, detail: str) -> None:
-        """On a caller's thread: poll until the device has run what ``mark`` covers (raising
-        CollectiveAborted once the group is broken or the abort flag is up, CollectiveTimeout
-        after ``timeout_s``), then order the caller's stream after it."""
+    def await_end(self, ended: _Ended, what: str, detail: str) -> None:
+        """On a caller's thread: poll until the device has run what ``ended.mark`` covers
+        (raising CollectiveAborted once the group is broken or the abort flag is up,
+        CollectiveTimeout after ``timeout_s``), order the caller's stream after it, and raise
+        CollectiveTimeout if a collective it launched ended in an error: NCCL's watchdog
+        aborts a communicator whose collective failed or timed out, its kernels exit and the
+        mark after them completes all the same, over a half-reduced buffer."""
         marks = self.marks
         assert marks is not None, "marks exist only on a group with streams"
         deadline = time.monotonic() + self.timeout_s
-        while not poll_until(lambda: marks.done(mark), min(deadline, time.monotonic() + ABORT_POLL_S)):
+        while not poll_until(lambda: marks.done(ended.mark), min(deadline, time.monotonic() + ABORT_POLL_S)):
             if self._stopped():
                 raise CollectiveAborted(f"{what} aborted by the driver")
             if time.monotonic() >= deadline:
                 raise CollectiveTimeout(f"{what} did not finish on the device within {self.timeout_s:.0f}s ({detail})")
-        marks.wait(mark)
+        marks.wait(ended.mark)
+        for work in ended.works:
+            try:
+                work.wait()  # done: raises the error it ended in
+            except RuntimeError as err:
+                raise CollectiveTimeout(f"{what} failed on rank {self.rank}: {err}") from err
+        self.check_live()
 
     def launched(self, work: dist.Work) -> None:
         """On the communication thread, after launching a collective that writes only its own
@@ -252,6 +272,7 @@ class CommGroup:
         (``complete``)."""
         if self.marks is not None and self.poll_completion:
             work.wait()  # NCCL: orders the current stream after the collective; never blocks the host
+            self._launched.append(work)  # its error, if it ends in one, is raised to the waiter
             self.check_live()
         else:
             self.complete(work)

@@ -56,5 +56,8 @@ class LossScaler:
             self._good += 1
             if self._good >= self.growth_interval:
                 self._scale, self._good = self._scale * self.growth, 0
-        self.state.copy_(torch.tensor([self._scale, float(self._good)], dtype=torch.float64))
+        # Filled with numbers (kernel arguments), not copied from a host tensor: on a GPU a copy
+        # from pageable memory would wait for the device every step.
+        self.state[0].fill_(self._scale)
+        self.state[1].fill_(float(self._good))
         return skip

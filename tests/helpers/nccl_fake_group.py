@@ -77,8 +77,9 @@ class FakeWork:
         return self.completed or self.error is not None
 
     def done(self) -> bool:
-        """As an item of a fake stream: done once completed without error."""
-        return self.completed
+        """As an item of a fake stream: done once completed, or ended in an error (an aborted
+        NCCL kernel exits, and the stream goes on behind it)."""
+        return self.completed or self.error is not None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self.error is not None:
