@@ -187,6 +187,11 @@ class CheckpointCoordinator:
         """Whether to checkpoint the state after ``step`` steps (asked before submitting it)."""
         return self.pending is None and self.would_be_due(step)
 
+    def due_behind_pending(self, step: int) -> bool:
+        """Whether a checkpoint is due after ``step`` steps while the last is still being
+        written (it waits for that write)."""
+        return self.pending is not None and self.would_be_due(step)
+
     def would_be_due(self, step: int) -> bool:
         """Whether the interval calls for a checkpoint after ``step`` steps, counted from the
         newest one taken (pending or written): a batch of steps handed out at once ends in

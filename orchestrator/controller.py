@@ -233,16 +233,14 @@ class JobController:
         """Whether to submit the batch of ``count`` steps from ``first`` later: a checkpoint is
         due inside it (or where it starts) and the last one is still being written (submitted
         now, it would go without; after the next commit the write has likely ended)."""
-        last = max(first, min(first + count, self.num_steps - 1))
-        return self.checkpoints.pending is not None and self.checkpoints.would_be_due(last)
+        return self.checkpoints.due_behind_pending(max(first, min(first + count, self.num_steps - 1)))
 
     def _boundary(self, step: int) -> bool:
         """Whether the driver acts before ``step`` (chaos; a checkpoint due there while the
         last is still being written, taken between two batches once it is): no batch runs past
         it. Otherwise a checkpoint does not end a batch: it is taken inside
         (``_snapshot_inside``)."""
-        checkpoints = self.checkpoints
-        return self.chaos.acts_at(step) or (checkpoints.pending is not None and checkpoints.would_be_due(step))
+        return self.chaos.acts_at(step) or self.checkpoints.due_behind_pending(step)
 
     def _snapshot_inside(self, first: int, count: int) -> SnapshotOrder | None:
         """The periodic checkpoint due after one of the steps ``first`` .. ``first + count - 1``

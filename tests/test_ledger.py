@@ -71,7 +71,7 @@ def _census(counts: list[float]) -> torch.Tensor:
 
 def _verdict(extra: torch.Tensor) -> StepVerdict:
     """The reduced ``extra`` slots as the host reads them (a gradient of norm 0)."""
-    measure = GradientMeasure(torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64))
+    measure = GradientMeasure(torch.zeros(1), torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64))
     return read_verdict(extra, SHARDS, measure, clip=None, local_weight=0.0)
 
 

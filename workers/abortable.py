@@ -75,18 +75,23 @@ def poll_until(done: Callable[[], bool], deadline: float) -> bool:
     return True
 
 
-def poll_work(work: dist.Work, stopped: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Wait for NCCL-like ``work`` (whose ``wait()`` does not block the CPU) by polling
-    ``is_completed()`` every ``COMPLETION_POLL_S``; raises CollectiveAborted (``"<what> was
-    aborted"``) once ``stopped()`` and CollectiveTimeout (``"<what> did not finish within
-    <t>s"``) after ``timeout_s``. Work that ended in an error (a watchdog timeout, a remote
-    error, an abort) also counts as completed: ``wait()`` then raises that error instead of
-    letting half-reduced values on."""
+def poll_done(done: Callable[[], bool], stopped: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``done()`` every ``COMPLETION_POLL_S`` until it is true; raises CollectiveAborted
+    (``"<what> was aborted"``) once ``stopped()`` and CollectiveTimeout (``"<what> did not
+    finish within <t>s"``) after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while not work.is_completed():
+    while not done():
         if stopped():
             raise CollectiveAborted(f"{what} was aborted")
         if time.monotonic() > deadline:
             raise CollectiveTimeout(f"{what} did not finish within {timeout_s:.0f}s")
         time.sleep(COMPLETION_POLL_S)
+
+
+def poll_work(work: dist.Work, stopped: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Wait for NCCL-like ``work`` (whose ``wait()`` does not block the CPU) by polling
+    ``is_completed()`` (``poll_done``). Work that ended in an error (a watchdog timeout, a
+    remote error, an abort) also counts as completed: ``wait()`` then raises that error
+    instead of letting half-reduced values on."""
+    poll_done(work.is_completed, stopped, timeout_s, what)
     work.wait()

@@ -380,7 +380,7 @@ class TrainWorker:
         link.commit_residuals()
         reduced = time.perf_counter()
         if math.isfinite(update.grad_norm):
-            measure.apply(link.owned_gradient(self.flat)[0])
+            measure.apply()
         lr = self.optimizer.base_lr * self.schedule.factor(step, self.job.schedule.total_steps or self.num_steps)
         # Sharded: the scale and the step's buffers as they were kept until the all-gather completes.
         link.before_update(step, [(self.scaler.state, self.scaler.state.clone()), *self.buffers.pre_step()])

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
-from workers.abortable import ABORT_POLL_S, poll_until, poll_work, wait_abortable
+from workers.abortable import poll_done, poll_until, poll_work, wait_abortable
 from workers.devices import StreamMarks, inherit_device
 from workers.process_group import release
 
@@ -251,12 +251,7 @@ class CommGroup:
         mark after them completes all the same, over a half-reduced buffer."""
         marks = self.marks
         assert marks is not None, "marks exist only on a group with streams"
-        deadline = time.monotonic() + self.timeout_s
-        while not poll_until(lambda: marks.done(ended.mark), min(deadline, time.monotonic() + ABORT_POLL_S)):
-            if self._stopped():
-                raise CollectiveAborted(f"{what} aborted by the driver")
-            if time.monotonic() >= deadline:
-                raise CollectiveTimeout(f"{what} did not finish on the device within {self.timeout_s:.0f}s ({detail})")
+        poll_done(lambda: marks.done(ended.mark), self._stopped, self.timeout_s, f"{what} on the device ({detail})")
         marks.wait(ended.mark)
         for work in ended.works:
             try:

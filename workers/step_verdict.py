@@ -49,16 +49,17 @@ class StepCensus:
 
 @dataclass(frozen=True)
 class GradientMeasure:
-    """The reduced gradient's measure, on its device: ``norm``, the mean gradient's L2 norm
-    before clipping (float64, 0-dim; inf or nan if it overflowed), and ``coefficient``, what
-    turns the reduced sum into the clipped mean gradient."""
+    """The reduced gradient ``grads``' measure, on its device: ``norm``, the mean gradient's
+    L2 norm before clipping (float64, 0-dim; inf or nan if it overflowed), and
+    ``coefficient``, what turns the reduced sum into the clipped mean gradient."""
 
+    grads: torch.Tensor
     norm: torch.Tensor
     coefficient: torch.Tensor
 
-    def apply(self, grads: torch.Tensor) -> None:
-        """Make ``grads`` (the ones measured) the step's clipped mean gradient, in place."""
-        grads.mul_(self.coefficient)
+    def apply(self) -> None:
+        """Make ``grads`` the step's clipped mean gradient, in place."""
+        self.grads.mul_(self.coefficient)
 
 
 def measure_gradient(
@@ -82,7 +83,7 @@ def measure_gradient(
         squares = sum_squares(squares.reshape(1)).reshape(())
     norm = squares.sqrt() * factor
     coefficient = factor if clip is None else torch.where(norm > clip, factor * (clip / (norm + CLIP_EPS)), factor)
-    return GradientMeasure(norm, coefficient)
+    return GradientMeasure(grads, norm, coefficient)
 
 
 @dataclass(frozen=True)

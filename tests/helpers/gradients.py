@@ -24,5 +24,5 @@ def finish_gradient(
     measure = measure_gradient(grads, torch.tensor(weight, device=grads.device), scaled_by, clip, sum_squares)
     update = StepVerdict((), 0.0, 0.0, weight, float(measure.norm), clip, 0.0).update()
     if math.isfinite(update.grad_norm):
-        measure.apply(grads)
+        measure.apply()
     return update
