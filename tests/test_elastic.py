@@ -131,6 +131,23 @@ def test_a_death_during_a_checkpoint_write_abandons_that_attempt_and_loses_nothi
     assert_same_params(params(run_dir), reference, "ckpt-death")
 
 
+def test_a_death_before_a_checkpoint_inside_its_batch_holds_up_no_later_checkpoint(tmp_path, reference):
+    """The batch of steps 4-7 carries the checkpoint of step 6; worker 1 dies in step 5, so
+    no rank takes its snapshot. The attempt after the recovery is written at once: the
+    survivor's wait for the old one (on its one io thread) must not run to
+    ``timeouts.checkpoint_s`` first (here 20 s: it gave this job's checkpoints ``not written
+    within`` before the fix, and 600 s of it stalled the job)."""
+    result = run(
+        tmp_path, "in-batch", "scaling.workers=2", "checkpoint.every_steps=6", "checkpoint.keep=10",
+        "timeouts.checkpoint_s=20", _kills("{at_step: 5, worker: 1, how: sigkill}"),
+    )
+    events = jsonl(result.run_dir / "events.jsonl")
+    abandoned = [(e["name"], e["reason"]) for e in events if e["event"] == "checkpoint_abandoned"]
+    assert abandoned == [("step-00000006", "worker(s) [1] left the group")]
+    assert [e["step"] for e in events if e["event"] == "checkpoint"][:2] == [6, 12]
+    assert_same_params(params(result.run_dir), reference, "in-batch")
+
+
 def test_too_few_workers_left_fails_after_saving_a_checkpoint(tmp_path):
     from orchestrator.job_file import load_job
     from orchestrator.launch import run_job

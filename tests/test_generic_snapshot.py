@@ -9,7 +9,6 @@ import io
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 from jobspec.job import JobConfig
 from jobspec.wire import SnapshotRequest
 from tests.helpers.optimizers import Lion, SharedStep
+from tests.helpers.replicas import FakeReplica
 from tests.helpers.slow_save import float_bytes, slowed
 from workers.chaos import ChaosSchedule
 from workers.checkpoint_manifest import verify_checkpoint, write_manifest
@@ -27,44 +27,12 @@ from workers.checkpoint_storage import CheckpointStorage
 from workers import tensor_file
 from workers.checkpointing import FlatPieces, read_part
 from workers.generic_optimizer import STATE_ENTRY, GenericOptimizer
-from workers.loss_scaler import LossScaler
 from workers.optimizer_state import as_loaded
 from workers.replica_checkpoint import CheckpointWriter, restore_state
-from workers.training import FlatParameters
 
 OPTIMIZERS = [("RAdam", {"lr": 0.01, "weight_decay": 0.1}), (Lion, {"lr": 0.001, "weight_decay": 0.1})]
 SAVE_RATE = 200.0  # bytes of floating-point data per second the slowed serializer writes
 SLOW_S = 1.0  # what it takes for the test model's optimizer state, at least
-
-
-@dataclass
-class FakeReplica:
-    """What ``CheckpointWriter`` and ``restore_state`` need of a worker (``workers.replica.Replica``)."""
-
-    optimizer_name: Any
-    kwargs: dict[str, Any]
-    model: torch.nn.Module = field(init=False)
-    flat: FlatParameters = field(init=False)
-    optimizer: GenericOptimizer = field(init=False)
-    scaler: LossScaler = field(default_factory=lambda: LossScaler(False))
-    device: torch.device = torch.device("cpu")
-    dtype: torch.dtype = torch.float32  # the model's
-    next_step: int = 0
-
-    def __post_init__(self) -> None:
-        torch.manual_seed(0)  # every replica starts alike
-        self.model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3)).to(self.dtype)
-        self.flat = FlatParameters(self.model.parameters(), extra=2)
-        # decay_biases_and_norms false: two groups, so state_dict order is not the flat order
-        self.optimizer = GenericOptimizer(self.optimizer_name, self.kwargs, self.flat.params, False)
-
-    def train(self, steps: int) -> None:
-        for _ in range(steps):
-            self.flat.zero()
-            torch.manual_seed(100 + self.next_step)
-            self.model(torch.randn(4, 6).to(self.dtype)).square().sum().backward()
-            self.optimizer.step()
-            self.next_step += 1
 
 
 def _same_state(got: GenericOptimizer, want: GenericOptimizer) -> None:

@@ -105,6 +105,11 @@ class CheckpointWriter:
     ``snapshot`` (between two steps) copies a part and queues its write; ``written`` waits for
     it (the two run in different concurrency groups, so either may come first). ``chaos`` may
     kill the worker mid-write, calling ``on_death`` first.
+
+    The driver has one checkpoint attempt under way at a time, so a snapshot of a new attempt
+    settles, with an error, every older one whose snapshot never came (its batch failed, or
+    was dropped in a recovery): a wait for such an attempt would otherwise hold the actor's one
+    ``io`` thread for ``timeouts.checkpoint_s``, and the new attempt's wait queued behind it.
     """
 
     def __init__(self, chaos: ChaosSchedule, on_death: Callable[[], None]) -> None:
@@ -117,6 +122,7 @@ class CheckpointWriter:
         # 5-6 ms at the same priority (README, "Recovery").
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ringleader-checkpoint")
         self._writes: dict[str, Future[PartWritten]] = {}
+        self._snapshotted: set[str] = set()  # attempts in ``_writes`` whose snapshot came
         self._writes_lock = threading.Lock()
 
     def snapshot(
@@ -127,7 +133,8 @@ class CheckpointWriter:
         writing it. Raises RuntimeError if the replica is not there (an aborted step). Returns
         the seconds the copy took."""
         step, name = request.step, request.name
-        written = self._future(f"{name}/{request.tag}")
+        attempt = f"{name}/{request.tag}"
+        written = self._start(attempt)
         try:
             if replica.next_step != step:
                 raise RuntimeError(
@@ -155,11 +162,23 @@ class CheckpointWriter:
         finally:
             with self._writes_lock:
                 self._writes.pop(attempt, None)
+                self._snapshotted.discard(attempt)
 
     def _future(self, attempt: str) -> Future[PartWritten]:
         """The outcome of one checkpoint attempt's write (``name/tag``), shared by ``snapshot``
         and ``written``, whichever asks first."""
         with self._writes_lock:
+            return self._writes.setdefault(attempt, Future())
+
+    def _start(self, attempt: str) -> Future[PartWritten]:
+        """``attempt``'s outcome, its snapshot under way: every older attempt still waiting
+        for its snapshot is settled as superseded (see the class doc)."""
+        with self._writes_lock:
+            self._snapshotted.add(attempt)
+            for other, outcome in self._writes.items():
+                if other not in self._snapshotted and not outcome.done():
+                    why = f"checkpoint attempt {other} was superseded by {attempt}: its snapshot never came"
+                    outcome.set_exception(RuntimeError(why))
             return self._writes.setdefault(attempt, Future())
 
     def _write(self, storage: CheckpointStorage, name: str, tag: str, part: PartSnapshot, rank: int) -> PartWritten:
