@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -11,6 +12,16 @@ import pytest
 
 if TYPE_CHECKING:
     from tests.helpers.jobs import Reference
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Compiled kernels (``model.compile`` tests) go to a cache of this session's own unless
+    TORCHINDUCTOR_CACHE_DIR says where: torch's cache key misses ``ATEN_CPU_CAPABILITY``, and
+    kernels cached under another capability gave NaN (``avx2`` after AVX512) or failed to
+    compile (``default``) here. Set before any test or Ray worker starts, so they inherit it."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="rl-inductor-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("TORCHINDUCTOR_CACHE_DIR"), ignore_errors=True))
 
 
 @pytest.fixture(scope="session")
@@ -82,9 +93,36 @@ def reference(tmp_path_factory, one_worker) -> Reference:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A test marked ``gpu`` is skipped, saying why, where torch sees no CUDA device (CI)."""
+    """A test marked ``gpu`` is skipped, saying why, where torch sees no CUDA device (CI); one
+    marked ``cpu_bf16_attention`` (its ``device`` parameter, if any, ``cpu``), where torch
+    cannot run bf16 attention on this CPU."""
     if item.get_closest_marker("gpu") is not None:
         import torch
 
         if not torch.cuda.is_available():
             pytest.skip("no CUDA device")
+    on_cpu = getattr(item, "callspec", None) is None or item.callspec.params.get("device", "cpu") == "cpu"
+    if on_cpu and item.get_closest_marker("cpu_bf16_attention") is not None:
+        failure = cpu_bf16_attention_failure()
+        if failure is not None:
+            pytest.skip(failure)
+
+
+@functools.cache
+def cpu_bf16_attention_failure() -> str | None:
+    """Why torch cannot run bf16 scaled-dot-product attention on this CPU, or None if it can.
+
+    Known case: ``ATEN_CPU_CAPABILITY`` forced below an AVX512 CPU's (``avx2``, ``default``).
+    Torch's CPU flash attention picks its AVX512 VNNI packing from the hardware, but the kernel
+    it then calls was built for the forced capability, and it raises "pack_vnni2 is only
+    supported when avx512 is supported". A CPU that truly lacks AVX512 takes the other path. The
+    probe uses the GPT recipe's head size (32) and a window long enough to take that path."""
+    import torch
+
+    query = torch.zeros(1, 1, 64, 32, dtype=torch.bfloat16)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(query, query, query, is_causal=True)
+    except RuntimeError as error:
+        capability = os.environ.get("ATEN_CPU_CAPABILITY", "unset")
+        return f"torch cannot run bf16 attention on this CPU (ATEN_CPU_CAPABILITY={capability}): {error}"
+    return None

@@ -49,6 +49,7 @@ def test_without_cuda_it_says_so_in_one_line(monkeypatch, capsys):
 
 
 @pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.cpu_bf16_attention
 def test_a_tiny_run_on_the_cpu_prints_both_contenders_and_the_ratio(tmp_path, capsys):
     out = tmp_path / "gpu.json"
     assert main(["bench", "gpu", "--device", "cpu", "--tiny", "--steps", "6", "--warmup", "2", "--rounds", "1",

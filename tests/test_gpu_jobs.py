@@ -115,6 +115,7 @@ def test_the_gpt_recipe_on_the_device_matches_the_cpu_in_fp32(tmp_path, gpt_on_c
         torch.testing.assert_close(mine[key], theirs[key], rtol=FP32_PARAM_RTOL, atol=FP32_PARAM_ATOL, msg=key)
 
 
+@pytest.mark.cpu_bf16_attention
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_gpt_recipe_trains_in_bf16_on_the_device(tmp_path, gpt_on_cpu, device, record_property):
     ours = _run_gpt(tmp_path, "bf16", device, "precision=bf16")
