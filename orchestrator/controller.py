@@ -54,7 +54,8 @@ class JobController:
     launch, for start-up milestones; ``resume``: the checkpoint to go on from; ``lease``: of
     the checkpoint namespace, held by the caller (``hold_namespace``). A committed
     step is ``accounting``'s to fan out (``orchestrator/step_accounting.py``), a recovery
-    ``recovery``'s to carry out (``orchestrator/recovery_procedure.py``)."""
+    ``recovery``'s to carry out (``orchestrator/recovery_procedure.py``). It answers the step
+    pipeline's questions about each batch (``BatchHooks``)."""
 
     def __init__(
         self,
@@ -188,9 +189,7 @@ class JobController:
         if self._train_started is None:
             self._train_started = time.perf_counter()
         if self._pipeline is None:  # entering Running: nothing in flight
-            self._pipeline = StepPipeline(
-                self.group, state.next_step, self._plan, self.run_ahead, self._boundary, self._snapshot_inside
-            )
+            self._pipeline = StepPipeline(self.group, state.next_step, self.run_ahead, self)
             self.run_ahead.restart()
             self.meter.restart()
         pipeline = self._pipeline
@@ -200,7 +199,7 @@ class JobController:
         joining = self.joiners.want_to_join()
         evictions = self._stragglers().pending_evictions
         if not joining and not evictions:
-            pipeline.top_up(self.num_steps, self._before_submit, self._hold)
+            pipeline.top_up(self.num_steps)
         if not pipeline.in_flight:  # drained for a change at this step boundary
             self._pipeline = None
             if evictions:
@@ -229,20 +228,22 @@ class JobController:
         self.meter.committed(outcome.records)
         return Running(pipeline.next_step)
 
-    def _hold(self, first: int, count: int) -> bool:
+    # The pipeline's hooks (``orchestrator.pipeline.BatchHooks``)
+
+    def hold(self, first: int, count: int) -> bool:
         """Whether to submit the batch of ``count`` steps from ``first`` later: a checkpoint is
         due inside it (or where it starts) and the last one is still being written (submitted
         now, it would go without; after the next commit the write has likely ended)."""
         return self.checkpoints.due_behind_pending(max(first, min(first + count, self.num_steps - 1)))
 
-    def _boundary(self, step: int) -> bool:
+    def boundary(self, step: int) -> bool:
         """Whether the driver acts before ``step`` (chaos; a checkpoint due there while the
         last is still being written, taken between two batches once it is): no batch runs past
         it. Otherwise a checkpoint does not end a batch: it is taken inside
-        (``_snapshot_inside``)."""
+        (``snapshot_inside``)."""
         return self.chaos.acts_at(step) or self.checkpoints.due_behind_pending(step)
 
-    def _snapshot_inside(self, first: int, count: int) -> SnapshotOrder | None:
+    def snapshot_inside(self, first: int, count: int) -> SnapshotOrder | None:
         """The periodic checkpoint due after one of the steps ``first`` .. ``first + count - 1``
         (before the job's last: the final one is taken apart), ordered now to ride with their
         batch; None if none is due there (or one is still being written)."""
@@ -251,7 +252,7 @@ class JobController:
                 return self.checkpoints.order(self.group, step, self._policy_state())
         return None
 
-    def _plan(self, step: int) -> StepPlan:
+    def plan(self, step: int) -> StepPlan:
         plan = self._stragglers().plan(step)
         if plan.mitigating and not plan.clean:  # a clean step's claims are made only if someone is late
             claims = self.store.claims
@@ -260,7 +261,7 @@ class JobController:
             self.meter.driver_store(claims.round_trips - trips, claims.bytes - sent)
         return plan
 
-    def _before_submit(self, step: int) -> None:
+    def before_submit(self, step: int) -> None:
         self.chaos.at_boundary(step)
         if self.checkpoints.due(step):
             self.checkpoints.start(self.group, step, self._policy_state())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Protocol, Sequence
 
 from jobspec.job import JobConfig
 from jobspec.step_record import StepRecord
@@ -80,40 +80,55 @@ class StepOutcome:
             self.user_error = failure.reason
 
 
+class BatchHooks(Protocol):
+    """What the driver decides about each batch as ``StepPipeline`` hands it out (the
+    controller's answers: chaos, checkpoints, straggler plans)."""
+
+    def boundary(self, step: int) -> bool:
+        """Whether the driver must act before ``step`` (chaos, a checkpoint due while the last
+        is still being written): a batch ends in front of it."""
+
+    def hold(self, first: int, count: int) -> bool:
+        """While a batch is in flight: whether to keep the next one (``count`` steps from
+        ``first``) back for a later turn (a checkpoint due inside it behind a pending one)."""
+
+    def before_submit(self, step: int) -> None:
+        """Act at the boundary before the batch from ``step`` goes out (chaos, a checkpoint
+        taken between batches)."""
+
+    def plan(self, step: int) -> StepPlan:
+        """Step ``step``'s plan (its claims opened if it mitigates stragglers)."""
+
+    def snapshot_inside(self, first: int, count: int) -> SnapshotOrder | None:
+        """The checkpoint to take inside the batch of ``count`` steps from ``first``, if one is
+        due there."""
+
+
 class StepPipeline:
     """Submits steps from ``next_step`` on in batches sized by ``run_ahead``, keeping
-    ``BATCHES_IN_FLIGHT`` queued, and waits for them in order. ``plan(step)`` gives each step's
-    plan (and opens its claims); ``boundary(step)`` says the driver must act before ``step``
-    (a batch ends in front of it); ``snapshot(first, count)``, the checkpoint to take inside
-    the batch of ``count`` steps from ``first``, if one is due there."""
+    ``BATCHES_IN_FLIGHT`` queued, and waits for them in order; ``hooks`` decide what goes
+    into each batch and where batches end."""
 
-    def __init__(
-        self, group: WorkerGroup, next_step: int, plan: Callable[[int], StepPlan], run_ahead: RunAhead,
-        boundary: Callable[[int], bool], snapshot: Callable[[int, int], SnapshotOrder | None],
-    ) -> None:
+    def __init__(self, group: WorkerGroup, next_step: int, run_ahead: RunAhead, hooks: BatchHooks) -> None:
         self.group = group
         self.next_step = next_step
         self.in_flight: deque[InFlight] = deque()
         self.run_ahead = run_ahead
-        self._plan = plan
-        self._boundary = boundary
-        self._snapshot = snapshot
+        self.hooks = hooks
 
-    def top_up(self, num_steps: int, before_submit: Callable[[int], None], hold: Callable[[int, int], bool]) -> None:
-        """Submit batches until ``BATCHES_IN_FLIGHT`` are queued or ``num_steps`` reached;
-        ``before_submit(step)`` runs first for each batch's first step (chaos at the boundary,
-        checkpoints). While a batch is in flight, ``hold(first, count)`` may keep the next one
-        (``count`` steps from ``first``) back for a later turn (a checkpoint due inside it
-        while the last is still being written)."""
+    def top_up(self, num_steps: int) -> None:
+        """Submit batches until ``BATCHES_IN_FLIGHT`` are queued or ``num_steps`` reached. With
+        a batch in flight, the next may be held back (``hooks.hold``)."""
+        hooks = self.hooks
         while self.next_step < num_steps and len(self.in_flight) < BATCHES_IN_FLIGHT:
             first = self.next_step
-            count = self.run_ahead.batch(first, num_steps, self._boundary)
-            if self.in_flight and hold(first, count):
+            count = self.run_ahead.batch(first, num_steps, hooks.boundary)
+            if self.in_flight and hooks.hold(first, count):
                 break
-            before_submit(first)
-            plans = [self._plan(step) for step in range(first, first + count)]
+            hooks.before_submit(first)
+            plans = [hooks.plan(step) for step in range(first, first + count)]
             workers = tuple(self.group.workers)
-            submitted = self.group.submit_steps(first, plans, self._snapshot(first, count))
+            submitted = self.group.submit_steps(first, plans, hooks.snapshot_inside(first, count))
             self.in_flight.append(InFlight(first, submitted.reporting, count, submitted.watched, workers))
             self.next_step += count
         if len(self.in_flight) < BATCHES_IN_FLIGHT:
