@@ -97,13 +97,6 @@ class RecoveryLog:
 # Pure decisions over the survivors' progress.
 
 
-def first_uncommitted(alive: Mapping[int, Progress], steps_done: int) -> int:
-    """The first step no survivor applied. A step is committed once any survivor applied it:
-    its all-reduce completed and that survivor's census proved every shard counted once. Never
-    before ``steps_done`` (a survivor whose state transfer broke off reports -1)."""
-    return max([steps_done, *(p.next_step for p in alive.values())])
-
-
 def sharding_of(sharding: ShardingConfig, workers: int) -> dict[str, int] | None:
     """For an event: the sharding groups ``workers`` form (``group_size`` as raised to divide
     them, ``replicas``: copies of every slice; at 1 a death there rolls back to a checkpoint),
@@ -118,14 +111,6 @@ def state_holders(alive: Mapping[int, Progress], steps_done: int, without_state:
     """Survivors that hold the training state (worker id -> next step): only a member that
     applied every committed step does (a worker still joining holds none)."""
     return {w: p.next_step for w, p in alive.items() if p.next_step >= steps_done and w not in without_state}
-
-
-def steps_to_redo(in_flight: Sequence[InFlight], first: int, reached: int) -> list[int]:
-    """The steps in flight from ``first`` (the first uncommitted) through ``reached`` (the
-    furthest step a survivor had started), at least ``first``: work the failure threw away,
-    run again. Steps handed out but not started (the rest of a batch) are no lost work: they
-    simply run."""
-    return [step for batch in in_flight for step in batch.steps if first <= step <= max(first, reached)]
 
 
 @dataclass(frozen=True)

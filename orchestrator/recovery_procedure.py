@@ -30,11 +30,10 @@ from orchestrator.recovery import (
     Reformed,
     Reformer,
     StateLost,
-    first_uncommitted,
     settle,
     sharding_of,
-    steps_to_redo,
 )
+from orchestrator.recovery_plan import plan_recovery, redo_after_reform
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.run_dir import RunDirectory
 from orchestrator.states import CheckpointingBeforeFailure, Recovering, Running, State
@@ -83,51 +82,40 @@ class RecoveryProcedure:
             self.group, self.store.generation, state.in_flight, frozenset(evicted) | frozenset(silent),
             self.job.timeouts.collective_s,
         )
-        dead = sorted((outcome.dead | set(settled.lost) | set(silent)) - set(evicted))
-        # A worker judged dead never carries the state on, even if it still answers (Ray's
-        # ActorUnavailableError: it may or may not have run); it is removed below.
-        alive = {w: p for w, p in settled.alive.items() if w not in dead}
-        if not dead and not evicted:
-            self._nobody_lost(outcome, state.in_flight, alive)
-        # Where the furthest survivor is; committed only once the re-formed group holds it.
-        furthest = first_uncommitted(alive, steps_done)
-        died_at = [t for w in dead if (t := self.chaos.death_time(self.store, w)) is not None]
+        plan = plan_recovery(outcome.errors, outcome.dead, silent, evicted, settled.alive, settled.lost, steps_done)
+        if plan.nobody_lost:
+            self._nobody_lost(outcome, state.in_flight, plan.alive)
+        died_at = [t for w in plan.dead if (t := self.chaos.death_time(self.store, w)) is not None]
         recovery = Recovery(
-            at_step=furthest,
-            workers=dead + evicted,
-            reasons={
-                **{w: silent.get(w) or outcome.errors.get(w, "did not answer") for w in dead},
-                **{w: "evicted" for w in evicted},
-            },
-            started=min(died_at) if died_at else noticed,
+            at_step=plan.at_step, workers=plan.leaving, reasons=plan.reasons, started=min(died_at) if died_at else noticed
         )
         recovery.detect_s = time.time() - recovery.started
-        if dead:
-            self.accounting.counters["failures"] += len(dead)
-            self.run.event("failure", at_step=furthest, workers=dead, reasons=recovery.reasons, detect_s=recovery.detect_s)
+        if plan.dead:
+            self.accounting.counters["failures"] += len(plan.dead)
+            self.run.event(
+                "failure", at_step=plan.at_step, workers=plan.dead, reasons=recovery.reasons, detect_s=recovery.detect_s
+            )
             self.checkpoints.observe_failure()
-        self.group.remove(dead)
-        self.group.remove(evicted, retire=True)
-        self.checkpoints.abandon(f"worker(s) {dead + evicted} left the group")
+        self.group.remove(plan.dead)
+        self.group.remove(plan.evicted, retire=True)
+        self.checkpoints.abandon(f"worker(s) {plan.leaving} left the group")
         reforming = time.time()
-        reformed = self.reformer.reform(alive, steps_done, state.without_state)
+        reformed = self.reformer.reform(plan.alive, steps_done, state.without_state)
         if isinstance(reformed, StateLost):
-            reformed = self._roll_back(reformed, dead + evicted, state.without_state)
+            reformed = self._roll_back(reformed, plan.leaving, state.without_state)
         if isinstance(reformed, GiveUp):
             return CheckpointingBeforeFailure(reformed.holders, reformed.reason, state.in_flight, tuple(outcome.records))
         next_step = reformed.next_step
         self.commit_held(state.in_flight, outcome.records, next_step)
-        reached = max((p.step for p in alive.values()), default=next_step)
-        redo = steps_to_redo(state.in_flight, next_step, reached)
-        if next_step < steps_done:  # rolled back to a checkpoint: committed steps run again too
-            redo = list(range(next_step, steps_done)) + steps_to_redo(state.in_flight, steps_done, reached)
+        reached = max((p.step for p in plan.alive.values()), default=next_step)
+        redo = redo_after_reform(state.in_flight, next_step, steps_done, reached)
         recovery.at_step = next_step
         recovery.workers += list(reformed.lost)
         self.accounting.counters["joins"] += len(reformed.joined)
         recovery.transfer_s, recovery.waited_s = reformed.transfer_s, reformed.waited_s
         recovery.reform_s = time.time() - reforming - reformed.transfer_s  # every attempt, and waiting
         stragglers.set_workers(self.group.workers)
-        if dead or redo:
+        if plan.dead or redo:
             self.accounting.counters["recoveries"] += 1
             self.accounting.counters["steps_redone"] += len(redo)
             recovery.redo_steps = redo

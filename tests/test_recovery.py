@@ -21,7 +21,8 @@ from orchestrator.group import Call, CallFailed, FailureKind, WorkerGroupError
 from orchestrator.job_file import load_job
 from orchestrator.metrics import MetricsListener
 from orchestrator.pipeline import InFlight, StepOutcome, await_step
-from orchestrator.recovery import first_uncommitted, sharded_gap, state_holders, steps_to_redo
+from orchestrator.recovery import sharded_gap, state_holders
+from orchestrator.recovery_plan import first_uncommitted, steps_to_redo
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.run_dir import RunDirectory
 from orchestrator.states import (
