@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite and `ringleader bench gpu` on a machine with one CUDA device (README, "GPUs").
+# The GPU suite and `ringleader bench gpu` on a machine with one CUDA device (docs/gpus.md).
 #
 #   deploy/gpu-check.sh fetch-wheels [DIR]   here, with a package index: the wheels a bare GPU
 #                                            machine lacks (Ray without its Java jars, pydantic,

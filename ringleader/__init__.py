@@ -3,7 +3,7 @@
     import ringleader
     result = ringleader.run({"model": {"factory": make_model}, "loss": my_loss, "steps": 100})
 
-See ``ringleader.api`` for the contract, README ("Python API") for a complete example.
+See ``ringleader.api`` for the contract, docs/python-api.md for a complete example.
 """
 
 from __future__ import annotations

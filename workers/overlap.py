@@ -46,8 +46,8 @@ FIRST_BUCKET_BYTES = 1 << 20
 # one under auto): 4 MB on the CPU, 100 MB on a GPU. There each bucket costs the host the same
 # whatever its size (a hand-off to the communication thread, a collective launch, a completion
 # poll): a 710M-parameter GPT on one H100 ran at 0.76x a plain loop's tokens/s with 4 MB
-# buckets, 0.83x with DDP's 25 MB and 0.91x with 100 MB (README, "GPUs"). Megatron-LM's
-# default is of the same size, 40M parameters a bucket.
+# buckets, 0.83x with DDP's 25 MB and 0.91x with 100 MB (docs/benchmarks.md, "On a GPU").
+# Megatron-LM's default is of the same size, 40M parameters a bucket.
 DEFAULT_BUCKET_BYTES = 4 << 20
 DEFAULT_GPU_BUCKET_BYTES = 100 << 20
 

@@ -23,7 +23,6 @@ from workers.checkpoint_storage import CheckpointStorage
 from workers.checkpointing import FlatPieces, PartSnapshot, open_checkpoint, take_snapshot, write_snapshot
 from workers.named_tensors import check_fit, copy_by_name
 from workers.replica import Replica
-from workers.sharded_optimizer import ShardedOptimizer
 
 
 def checkpointed_tensors(
@@ -71,23 +70,15 @@ def restore_state(
     check_fit({"params": replica.flat.values, **model}, loaded, lambda held, needed: f"checkpoint {name} holds {held}, this model needs {needed}")
     optimizer_whole = {k[len("optim/"):]: v for k, v in whole.items() if k.startswith("optim/")}
     optimizer_flat = {k[len("optim/"):]: v for k, v in saved.flat.items() if k.startswith("optim/")}
-    lo, hi = span if span is not None and isinstance(replica.optimizer, ShardedOptimizer) else (0, saved.numel)
     # Checked and read before it takes any of it: it raises with nothing changed.
-    if isinstance(replica.optimizer, ShardedOptimizer):
-        replica.optimizer.restore(optimizer_flat, optimizer_whole, (lo, hi))
-    else:
-        in_memory = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in optimizer_flat.items()}
-        for key, source in optimizer_flat.items():
-            source.read(0, saved.numel, in_memory[key])
-        replica.optimizer.restore(in_memory, optimizer_whole)
+    lo, hi = replica.state.restore(optimizer_flat, optimizer_whole, span, saved.numel)
     replica.next_step = -1  # its state is the checkpoint's only once the parameters are read too
     saved.flat["params"].read(lo, hi, replica.flat.values[lo:hi])
     copy_by_name(model, {k: whole[k] for k in model})
     replica.scaler.state_restored()
     torch.set_rng_state(whole["rng/torch"])
     replica.next_step = int(manifest["step"])
-    if isinstance(replica.optimizer, ShardedOptimizer):
-        replica.optimizer.restored_at(replica.next_step)
+    replica.state.restored_at(replica.next_step)
 
 
 def chain_future(done: Future[Any], into: Future[Any]) -> None:
@@ -119,7 +110,7 @@ class CheckpointWriter:
         # calls, and a niced thread preempted while holding it stalls the training thread until
         # the scheduler runs it again. Digits, 2 workers on 2 cores, a checkpoint every 20
         # steps: the step after a snapshot took 7-10 ms longer with the writer niced to 19,
-        # 5-6 ms at the same priority (README, "Recovery").
+        # 5-6 ms at the same priority (docs/benchmarks.md, "Checkpoint overhead").
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ringleader-checkpoint")
         self._writes: dict[str, Future[PartWritten]] = {}
         self._snapshotted: set[str] = set()  # attempts in ``_writes`` whose snapshot came
