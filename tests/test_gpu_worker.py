@@ -37,6 +37,7 @@ from workers.loss_scaler import LossScaler
 from workers.overlap import GradientReducer
 from workers.replica_checkpoint import CheckpointWriter, restore_state
 from workers.seeding import seed_forward
+from workers.state_layout import ReplicatedState
 from workers.training import FlatParameters
 
 ADAMW = OptimizerConfig(name="adamw", kwargs={"lr": 0.01, "weight_decay": 0.1}, decay_biases_and_norms=False)
@@ -66,6 +67,7 @@ class DeviceReplica:
     model: torch.nn.Module = field(init=False)
     flat: FlatParameters = field(init=False)
     optimizer: object = field(init=False)
+    state: ReplicatedState = field(init=False)
     scaler: LossScaler = field(init=False)
     next_step: int = 0
 
@@ -75,6 +77,7 @@ class DeviceReplica:
         self.model = torch.nn.Sequential(*layers).to(self.device)
         self.flat = FlatParameters(self.model.parameters(), extra=2)
         self.optimizer = make_optimizer(ADAMW, self.flat)
+        self.state = ReplicatedState(self.optimizer)
         self.scaler = LossScaler(True, init=1024.0, growth_interval=2, device=self.device)
 
     def backward(self, step: int) -> None:

@@ -28,6 +28,7 @@ from workers.generic_optimizer import GenericOptimizer
 from workers.loss_scaler import LossScaler
 from workers.replica_checkpoint import checkpointed_tensors, restore_state
 from workers.sharded_optimizer import ShardedOptimizer
+from workers.state_layout import StateLayout, state_layout
 from workers.training import FlatParameters
 
 NAME = "step-00000003"
@@ -51,6 +52,7 @@ class Replica:
     next_step: int = 0
     flat: FlatParameters = field(init=False)
     optimizer: Any = field(init=False)
+    state: StateLayout = field(init=False)
 
     def __post_init__(self) -> None:
         self.flat = FlatParameters(self.model.parameters(), extra=3)
@@ -61,6 +63,7 @@ class Replica:
             self.optimizer = FlatOptimizer(self.config.name, self.config.kwargs, self.flat.values, self.flat.grads, no_decay)
         else:
             self.optimizer = GenericOptimizer(self.config.name, self.config.kwargs, self.flat.params, self.config.decay_biases_and_norms)
+        self.state = state_layout(self.optimizer, group_size=2)
 
     def train(self, steps: int) -> None:
         for step in range(steps):

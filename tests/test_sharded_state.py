@@ -24,6 +24,7 @@ from workers.sharded_optimizer import ShardedOptimizer
 from workers.step_buffers import StepBuffers
 from workers.sharded_reduce import ShardedSum, gather_slices, group_sum
 from workers.slice_steppers import GenericSlice, shape_blind
+from workers.state_layout import ShardedState
 from workers.training import FlatParameters
 
 TIMEOUT_S = 8.0
@@ -458,7 +459,7 @@ def test_parameters_come_with_the_state_from_each_slices_holders(new_world, new_
 
 class _Replica:
     """What a join moves (``workers.replica.Replica``): a model with running statistics, its
-    flat parameters, sharded optimizer state and an fp16 loss scaler, all at job step ``at``;
+    flat parameters, sharded optimizer state (groups of 2) and an fp16 loss scaler, all at job step ``at``;
     ``buffers`` keeps the statistics in step as a worker's step does."""
 
     # Ranks are threads sharing torch's global generator: seeding and drawing the weights
@@ -471,6 +472,7 @@ class _Replica:
             self.model = torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.BatchNorm1d(9), torch.nn.Linear(9, 3))
         self.flat = FlatParameters(self.model.parameters())
         self.optimizer = ShardedOptimizer(_config("adam", {"lr": 0.1}), self.flat)
+        self.state = ShardedState(self.optimizer, group_size=2)
         self.scaler = LossScaler(enabled=True, init=1024.0, growth_interval=1)
         self.device = torch.device("cpu")
         self.next_step = at
@@ -519,7 +521,7 @@ def test_a_rank_that_updated_before_its_all_gather_broke_hands_out_the_scale_and
             lo, hi = layout.slice_of(rank)
             replica.optimizer.inner = replica.optimizer._over(lo, hi, (_held_state(layout, rank, numel), {"step": 3.0}))
             replica.optimizer.held, replica.optimizer.state_step = (lo, hi), step
-            link = GroupLink(CollectiveConfig(), TIMEOUT_S, threading.Event(), group_size=2)
+            link = GroupLink(CollectiveConfig(), TIMEOUT_S, threading.Event())
             link.layout = layout
             if rank in stepped:
                 replica.update(link, step)  # ... and the all-gather then breaks off

@@ -41,7 +41,6 @@ from jobspec.wire import (
     StepTelemetry,
     WorkerInfo,
 )
-from policies.sharding import ShardingLayout
 from policies.work_stealing import StepPlan
 from workers import plan_channel
 from workers.census import WEIGHT_SLOT, census_slots
@@ -57,7 +56,8 @@ from workers.objective import Objective
 from workers.replica_checkpoint import CheckpointWriter, restore_state
 from workers.rescue_watch import rescue_watch
 from workers.sampler import ShardSampler
-from workers.sharded_optimizer import ShardedOptimizer, build_optimizer
+from workers.sharded_optimizer import build_optimizer
+from workers.state_layout import state_layout
 from workers.step import StepRunner
 from workers.step_buffers import StepBuffers
 from workers.step_report import StepClock, StepTraffic, step_report
@@ -137,6 +137,7 @@ class TrainWorker:
                 "(the master weights) and set precision: bf16 or fp16 to compute in half precision"
             )
         self.optimizer = build_optimizer(job, self.flat)
+        self.state = state_layout(self.optimizer, job.sharding.group_size)
         self.schedule = job.schedule.policy()
         scaling = job.loss_scaling
         self.scaler = LossScaler(
@@ -146,7 +147,7 @@ class TrainWorker:
         self.aborted_through = 0  # the latest generation the driver aborted
         self.generation = 0  # the generation this worker last joined
         self.link = GroupLink(
-            job.collective, job.timeouts.collective_s, self.abort_flag, job.sharding.group_size, self._chaos_point
+            job.collective, job.timeouts.collective_s, self.abort_flag, self._chaos_point
         )
         #: The next step this replica will apply: the optimizer steps it holds, in job steps.
         self.next_step = 0
@@ -229,7 +230,7 @@ class TrainWorker:
         return Progress(
             step=step, phase=phase, since_s=now - since, next_step=self.next_step,
             since_snapshot_s=None if last is None else now - last[0], last_copy_s=None if last is None else last[1],
-            held=self.optimizer.holding() if isinstance(self.optimizer, ShardedOptimizer) else (),
+            held=self.state.held(),
         )
 
     def _enter(self, step: int, phase: Phase) -> None:
@@ -457,8 +458,7 @@ class TrainWorker:
         saved = load_residuals(storage, name, manifest, rank)
         self.link.restored_residuals = {key: v.to(self.device) for key, v in saved.items()}
         if state:
-            sharded = isinstance(self.optimizer, ShardedOptimizer)
-            layout = ShardingLayout.plan(world, self.link.group_size, self.flat.numel) if sharded else None
+            layout = self.state.plan(world, self.flat.numel)
             restore_state(self, storage, name, manifest, None if layout is None else layout.slice_of(rank))
             self.link.undo = None  # the checkpoint's loss scale and buffers are the ones now
 

@@ -2,10 +2,10 @@
 
 Joining connects to the driver's store (where the step's shard claims live), forms the process
 group (``form_process_group``: abortable and deadline-bounded, NCCL's communicator included),
-builds the gradient reducer over it (the all-reduce the job names, or the one ``auto`` picks
-by probing the group's links; compression wrapped round it; top-k residuals carried over)
-and takes rank 0's training state, so that every replica starts the generation identical.
-Leaving closes the reducer and the group.
+has the replica's state layout (``workers/state_layout.py``: whole or sharded) build the
+gradient reduction over it and take the group's training state (rank 0's, or each slice from
+its holders), so that every replica starts the generation identical. Top-k residuals carry
+over. Leaving closes the reducer and the group.
 """
 
 from __future__ import annotations
@@ -20,22 +20,18 @@ import torch
 import torch.distributed as dist
 
 from jobspec.chaos import KillPoint
-from jobspec.failures import CollectiveAborted
 from jobspec.runtime import CollectiveConfig
 from jobspec.wire import Joined, JoinRequest
-from policies.collective_choice import CollectiveChoice
 from policies.sharding import ShardingLayout
 from workers.claims import ClaimStores, CountingStore
 from workers.comm_group import CommGroup
-from workers.communicator import Communicator, NativeAllReduce, make_communicator, pick_backend
-from workers.compression import OWN_TRANSPORT, TopKAllReduce, compress
+from workers.communicator import Communicator, pick_backend
+from workers.compression import TopKAllReduce
 from workers.devices import stream_marks
-from workers.link_probe import auto_communicator
-from workers.overlap import DEFAULT_BUCKET_BYTES, GradientReducer, default_bucket_bytes
+from workers.overlap import GradientReducer
 from workers.process_group import form_process_group
 from workers.replica import Replica
-from workers.sharded_optimizer import ShardedOptimizer
-from workers.sharded_reduce import ShardedSum, gather_slices, group_sum
+from workers.sharded_reduce import group_sum
 from workers.training import FlatParameters
 
 
@@ -72,7 +68,6 @@ class GroupLink:
 
     ``collective`` are the job's all-reduce settings, ``timeout_s`` one collective's limit and
     ``abort_flag`` the driver's abort, which fails a pending rendezvous or collective at once.
-    ``group_size``: the job's ``sharding.group_size`` (1: every rank holds the whole state).
     ``chaos_point(point, step)`` is called where the job's chaos may kill this worker (the
     ``reshard`` point, with the step the group starts from).
     """
@@ -82,12 +77,10 @@ class GroupLink:
         collective: CollectiveConfig,
         timeout_s: float,
         abort_flag: threading.Event,
-        group_size: int = 1,
         chaos_point: Callable[[KillPoint, int], None] = lambda point, step: None,
     ) -> None:
         self.collective = collective
         self.chaos_point = chaos_point
-        self.group_size = group_size
         #: Who owns which slice of the state in this generation (None: not sharded).
         self.layout: ShardingLayout | None = None
         self.timeout_s = timeout_s
@@ -144,59 +137,13 @@ class GroupLink:
             marks=stream_marks(replica.device),
         )
         self.rank, self.world_size = request.rank, request.world_size
-        if isinstance(replica.optimizer, ShardedOptimizer):
-            self.layout = ShardingLayout.plan(request.world_size, self.group_size, replica.flat.numel)
-            choice = self._build_sharded_reducer(self.group, self.layout, replica.flat)
-        else:
-            self.layout = None
-            choice = self._build_reducer(self.group, request.nodes, replica.flat, residuals)
+        self.layout = replica.state.plan(request.world_size, replica.flat.numel)
+        reduction = replica.state.reduction(self.group, self.layout, replica.flat, self.collective, request.nodes, residuals)
+        self.reducer, self.reducer_comm = reduction.reducer, reduction.comm
+        self.restored_residuals = {}  # only now: a join that failed before keeps them for the next
         started = time.perf_counter()
         self._take_root_state(self.group, replica, previous, request.step)
-        return Joined(transfer_s=time.perf_counter() - started, next_step=replica.next_step, collective=choice)
-
-    def _build_reducer(
-        self,
-        group: CommGroup,
-        nodes: tuple[str, ...],
-        flat: FlatParameters,
-        residuals: dict[tuple[int, int], torch.Tensor],
-    ) -> CollectiveChoice | None:
-        """The reducer over ``group`` for the job's collective settings; returns what ``auto``
-        chose from its probe (every rank probes at the same point), else None."""
-        collective = self.collective
-        bucket_bytes = self._bucket_bytes()
-        choice = None
-        if collective.algorithm == "auto" and collective.compression not in OWN_TRANSPORT:
-            exact, choice = auto_communicator(group, nodes, flat.buffer, bucket_bytes)
-            bucket_bytes = choice.bucket_bytes
-        else:
-            # int8 and top-k run their own ring whatever the algorithm (nothing to choose: the
-            # exact one sums only the bookkeeping), and top-k's residuals are keyed by bucket,
-            # so its bucket size must not move with a probe's noise between generations, nor
-            # with the device a checkpoint resumes on: 4 MB on a GPU too, unless set.
-            algorithm = "native" if collective.algorithm == "auto" else collective.algorithm
-            exact = make_communicator(algorithm, group, nodes)
-            if collective.compression in OWN_TRANSPORT:
-                bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
-        compressed = compress(collective.compression, exact, group, collective.topk_ratio)
-        if residuals and isinstance(compressed, TopKAllReduce):
-            compressed.residuals = residuals  # this worker's unsent gradient outlives the generation
-        self.reducer_comm = compressed
-        self.restored_residuals = {}  # only now: a join that failed before keeps them for the next
-        self.reducer = GradientReducer(
-            flat,
-            compressed,
-            bucket_bytes or default_bucket_bytes(flat.buffer.device),
-            collective.overlap,
-            extra_comm=exact if compressed is not exact else None,
-            group=group,
-        )
-        return choice
-
-    def _bucket_bytes(self) -> int | None:
-        """The job's ``collective.bucket_mb`` in bytes (None: not set)."""
-        bucket_mb = self.collective.bucket_mb
-        return int(bucket_mb * 2**20) if bucket_mb else None
+        return Joined(transfer_s=time.perf_counter() - started, next_step=replica.next_step, collective=reduction.choice)
 
     def owned_gradient(
         self, flat: FlatParameters
@@ -224,30 +171,10 @@ class GroupLink:
         for it), and the other slices' parameters are gathered. Should the gather fail, a group
         may start after ``step`` from what the slices' holders have (``_take_root_state``).
         Nothing without sharded state."""
-        if self.layout is None or self.group is None or not isinstance(replica.optimizer, ShardedOptimizer):
+        if self.group is None:
             return
-        replica.optimizer.stepped_to(step + 1)
-        if stepped:
-            gather_slices(self.group, self.layout, replica.flat.values)
+        replica.state.stepped(self.group, self.layout, replica.flat, step, stepped)
         self.undo = None
-
-    def _build_sharded_reducer(self, group: CommGroup, layout: ShardingLayout, flat: FlatParameters) -> None:
-        """The reducer for sharded state: buckets reduce-scattered in the sharding group and
-        summed across replicas (``ShardedSum``, our ring: nothing to probe), the extra slots
-        summed whole by one native all-reduce over every rank (NCCL's or gloo's: exact, and one
-        launch where our ring took 2(n-1) round trips on the step's critical path)."""
-        exact = NativeAllReduce(group)
-        self.reducer_comm = ShardedSum(group, layout, flat)
-        self.reducer = GradientReducer(
-            flat,
-            self.reducer_comm,
-            # 4 MB on a GPU too: each bucket is copied out of the parameters while it is summed
-            # (up to the whole gradient when communication lags), so bigger ones cost memory.
-            self._bucket_bytes() or DEFAULT_BUCKET_BYTES,
-            self.collective.overlap,
-            extra_comm=exact,
-            group=group,
-        )
 
     def _take_root_state(self, group: CommGroup, replica: Replica, previous: Communicator | None, named: int = -1) -> None:
         """Take rank 0's step, parameters, optimizer state, loss scale and model buffers into
@@ -267,30 +194,17 @@ class GroupLink:
             # Until the whole state has arrived this replica holds none: if the transfer breaks
             # off, the driver must not take it for a survivor with a good state.
             replica.next_step = -1
-        if isinstance(replica.optimizer, ShardedOptimizer):
-            assert self.layout is not None
-            if root_step == 0:  # nothing held yet: the root's initial parameters
-                group.broadcast(replica.flat.values, root=0)
-            replica.optimizer.reshard(group, self.layout, root_step, lambda: self.chaos_point("reshard", root_step))
-            if root_step > 0:
-                gather_slices(group, self.layout, replica.flat.values)
-        else:
-            group.broadcast(replica.flat.values, root=0)
-            replica.optimizer.sync(lambda tensor: group.broadcast(tensor, root=0), is_root=self.rank == 0)
+        replica.state.take_state(
+            group, self.layout, replica.flat, root_step, self.rank == 0, lambda: self.chaos_point("reshard", root_step)
+        )
         if self.undo is not None:  # this rank updated them in a step whose all-gather failed
             self.undo.for_step(root_step)
         group.broadcast(replica.scaler.state, root=0)
         for buffer in replica.model.buffers():  # running statistics: a checkpoint restores them on one worker
             group.broadcast(buffer, root=0)
         replica.scaler.state_restored()
-        if isinstance(replica.optimizer, ShardedOptimizer):
-            # Every rank has its whole state now (each counts itself in): what it kept may go.
-            confirmed = torch.ones(1, dtype=torch.float64, device=replica.device)
-            NativeAllReduce(group).start_sum(confirmed).wait()
-            if int(confirmed.item()) != group.size:
-                raise CollectiveAborted(f"the join's confirmation counted {int(confirmed.item())} of {group.size} ranks")
-            replica.optimizer.confirm()
-            self.undo = None
+        replica.state.confirm(group, replica.device)  # sharded: what each rank kept may go now
+        self.undo = None
         replica.next_step = root_step
 
     def leave(self) -> None:

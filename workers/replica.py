@@ -13,17 +13,20 @@ from workers.flat_optimizer import FlatOptimizer
 from workers.generic_optimizer import GenericOptimizer
 from workers.loss_scaler import LossScaler
 from workers.sharded_optimizer import ShardedOptimizer
+from workers.state_layout import StateLayout
 from workers.training import FlatParameters
 
 
 class Replica(Protocol):
     """A replica's training state: the model (its parameters views into ``flat``), the
-    optimizer, the fp16 loss scaler, the device they live on, and ``next_step``, the next step
-    the replica will apply (-1 while it holds no whole state: a transfer under way)."""
+    optimizer, how the state lies over the group (``state``: whole, or this rank's slice), the
+    fp16 loss scaler, the device they live on, and ``next_step``, the next step the replica
+    will apply (-1 while it holds no whole state: a transfer under way)."""
 
     model: torch.nn.Module
     flat: FlatParameters
     optimizer: FlatOptimizer | GenericOptimizer | ShardedOptimizer
+    state: StateLayout
     scaler: LossScaler
     device: torch.device
     next_step: int

@@ -11,6 +11,7 @@ import torch
 
 from workers.generic_optimizer import GenericOptimizer
 from workers.loss_scaler import LossScaler
+from workers.state_layout import ReplicatedState
 from workers.training import FlatParameters
 
 
@@ -23,6 +24,7 @@ class FakeReplica:
     model: torch.nn.Module = field(init=False)
     flat: FlatParameters = field(init=False)
     optimizer: GenericOptimizer = field(init=False)
+    state: ReplicatedState = field(init=False)
     scaler: LossScaler = field(default_factory=lambda: LossScaler(False))
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32  # the model's
@@ -34,6 +36,7 @@ class FakeReplica:
         self.flat = FlatParameters(self.model.parameters(), extra=2)
         # decay_biases_and_norms false: two groups, so state_dict order is not the flat order
         self.optimizer = GenericOptimizer(self.optimizer_name, self.kwargs, self.flat.params, False)
+        self.state = ReplicatedState(self.optimizer)
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
