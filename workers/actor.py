@@ -287,7 +287,11 @@ class TrainWorker:
         it as ``train_steps`` does, and gather every rank's reports: one ``StepRecord`` per
         step, every rank's row in it (docs/architecture.md, "Published plans"). Raises as
         ``train_steps``, or CollectiveAborted/CollectiveTimeout if a follower is gone."""
-        return plan_channel.lead(self._channel(), first, plans, snapshot, self.train_steps)
+        channel = self._channel()
+        channel.publish(first, plans, snapshot)
+        records = channel.collect(first, self.train_steps(first, plans, snapshot))
+        assert records is not None, "rank 0 collects"
+        return records
 
     @compute_method
     def follow(self) -> int:
@@ -296,7 +300,11 @@ class TrainWorker:
         (``release_followers``); returns how many batches it ran. Raises as ``train_steps``,
         or CollectiveAborted/CollectiveTimeout (an abort, or no batch within the collective
         timeout)."""
-        return plan_channel.follow(self._channel(), self.train_steps)
+        channel, batches = self._channel(), 0
+        while (batch := channel.receive()) is not None:
+            channel.collect(batch[0], self.train_steps(*batch))
+            batches += 1
+        return batches
 
     @compute_method
     def release_followers(self) -> None:

@@ -14,15 +14,15 @@ abort or the collective timeout ends every wait):
   its own size.
 
 Only what every rank does in the same order crosses the group: rank 0 publishes before it runs
-a batch and gathers after it (``lead``); a follower receives, runs the same steps, then sends
-(``follow``). Both sides of that order live here, in those two functions.
+a batch and collects after it (``TrainWorker.lead_steps``); a follower receives, runs the same
+steps, then sends (``TrainWorker.follow``). The channel only carries: it never runs a step.
 """
 
 from __future__ import annotations
 
 import pickle
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -30,10 +30,6 @@ from jobspec.step_record import StepRecord, batch_records, pack_batch
 from jobspec.wire import SnapshotOrder, StepTelemetry
 from policies.work_stealing import StepPlan
 from workers.comm_group import CommGroup
-
-#: Runs a batch: its first step, plans and checkpoint in, each step's report out
-#: (``TrainWorker.train_steps``).
-RunBatch = Callable[[int, list[StepPlan], SnapshotOrder | None], list[StepTelemetry]]
 
 #: A header's kinds: a batch follows, or the followers' run ends.
 BATCH, END = 1, 0
@@ -105,6 +101,12 @@ class PlanChannel:
         compact, snapshot = pickle.loads(payload.numpy().tobytes())
         return first, expand_plans(compact), snapshot
 
+    def collect(self, first: int, reports: list[StepTelemetry]) -> list[StepRecord] | None:
+        """This rank's ``reports`` of the batch from step ``first`` to rank 0: there one
+        ``StepRecord`` per step, every rank's row in it; None on a follower."""
+        packed = self.gather(pack_batch(reports))
+        return None if packed is None else batch_records(first, packed)
+
     def gather(self, payload: bytes) -> list[bytes] | None:
         """Every rank's ``payload`` to rank 0: there, all of them in rank order; elsewhere None."""
         group = self.group
@@ -128,24 +130,3 @@ class PlanChannel:
     ) -> None:
         group = self.group
         group.submit(lambda: group.exchange(sends, receives).complete(), "report gather").wait()
-
-
-def lead(
-    channel: PlanChannel, first: int, plans: list[StepPlan], snapshot: SnapshotOrder | None, run_batch: RunBatch
-) -> list[StepRecord]:
-    """Rank 0's side of a batch: publish it, run it, gather every rank's reports; one
-    ``StepRecord`` per step, every rank's row in it."""
-    channel.publish(first, plans, snapshot)
-    packed = channel.gather(pack_batch(run_batch(first, plans, snapshot)))
-    assert packed is not None, "rank 0 gathers"
-    return batch_records(first, packed)
-
-
-def follow(channel: PlanChannel, run_batch: RunBatch) -> int:
-    """A follower's side: run each batch rank 0 publishes and send its reports back, until rank
-    0 ends the run; returns how many batches it ran."""
-    batches = 0
-    while (batch := channel.receive()) is not None:
-        channel.gather(pack_batch(run_batch(*batch)))
-        batches += 1
-    return batches
