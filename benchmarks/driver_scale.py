@@ -135,6 +135,9 @@ class SyntheticGroup(Membership[SyntheticMember, SyntheticMember]):
     def await_writes(self, requests: Sequence[SnapshotRequest], timeout_s: float) -> list[Call]:
         raise AssertionError("the synthetic job takes no checkpoints")
 
+    def cancel_writes(self, workers: Sequence[int], name: str, tag: str) -> None:
+        raise AssertionError("the synthetic job takes no checkpoints")
+
     def restore(self, root: str, name: str, manifest: dict[str, Any]) -> None:
         raise AssertionError("the synthetic job does not resume")
 

@@ -124,6 +124,7 @@ class PendingCheckpoint:
     reports of the step that ends at ``step`` (``CheckpointCoordinator.copied``)."""
 
     name: str
+    tag: str
     step: int
     started: float
     copies: list[Call] | None
@@ -242,6 +243,7 @@ class CheckpointCoordinator:
         self.group = group
         self.pending = PendingCheckpoint(
             name=order.name,
+            tag=order.tag,
             step=step,
             started=time.perf_counter(),
             copies=copies,
@@ -391,12 +393,17 @@ class CheckpointCoordinator:
         return manifest["meta"].get("config_hash") == config_hash(self.job)
 
     def abandon(self, reason: str) -> None:
-        """Drop the pending checkpoint (its files, without a manifest, are pruned later). The
-        interval counts again from the last checkpoint written, not from the abandoned one."""
+        """Drop the pending checkpoint (its files, without a manifest, are pruned later) and
+        cancel it on its writers (``WorkerGroup.cancel_writes``). The interval counts again
+        from the last checkpoint written, not from the abandoned one."""
         self.last_step = self.committed_step
-        if self.pending is not None:
-            self.run.event("checkpoint_abandoned", name=self.pending.name, reason=reason)
+        pending = self.pending
+        if pending is not None:
+            self.run.event("checkpoint_abandoned", name=pending.name, reason=reason)
             self.pending = None
+            # Its writers' waits would otherwise hold their io thread, and the next attempt's.
+            assert self.group is not None, "a pending checkpoint has its group"
+            self.group.cancel_writes([call.worker for call in pending.writes], pending.name, pending.tag)
 
     def observe_step(self, step_s: float) -> None:
         if step_s > 0:

@@ -339,6 +339,11 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         members = self.members[: len(requests)]
         return [Call(m.info.worker, m.actor.checkpoint_written.remote(r.name, r.tag, timeout_s)) for m, r in zip(members, requests)]
 
+    def cancel_writes(self, workers: Sequence[int], name: str, tag: str) -> None:
+        for member in self.members:
+            if member.info.worker in workers:
+                member.actor.cancel_checkpoint.remote(name, tag)  # its error, if it died, is of no use
+
     def evaluate(self, timeout_s: float) -> dict[str, float]:
         """Rank 0's evaluation metrics ({} without an eval dataset)."""
         self.release_followers()

@@ -228,6 +228,19 @@ def test_a_periodic_checkpoint_rides_inside_its_batch_and_ends_no_call(tmp_path)
     assert verify_checkpoint(CheckpointStorage(ran.summary["checkpoints"]["root"]), "step-00000012")["files"]
 
 
+def test_a_checkpoint_abandoned_in_a_recovery_is_cancelled_on_its_writers_that_are_left(tmp_path):
+    """Worker 1 dies in step 5, inside the batch of steps 4-7 that carries the checkpoint of
+    step 6: the recovery abandons that attempt and tells its writers still there (their waits
+    would hold their io thread), and the next attempt is written."""
+    ran = _run(tmp_path, Faults(die_in_step={(1, 5): False}), "checkpoint.every_steps=6", "checkpoint.keep=10")
+    ran.assert_exact()
+    (abandoned,) = ran.of("checkpoint_abandoned")
+    assert abandoned["name"] == "step-00000006" and "left the group" in abandoned["reason"]
+    ((workers, name, tag),) = ran.group.cancelled
+    assert name == "step-00000006" and tag.endswith("-a1") and 1 not in workers and workers
+    assert 6 in [e["step"] for e in ran.of("checkpoint") if e["why"] == "periodic"]
+
+
 def test_a_batch_longer_than_the_step_timeout_runs_while_its_steps_advance(tmp_path):
     # Steps 8-15 go out in one call and take 0.3 s each, 2.4 s in all: the step timeout (1 s)
     # bounds each step, not the batch.

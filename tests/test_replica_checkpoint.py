@@ -1,6 +1,7 @@
-"""``CheckpointWriter``: a checkpoint attempt whose snapshot never comes (its batch failed
-before the step) is settled as superseded by the next attempt's snapshot, so the actor's one
-``io`` thread, waiting for the old attempt, is free for the new one's wait. No Ray."""
+"""``CheckpointWriter``: an attempt the driver abandons before its snapshot (``cancel``) ends every
+wait for it at once, running or still queued on the actor's one ``io`` thread, so the next
+attempt's wait is not held up behind them; its late snapshot is not taken; a part already
+being written is left to finish. No Ray."""
 
 from __future__ import annotations
 
@@ -15,34 +16,52 @@ from tests.helpers.replicas import FakeReplica
 from workers.chaos import ChaosSchedule
 from workers.replica_checkpoint import CheckpointWriter
 
-#: What the old attempt's wait is allowed: far more than settling it takes, far less than the
-#: job's ``timeouts.checkpoint_s`` (which a wait for a snapshot that never comes used to run to).
+#: What a wait is allowed: far more than settling it takes, far less than the job's
+#: ``timeouts.checkpoint_s`` (which a wait for a snapshot that never comes used to run to).
 WAIT_S = 5.0
+NAME = "step-00000002"
 
 
 def _writer() -> CheckpointWriter:
     return CheckpointWriter(ChaosSchedule.for_worker(JobConfig().chaos, 0, threading.Event()), lambda: None)
 
 
-def test_a_new_attempt_settles_the_wait_for_one_whose_snapshot_never_came(tmp_path):
+def _request(root, tag: str, step: int = 2) -> SnapshotRequest:
+    return SnapshotRequest(step, str(root), f"step-{step:08d}", tag, 0, 1)
+
+
+def test_cancelled_attempts_end_their_waits_running_and_queued_and_the_next_is_written(tmp_path):
     writer, replica = _writer(), FakeReplica("RAdam", {"lr": 0.01})
     replica.train(2)
-    # The actor's io thread: the old attempt's wait first, the new one's queued behind it.
+    # The actor's io thread: two abandoned attempts' waits (their batches failed before the
+    # step), then the next attempt's.
     io = ThreadPoolExecutor(1)
-    stale = io.submit(writer.written, "step-00000002", "d-a1", WAIT_S)
-    fresh = io.submit(writer.written, "step-00000002", "d-a2", WAIT_S)
-    writer.snapshot(SnapshotRequest(2, str(tmp_path), "step-00000002", "d-a2", 0, 1), replica, {}, 0)
-    with pytest.raises(RuntimeError, match="d-a1 was superseded by step-00000002/d-a2"):
-        stale.result(timeout=2 * WAIT_S)
-    assert fresh.result(timeout=2 * WAIT_S).files
+    stale = [io.submit(writer.written, NAME, tag, WAIT_S) for tag in ("d-a1", "d-a2")]
+    fresh = io.submit(writer.written, NAME, "d-a3", WAIT_S)
+    writer.cancel(NAME, "d-a1")
+    writer.cancel(NAME, "d-a2")
+    writer.snapshot(_request(tmp_path, "d-a3"), replica, {}, 0)
+    for tag, wait in zip(("d-a1", "d-a2"), stale):
+        with pytest.raises(RuntimeError, match=f"{NAME}/{tag} was abandoned by the driver"):
+            wait.result(timeout=WAIT_S / 2)
+    assert fresh.result(timeout=WAIT_S / 2).files
     io.shutdown()
 
 
-def test_a_new_attempt_leaves_an_older_one_being_written_to_finish(tmp_path):
+def test_a_cancelled_attempt_takes_no_late_snapshot_and_its_later_wait_ends_at_once(tmp_path):
     writer, replica = _writer(), FakeReplica("RAdam", {"lr": 0.01})
     replica.train(2)
-    writer.snapshot(SnapshotRequest(2, str(tmp_path), "step-00000002", "d-a1", 0, 1), replica, {}, 0)
+    writer.cancel(NAME, "d-a1")
+    with pytest.raises(RuntimeError, match="abandoned by the driver"):
+        writer.snapshot(_request(tmp_path, "d-a1"), replica, {}, 0)
+    with pytest.raises(RuntimeError, match="abandoned by the driver"):
+        writer.written(NAME, "d-a1", WAIT_S)
+    assert not (tmp_path / NAME).exists()
+
+
+def test_a_cancel_leaves_a_part_being_written_to_finish(tmp_path):
+    writer, replica = _writer(), FakeReplica("RAdam", {"lr": 0.01})
     replica.train(2)
-    writer.snapshot(SnapshotRequest(4, str(tmp_path), "step-00000004", "d-a2", 0, 1), replica, {}, 0)
-    assert writer.written("step-00000002", "d-a1", WAIT_S).files
-    assert writer.written("step-00000004", "d-a2", WAIT_S).files
+    writer.snapshot(_request(tmp_path, "d-a1"), replica, {}, 0)
+    writer.cancel(NAME, "d-a1")
+    assert writer.written(NAME, "d-a1", WAIT_S).files

@@ -448,6 +448,12 @@ class TrainWorker:
             self._last_snapshot = (ended, ended - started)
             self._enter(step, phase)
 
+    @ray.method(concurrency_group="control")
+    def cancel_checkpoint(self, name: str, tag: str) -> None:
+        """The driver abandoned attempt ``tag`` of checkpoint ``name``: a wait for it ends at
+        once, unless its snapshot was taken (``CheckpointWriter.cancel``)."""
+        self.checkpoints.cancel(name, tag)
+
     @ray.method(concurrency_group="io")
     def checkpoint_written(self, name: str, tag: str, timeout_s: float) -> PartWritten:
         """Wait (up to ``timeout_s``) for attempt ``tag`` of checkpoint ``name`` to be written;

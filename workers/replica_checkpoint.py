@@ -90,6 +90,12 @@ def chain_future(done: Future[Any], into: Future[Any]) -> None:
         into.set_result(done.result())
 
 
+def _abandon(attempt: str, outcome: Future[PartWritten]) -> None:
+    """Settle ``outcome``, the write of cancelled checkpoint ``attempt``, as abandoned."""
+    if not outcome.done():
+        outcome.set_exception(RuntimeError(f"checkpoint attempt {attempt} was abandoned by the driver before its snapshot"))
+
+
 class CheckpointWriter:
     """Writes the replica's parts of checkpoints on a thread of its own while training goes on.
 
@@ -97,10 +103,11 @@ class CheckpointWriter:
     it (the two run in different concurrency groups, so either may come first). ``chaos`` may
     kill the worker mid-write, calling ``on_death`` first.
 
-    The driver has one checkpoint attempt under way at a time, so a snapshot of a new attempt
-    settles, with an error, every older one whose snapshot never came (its batch failed, or
-    was dropped in a recovery): a wait for such an attempt would otherwise hold the actor's one
-    ``io`` thread for ``timeouts.checkpoint_s``, and the new attempt's wait queued behind it.
+    An attempt the driver abandons (``cancel``: its batch failed before the step, a worker left,
+    it ran out of time) ends at once if its snapshot has not come: a wait for it, running or
+    still queued, raises, and its snapshot is not taken. Otherwise such a wait would hold the
+    actor's one ``io`` thread for ``timeouts.checkpoint_s``, every later attempt's wait queued
+    behind it.
     """
 
     def __init__(self, chaos: ChaosSchedule, on_death: Callable[[], None]) -> None:
@@ -113,7 +120,8 @@ class CheckpointWriter:
         # 5-6 ms at the same priority (docs/benchmarks.md, "Checkpoint overhead").
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ringleader-checkpoint")
         self._writes: dict[str, Future[PartWritten]] = {}
-        self._snapshotted: set[str] = set()  # attempts in ``_writes`` whose snapshot came
+        self._taken: set[str] = set()  # attempts whose snapshot came
+        self._cancelled: set[str] = set()  # attempts the driver abandoned (a few strings a failure)
         self._writes_lock = threading.Lock()
 
     def snapshot(
@@ -121,12 +129,14 @@ class CheckpointWriter:
     ) -> float:
         """Copy part ``request.index`` of ``request.count`` of ``replica``'s state after
         ``request.step`` steps (with rank ``rank``'s top-k ``residuals``) to memory and start
-        writing it. Raises RuntimeError if the replica is not there (an aborted step). Returns
-        the seconds the copy took."""
+        writing it. Raises RuntimeError if the replica is not there (an aborted step) or the
+        attempt was cancelled. Returns the seconds the copy took."""
         step, name = request.step, request.name
         attempt = f"{name}/{request.tag}"
         written = self._start(attempt)
         try:
+            if written.done():  # cancelled before its snapshot came
+                written.result()
             if replica.next_step != step:
                 raise RuntimeError(
                     f"checkpoint {name} wants the state after step {step}, this replica is at {replica.next_step}"
@@ -137,7 +147,8 @@ class CheckpointWriter:
             part = take_snapshot(step, request.index, request.count, flat, whole, residuals)
             part.copy_s = time.perf_counter() - started
         except BaseException as err:
-            written.set_exception(err)
+            if not written.done():
+                written.set_exception(err)
             raise
         writing = self._writer.submit(self._write, CheckpointStorage(request.root), name, request.tag, part, rank)
         writing.add_done_callback(lambda done: chain_future(done, written))
@@ -145,32 +156,44 @@ class CheckpointWriter:
 
     def written(self, name: str, tag: str, timeout_s: float) -> PartWritten:
         """Wait (up to ``timeout_s``) for attempt ``tag`` of checkpoint ``name`` to be written;
-        returns what was written (the files, the write's CPU) or raises the write's error or
-        TimeoutError."""
+        returns what was written (the files, the write's CPU) or raises the write's error,
+        TimeoutError, or RuntimeError if the attempt was cancelled before its snapshot."""
         attempt = f"{name}/{tag}"
         try:
             return self._future(attempt).result(timeout=timeout_s)
         finally:
             with self._writes_lock:
                 self._writes.pop(attempt, None)
-                self._snapshotted.discard(attempt)
+                self._taken.discard(attempt)
+
+    def cancel(self, name: str, tag: str) -> None:
+        """The driver abandoned attempt ``tag`` of checkpoint ``name``: if its snapshot has not
+        come, a wait for it (now or later) raises at once and the snapshot is not taken; a part
+        already being written is left to finish (the driver prunes what has no manifest)."""
+        attempt = f"{name}/{tag}"
+        with self._writes_lock:
+            self._cancelled.add(attempt)
+            outcome = self._writes.get(attempt)
+            if outcome is not None and attempt not in self._taken:
+                _abandon(attempt, outcome)
 
     def _future(self, attempt: str) -> Future[PartWritten]:
         """The outcome of one checkpoint attempt's write (``name/tag``), shared by ``snapshot``
-        and ``written``, whichever asks first."""
+        and ``written``, whichever asks first; settled already if the attempt was cancelled
+        before its snapshot."""
         with self._writes_lock:
-            return self._writes.setdefault(attempt, Future())
+            outcome = self._writes.setdefault(attempt, Future())
+            if attempt in self._cancelled and attempt not in self._taken:
+                _abandon(attempt, outcome)
+            return outcome
 
     def _start(self, attempt: str) -> Future[PartWritten]:
-        """``attempt``'s outcome, its snapshot under way: every older attempt still waiting
-        for its snapshot is settled as superseded (see the class doc)."""
+        """``_future`` for ``attempt``'s snapshot, marking it taken unless it was cancelled."""
+        outcome = self._future(attempt)
         with self._writes_lock:
-            self._snapshotted.add(attempt)
-            for other, outcome in self._writes.items():
-                if other not in self._snapshotted and not outcome.done():
-                    why = f"checkpoint attempt {other} was superseded by {attempt}: its snapshot never came"
-                    outcome.set_exception(RuntimeError(why))
-            return self._writes.setdefault(attempt, Future())
+            if attempt not in self._cancelled:
+                self._taken.add(attempt)
+        return outcome
 
     def _write(self, storage: CheckpointStorage, name: str, tag: str, part: PartSnapshot, rank: int) -> PartWritten:
         if self.chaos.kill_due("checkpoint", part.step - 1):

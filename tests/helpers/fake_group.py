@@ -199,6 +199,7 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
         self._following: tuple[Call, ...] | None = None  # the open run's calls (FakeFollow handles), shared as Ray's are
         # A checkpoint's writes awaited before its batch is submitted (by name and tag).
         self._awaited: dict[tuple[str, str], list[FakeCall]] = {}
+        self.cancelled: list[tuple[tuple[int, ...], str, str]] = []  # (workers, name, tag) of each cancel_writes
 
     # Membership
 
@@ -479,6 +480,9 @@ class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
             writes.append(write)
         self._awaited[(requests[0].name, requests[0].tag)] = writes
         return [self._call(write) for write in writes]
+
+    def cancel_writes(self, workers: Sequence[int], name: str, tag: str) -> None:
+        self.cancelled.append((tuple(w for w in workers if w in self.workers), name, tag))  # members only, as Ray's
 
     def evaluate(self, timeout_s: float) -> dict[str, float]:
         return {"loss": 0.0}
