@@ -342,7 +342,10 @@ class RayWorkerGroup(Membership[Member, Joiner]):
     def cancel_writes(self, workers: Sequence[int], name: str, tag: str) -> None:
         for member in self.members:
             if member.info.worker in workers:
-                member.actor.cancel_checkpoint.remote(name, tag)  # its error, if it died, is of no use
+                try:  # best effort, never waited for: its error, if it died, is of no use
+                    member.actor.cancel_checkpoint.remote(name, tag)
+                except (ray.exceptions.RayError, RuntimeError):  # Ray itself gone (the job's end after a failure)
+                    return
 
     def evaluate(self, timeout_s: float) -> dict[str, float]:
         """Rank 0's evaluation metrics ({} without an eval dataset)."""
