@@ -27,7 +27,9 @@ from workers.chaos import ChaosSchedule
 from workers.generic_optimizer import decay_groups, resolve_optimizer_class
 from workers.objective import Objective
 from workers.sampler import ShardSampler
-from workers.training import autocast, evaluate_job, fetch_batch
+from workers.precision import autocast
+from workers.evaluate import evaluate_job
+from workers.batches import fetch_batch
 
 _STOCK_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,

@@ -32,7 +32,8 @@ class PlainLoop:
 
     def step(self, index: int) -> None:
         """Train step ``index`` (its windows: every shard's, as the sampler deals them)."""
-        from workers.training import autocast, fetch_batch
+        from workers.precision import autocast
+        from workers.batches import fetch_batch
 
         job = self.job
         indices = [int(i) for shard in range(job.shards) for i in self.sampler.shard_indices(index, shard)]

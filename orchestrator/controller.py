@@ -15,7 +15,8 @@ from typing import Any
 from jobspec.job import JobConfig
 from jobspec.wire import SnapshotOrder
 from orchestrator.chaos_control import ChaosControl, ChaosError
-from orchestrator.checkpointing import CheckpointCoordinator, ResumePoint
+from orchestrator.checkpointing import CheckpointCoordinator
+from orchestrator.resume_point import ResumePoint
 from orchestrator.control_meter import ControlPlaneMeter
 from orchestrator.errors import JobFailed
 from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError

@@ -197,7 +197,7 @@ def check_loss(job: JobConfig, source: str) -> None:
     import torch
 
     from workers.objective import Objective, ScalarLossError
-    from workers.training import fetch_batch, move_to
+    from workers.batches import fetch_batch, move_to
 
     meta = torch.device("meta")
     try:

@@ -288,7 +288,7 @@ def run_job(
         RunDirectory.ensure_free(path)
     resume = None
     if resuming:
-        from orchestrator.checkpointing import find_resume_point
+        from orchestrator.resume_point import find_resume_point
 
         resume = find_resume_point(job, path, warn)
     checked: Future[None] = Future()
@@ -305,7 +305,7 @@ def run_job(
         from orchestrator.checkpoint_namespace import hold_namespace
         from orchestrator.controller import JobController
         from orchestrator.metrics import JobMetrics, MetricsListener
-        from orchestrator.ray_calls import driver_store
+        from orchestrator.rendezvous import driver_store
         from orchestrator.worker_group import RayWorkerGroup
 
         run = RunDirectory(path, resume=resuming)

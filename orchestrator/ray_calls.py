@@ -1,5 +1,5 @@
-"""Ray's side of a call into a worker: its errors classified for the controller, and the
-driver's store on this node's address. Used by ``orchestrator/worker_group.py``."""
+"""Ray's side of a call into a worker: its errors classified for the controller. Used by
+``orchestrator/worker_group.py``."""
 
 from __future__ import annotations
 
@@ -10,14 +10,6 @@ import ray
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from orchestrator.group import CallFailed, FailureKind, WorkerGroupError
-from orchestrator.rendezvous import RendezvousStore
-
-
-def driver_store(timeout_s: float, claim_stores: int = 1) -> RendezvousStore:
-    """The job's rendezvous store, on this (the driver's) Ray node's address, served by a child
-    process of the driver, shard claims spread over it and ``claim_stores - 1`` more such
-    processes (``close`` it when the job ends)."""
-    return RendezvousStore(ray.util.get_node_ip_address(), timeout_s, own_process=True, claim_stores=claim_stores)
 
 
 def failure_of(worker: int, err: BaseException) -> CallFailed:

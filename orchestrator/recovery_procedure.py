@@ -17,22 +17,14 @@ from jobspec.job import JobConfig
 from jobspec.step_record import StepRecord
 from jobspec.wire import Progress
 from orchestrator.chaos_control import ChaosControl
-from orchestrator.checkpointing import CheckpointCoordinator, find_resume_point
+from orchestrator.checkpointing import CheckpointCoordinator
+from orchestrator.resume_point import find_resume_point
 from orchestrator.errors import JobFailed
 from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.membership import JoinerPool
 from orchestrator.pipeline import InFlight, StepOutcome, batch_reports
-from orchestrator.recovery import (
-    MAX_REFORMS,
-    PROBE_S,
-    GiveUp,
-    Recovery,
-    Reformed,
-    Reformer,
-    StateLost,
-    settle,
-    sharding_of,
-)
+from orchestrator.recovery import MAX_REFORMS, PROBE_S, GiveUp, Reformed, Reformer, StateLost, settle, sharding_of
+from orchestrator.recovery_log import Recovery
 from orchestrator.recovery_plan import plan_recovery, redo_after_reform
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.run_dir import RunDirectory

@@ -22,7 +22,7 @@ from jobspec.wire import WorkerInfo
 from orchestrator.checkpointing import CheckpointCoordinator
 from orchestrator.group import WorkerGroup
 from orchestrator.ledger import CommitLedger
-from orchestrator.recovery import RecoveryLog
+from orchestrator.recovery_log import RecoveryLog
 from orchestrator.run_dir import RunDirectory
 from orchestrator.states import Failed, Finished, State, Stopped
 from orchestrator.summary import job_goodput, job_summary

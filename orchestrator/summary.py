@@ -9,7 +9,7 @@ from typing import Any
 
 from jobspec.job import JobConfig
 from orchestrator.ledger import CommitLedger
-from orchestrator.recovery import Recovery
+from orchestrator.recovery_log import Recovery
 from policies.goodput import Goodput, RecoverySpans, account
 
 #: Counters of what happened during a job (``summary["events"]``).

@@ -22,7 +22,7 @@ from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
 from orchestrator.chaos_control import ChaosControl
 from orchestrator.checkpoint_namespace import OWNER_FILE, hold_namespace, namespace_root
-from orchestrator.checkpointing import config_hash, find_resume_point
+from orchestrator.resume_point import config_hash, find_resume_point
 from orchestrator.controller import JobController
 from orchestrator.job_file import load_job
 from orchestrator.launch import run_job

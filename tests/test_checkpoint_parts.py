@@ -7,7 +7,8 @@ import torch
 
 from workers.checkpoint_manifest import CheckpointCorrupt, verify_checkpoint, write_manifest
 from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpointing import load_residuals, load_state, part_range, take_snapshot, write_snapshot
+from workers.checkpointing import part_range, take_snapshot, write_snapshot
+from workers.checkpoint_reading import load_residuals, load_state
 
 
 @pytest.mark.parametrize(("numel", "count"), [(10, 3), (7, 7), (3, 5), (1000, 4)])
@@ -188,7 +189,7 @@ def test_a_thread_reuses_its_buffer_and_an_earlier_files_bytes_never_show_in_a_l
 
 
 def test_a_span_reads_from_the_parts_that_hold_it_into_any_dtype_and_layout(tmp_path):
-    from workers.checkpointing import open_checkpoint
+    from workers.checkpoint_reading import open_checkpoint
 
     storage, flat, whole = _checkpoint(tmp_path, count=3)  # parts [0, 334), [334, 668), [668, 1001)
     saved = open_checkpoint(storage, "step-00000007", verify_checkpoint(storage, "step-00000007"))

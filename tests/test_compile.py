@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.overhead import solo_worker
 from benchmarks.workloads import EXAMPLES
-from orchestrator.checkpointing import config_hash
+from orchestrator.resume_point import config_hash
 from orchestrator.job_file import load_job
 from tests.helpers.jobs import CONTROL_MARGIN, YARDSTICK_MULTIPLE, distance
 

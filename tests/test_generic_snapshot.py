@@ -25,7 +25,8 @@ from workers.chaos import ChaosSchedule
 from workers.checkpoint_manifest import verify_checkpoint, write_manifest
 from workers.checkpoint_storage import CheckpointStorage
 from workers import tensor_file
-from workers.checkpointing import FlatPieces, read_part
+from workers.checkpointing import FlatPieces
+from workers.checkpoint_reading import read_part
 from workers.generic_optimizer import STATE_ENTRY, GenericOptimizer
 from workers.optimizer_state import as_loaded
 from workers.replica_checkpoint import CheckpointWriter, restore_state

@@ -16,7 +16,9 @@ from workers.flat_optimizer import FlatOptimizer
 from workers.generic_optimizer import GenericOptimizer, decay_groups
 from workers.loss_scaler import LossScaler
 from workers.objective import Objective
-from workers.training import FlatParameters, evaluate_model, fetch_batch, move_to
+from workers.training import FlatParameters
+from workers.evaluate import evaluate_model
+from workers.batches import fetch_batch, move_to
 
 
 def _grads(model: torch.nn.Module) -> torch.Tensor:

@@ -24,7 +24,7 @@ from workers import replica_checkpoint
 from workers.actor import TrainWorker
 from workers.checkpoint_manifest import verify_checkpoint
 from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpointing import read_part
+from workers.checkpoint_reading import read_part
 
 
 def _progress(

@@ -46,7 +46,7 @@ from workers import plan_channel
 from workers.census import WEIGHT_SLOT, census_slots
 from workers.chaos import ChaosSchedule, death_key, kill_self
 from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpointing import load_residuals
+from workers.checkpoint_reading import load_residuals
 from workers.claims import ShardClaims
 from workers.communicator import pick_backend
 from workers.devices import make_current, on_worker_device, worker_device
@@ -63,7 +63,10 @@ from workers.step_buffers import StepBuffers
 from workers.step_report import StepClock, StepTraffic, step_report
 from workers.step_verdict import GradientMeasure, StepVerdict, measure_gradient, read_verdict
 from workers.step_work import ClaimedStep, RescuePass, StepWork
-from workers.training import autocast, evaluate_job, fetch_batch, flatten_onto, move_to
+from workers.training import flatten_onto
+from workers.precision import autocast
+from workers.evaluate import evaluate_job
+from workers.batches import fetch_batch, move_to
 
 #: When this module (and with it torch and the worker's code) had loaded: the launch's breakdown.
 IMPORTED_AT = time.time()

@@ -20,7 +20,8 @@ from jobspec.wire import PartWritten, SnapshotRequest
 from policies.sharding import Span
 from workers.chaos import ChaosSchedule, kill_self
 from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpointing import FlatPieces, PartSnapshot, open_checkpoint, take_snapshot, write_snapshot
+from workers.checkpointing import FlatPieces, PartSnapshot, take_snapshot, write_snapshot
+from workers.checkpoint_reading import open_checkpoint
 from workers.named_tensors import check_fit, copy_by_name
 from workers.replica import Replica
 

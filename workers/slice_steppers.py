@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from policies.sharding import clip_span
-from workers.checkpointing import FlatPieces, SavedFlat, read_span
+from workers.checkpointing import FlatPieces
+from workers.checkpoint_reading import SavedFlat, read_span
 from workers.flat_optimizer import FlatOptimizer
 from workers.generic_optimizer import FLAT_PREFIX, SKELETON, TENSOR_PREFIX, GenericOptimizer, decay_groups, resolve_optimizer_class
 from workers.named_tensors import check_fit

@@ -17,7 +17,7 @@ from jobspec.failures import CollectiveAborted
 from jobspec.runtime import CollectiveConfig
 from policies.collective_choice import CollectiveChoice
 from policies.sharding import ShardingLayout, Span
-from workers.checkpointing import SavedFlat
+from workers.checkpoint_reading import SavedFlat
 from workers.comm_group import CommGroup
 from workers.communicator import Communicator, NativeAllReduce, make_communicator
 from workers.compression import OWN_TRANSPORT, TopKAllReduce, compress

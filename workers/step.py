@@ -64,7 +64,9 @@ from workers.sampler import ShardSampler
 from workers.seeding import piece_seed, seed_forward, shard_seed
 from workers.step_buffers import StepBuffers
 from workers.step_work import ClaimedStep, PassResult, RescuePass, StepWork
-from workers.training import FlatParameters, autocast, fetch_batch, move_to
+from workers.training import FlatParameters
+from workers.precision import autocast
+from workers.batches import fetch_batch, move_to
 
 # How often an idle worker looks at the claims again (store round trips are ~50-150 us).
 POLL_S = 0.002

@@ -1,104 +1,10 @@
-"""Model-side building blocks of a worker: batches, precision, evaluation, flat parameters and gradients."""
+"""A model's trainable parameters and their gradients as views into one flat buffer."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
 
-import numpy as np
 import torch
-from torch.utils.data import Dataset, default_collate
-
-from jobspec import targets as factories
-from workers.devices import map_tensors
-from workers.objective import Objective
-
-if TYPE_CHECKING:
-    from jobspec.job import JobConfig
-
-
-def fetch_batch(dataset: Dataset, indices: np.ndarray, collate: Callable[[list[Any]], Any] | None = None) -> Any:
-    """Gather samples by index: one indexing op for a TensorDataset (without a ``collate``),
-    else item by item through ``collate`` (default: torch's ``default_collate``, which stacks
-    tensors, tuples and dicts of tensors)."""
-    tensors = getattr(dataset, "tensors", None)
-    if tensors is not None and collate is None:
-        idx = torch.from_numpy(indices)
-        return tuple(t[idx] for t in tensors)
-    return (collate or default_collate)([dataset[int(i)] for i in indices])
-
-
-def evaluate_job(model: torch.nn.Module, job: JobConfig, objective: Objective) -> dict[str, float]:
-    """``evaluate_model`` on the job's eval dataset, as its ``eval`` spec says (its collate, or
-    the training dataset's; its metrics and batch; the job's precision); {} without one."""
-    spec = job.eval
-    if spec is None:
-        return {}
-    return evaluate_model(
-        model, factories.build(spec.factory, spec.kwargs), objective, batch=spec.batch_size,
-        collate=factories.optional_callable(spec.collate or job.dataset.collate),
-        metrics=factories.optional_callable(spec.metrics), precision=job.precision,
-    )
-
-
-def move_to(batch: Any, device: torch.device) -> Any:
-    """``batch`` (a tensor, or tuples, lists and dicts of them) on ``device``; anything else as
-    is. The copies do not block the host: from pinned memory (``workers/devices.py``,
-    ``host_batch``) they overlap with compute."""
-    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=True))
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
-    """The forward's context for ``precision`` (fp32, bf16 or fp16): ``torch.autocast`` to the
-    half type (parameters, gradients and optimizer state stay fp32), or nothing."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-
-
-def evaluate_model(
-    model: torch.nn.Module,
-    dataset: Dataset,
-    objective: Objective,
-    *,
-    batch: int = 256,
-    collate: Callable[[list[Any]], Any] | None = None,
-    metrics: Callable[..., Mapping[str, Any]] | None = None,
-    precision: str = "fp32",
-) -> dict[str, float]:
-    """The objective's loss over ``dataset`` (its loss sum over its weight), accuracy (for
-    the built-in classification losses: correct over weighed predictions) and the user's
-    ``metrics`` sums divided by the number of samples; without gradients, leaving the model in
-    the mode it found it. Raises ValueError if ``metrics`` returns something other than a dict
-    of numbers."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    loss_total, weight, correct = 0.0, 0.0, 0.0
-    sums: dict[str, float] = {}
-    has_accuracy = True
-    with torch.no_grad():
-        for lo in range(0, len(dataset), batch):
-            indices = np.arange(lo, min(lo + batch, len(dataset)))
-            data = move_to(fetch_batch(dataset, indices, collate), device)
-            with autocast(device, precision):
-                result = objective(model, data, len(indices))
-                extra = metrics(model, data) if metrics is not None else {}
-            loss_total += float(result.total)
-            weight += float(result.weight)
-            has_accuracy = has_accuracy and result.correct is not None
-            correct += result.correct() if result.correct is not None else 0.0
-            if not isinstance(extra, Mapping):
-                raise ValueError(f"field 'eval.metrics' returned {type(extra).__name__}: expected a dict of numbers")
-            for key, value in extra.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-    model.train(was_training)
-    found = {"loss": loss_total / weight if weight else float("nan"), "samples": float(len(dataset))}
-    if has_accuracy and weight:
-        found["accuracy"] = correct / weight
-    found.update({key: total / max(len(dataset), 1) for key, total in sums.items()})
-    return found
 
 
 class FlatParameters:
