@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from policies.collective_cost import Fabric, Link, allreduce_s, fit_link
-from workers.comm_group import CommGroup
-from workers.communicator import make_communicator
-from workers.process_group import new_process_group
+from workers.comm.comm_group import CommGroup
+from workers.comm.communicator import make_communicator
+from workers.comm.process_group import new_process_group
 
 MB = 1 << 20
 DEFAULT_SIZES_MB = (1, 4, 16, 64)

@@ -3,7 +3,7 @@ worker count grows, on real Ray actors with a null model (``benchmarks/null_mode
 
 Each worker count runs as its own job in a fresh process (its own Ray), with the defaults a user
 gets (mitigation on: claims in the store every step). The job's ``summary.json`` holds its
-``control_plane`` medians (``orchestrator/control_meter.py``): driver CPU and busy time per
+``control_plane`` medians (``orchestrator/output/control_meter.py``): driver CPU and busy time per
 step, step wall time, store round trips and bytes per step. A least-squares line
 ``cost = fixed + per_worker x N`` through them predicts the cost at any N; the issue's bar is
 the driver's cost at 4096 workers as a share of a 1 s step.
@@ -154,7 +154,7 @@ def main(
     out: dict[str, Any] = {}
     if synthetic:
         from benchmarks.driver_scale import main_synthetic
-        from orchestrator.metrics import WORKER_GAUGES_EVERY_S
+        from orchestrator.output.metrics import WORKER_GAUGES_EVERY_S
 
         rows = main_synthetic(control_plane_job, synthetic, steps)
         out["synthetic"] = rows

@@ -134,7 +134,7 @@ def peak_memory(model: torch.nn.Module, batch: Any) -> dict[str, float]:
 
 def _job(size: GptSize, device: str, steps: int, compile_model: bool = False) -> Any:
     from benchmarks.workloads import EXAMPLES
-    from orchestrator.job_file import load_job
+    from orchestrator.job.reading import load_job
 
     resources = "{CPU: 1, GPU: 1}" if device == "cuda" else "{CPU: 1}"
     data = f"{{split: val, block_size: {size.block_size}}}"

@@ -40,7 +40,7 @@ TARGET_MS = 2.0
 def overhead_job(device: str, steps: int) -> Any:
     """The GPT recipe (examples/gpt.yaml) at the scaled layout, one worker on ``device``."""
     from benchmarks.workloads import EXAMPLES
-    from orchestrator.job_file import load_job
+    from orchestrator.job.reading import load_job
 
     model = {"vocab_size": 256, "block_size": BLOCK, "n_layer": LAYERS, "n_head": HEADS, "n_embd": WIDTH}
     resources = "{CPU: 1, GPU: 1}" if device == "cuda" else "{CPU: 1}"

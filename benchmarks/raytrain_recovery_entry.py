@@ -68,7 +68,7 @@ from benchmarks.ddp_loop import train_ddp  # noqa: E402
 from benchmarks.entry_args import entry_parser, read_job  # noqa: E402
 from jobspec.durable import read_jsonl  # noqa: E402
 from jobspec.job import JobConfig  # noqa: E402
-from workers.sampler import ShardSampler  # noqa: E402
+from workers.data.sampler import ShardSampler  # noqa: E402
 
 # Files in the scratch directory, shared by the driver and the workers (one machine).
 STATE_FILE = "state.pt"  # inside each checkpoint directory

@@ -36,7 +36,7 @@ from benchmarks.torchft_loop import torchft_refusal
 from benchmarks.workloads import workload_job
 from jobspec.job import JobConfig
 from jobspec.step_record import read_telemetry
-from workers.sampler import ShardSampler
+from workers.data.sampler import ShardSampler
 
 RUN_TIMEOUT_S = 900.0
 CONTENDERS = ("ringleader", "ray_train", "torchft")

@@ -14,7 +14,7 @@ same job as the stock DDP peer, with PyTorch's own ways to shard training state.
 ``StepPeak`` measures one step of a rank the way the bench measures ours: the bytes of the
 training state the rank holds when the step starts (parameters, gradients, optimizer state,
 buffers, the local shards of DTensors, each storage once) plus the step's peak above that level
-(``orchestrator/memory_probe.py``'s ``PeakMemory``: torch's profiler memory events, this
+(``orchestrator/commands/memory_probe.py``'s ``PeakMemory``: torch's profiler memory events, this
 thread's only). One difference from ours: the loop drops its gradients before the forward
 (``zero_grad(set_to_none=True)``), and the profiler never sees a block allocated before it
 started being freed, so the new gradients count in the step's peak while the old ones still
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from benchmarks.ddp_loop import OptimizerFactory, stock_class, stock_groups, stock_optimizer
 from jobspec.recipe import OptimizerConfig
-from orchestrator.memory_probe import PeakMemory, state_bytes
+from orchestrator.commands.memory_probe import PeakMemory, state_bytes
 
 VARIANTS = ("ddp", "zero", "fsdp2")
 

@@ -4,7 +4,7 @@
 spawned processes over gloo (``benchmarks/ranks.py``); for each job (a workload at one
 ``sharding.group_size``) every rank joins a fresh group, trains ``MEASURED_STEP`` steps (the
 first creates the state and warms kernels and caches), then one more under ``PeakMemory``
-(``orchestrator/memory_probe.py``: the CPU allocator's events through torch's profiler, this
+(``orchestrator/commands/memory_probe.py``: the CPU allocator's events through torch's profiler, this
 thread's only). What a rank holds is read from its tensors, each storage once:
 
 * ``parameters``: ``FlatParameters.values`` (the model's parameters are views into it);
@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.ranks import spawn_ranks
 from jobspec.job import JobConfig
-from orchestrator.memory_report import holds_whole_gradient, job_pass
+from orchestrator.commands.plan import holds_whole_gradient, job_pass
 from policies.memory_plan import RankBytes, Sharding, rank_bytes
 
 #: Steps before the measured one: the first creates the optimizer state (a sharded rank's at its
@@ -42,7 +42,7 @@ def _measure_rank(rank: int, world: int, port: int, jobs: list[tuple[str, int, s
     """Rank ``rank``'s figures for each of ``jobs`` (workload, group size, the job as JSON), by
     ``"workload/g"``; rank 0 adds ``probe/workload``: ``probe_job`` of each workload's first job."""
     from jobspec.wire import JoinRequest
-    from orchestrator.memory_probe import PeakMemory, probe_job, state_bytes
+    from orchestrator.commands.memory_probe import PeakMemory, probe_job, state_bytes
     from policies.split import even_bounds
     from policies.work_stealing import StepPlan
     from workers.actor import TrainWorker

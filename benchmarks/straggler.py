@@ -8,7 +8,7 @@ all-reduce). ``--kind stall``: each step of each worker stalls with ``probabilit
 ``stall_steps`` x the clean step time, ``during`` its data fetch (which the mitigation can
 rescue) or its compute (after it sealed its shards: nobody can take them over). The stalls are
 drawn from a seed, the worker id and the step alone, so every variant and Ray Train see
-exactly the same ones (``workers/chaos.py``).
+exactly the same ones (``workers/runtime/chaos.py``).
 
 In one run, interleaved and repeated: (a) ringleader clean, (b) the chaos with mitigation off,
 (c) the chaos with mitigation on, (d) Ray Train ``TorchTrainer`` (DDP) and (d') Ray Train +

@@ -46,7 +46,7 @@ from benchmarks.torchft_loop import (  # noqa: E402
 )
 from jobspec.durable import read_jsonl  # noqa: E402
 from jobspec.job import JobConfig  # noqa: E402
-from workers.sampler import ShardSampler  # noqa: E402
+from workers.data.sampler import ShardSampler  # noqa: E402
 
 ATTEMPTS = "attempts-{replica}.jsonl"  # every step attempt of one replica (all its lives)
 

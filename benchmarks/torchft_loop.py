@@ -34,7 +34,7 @@ from torch.distributed import ReduceOp
 
 from benchmarks.ddp_loop import PeerRecipe
 from jobspec.job import JobConfig
-from workers.chaos import ChaosSchedule
+from workers.runtime.chaos import ChaosSchedule
 
 #: torchft's collective, quorum and healing timeouts (Ray's example uses 30 s for the process
 #: group and 60 s for the manager: generous enough to re-form gloo after a replica dies).

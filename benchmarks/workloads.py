@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from jobspec.job import JobConfig
-from orchestrator.job_file import load_job
+from orchestrator.job.reading import load_job
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -2,7 +2,7 @@
 field types that name user code (an import path, a built-in's name, or the callable itself).
 
 Validating an import path here imports only its parent packages: user modules (and torch with
-them) are imported by ``orchestrator/job_file.py``'s ``resolve_job``, off the fast path.
+them) are imported by ``orchestrator/job/reading.py``'s ``resolve_job``, off the fast path.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ checks that span its sections.
 
 The defaults of :class:`JobConfig` are the built-in example (the digits classifier), so
 ``ringleader run`` with no job file trains it; ``examples/digits.yaml`` spells the same job out.
-Reading a job file and ``--set`` overrides into a JobConfig is ``orchestrator/job_file.py``.
+Reading a job file and ``--set`` overrides into a JobConfig is ``orchestrator/job/reading.py``.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ BUILTIN_LOSSES: tuple[str, ...] = ("cross_entropy", "mse", "causal_lm")
 
 
 class LossConfig(StrictModel):
-    """The training loss (``workers/objective.py``): a built-in ``name`` (``cross_entropy``,
+    """The training loss (``workers/model/objective.py``): a built-in ``name`` (``cross_entropy``,
     ``mse``, ``causal_lm``) or a ``module:function`` (or callable) called as
     ``fn(model, batch, **kwargs)``, returning per-sample losses ``[batch]`` or a pair
     ``(loss_sum, weight)``. Built-ins take ``ignore_index`` (cross_entropy, causal_lm).
@@ -98,9 +98,9 @@ def _is_float(text: str) -> bool:
 
 class OptimizerConfig(StrictModel):
     """The optimizer: ``sgd``, ``adam`` and ``adamw`` step the flat parameter buffer with
-    torch's fused kernels (``workers/flat_optimizer.py``); any other name of a
+    torch's fused kernels (``workers/optim/fused.py``); any other name of a
     ``torch.optim.Optimizer`` (``RAdam``, ``Adagrad``, ...), a ``module:Class`` path or a class
-    runs through the generic path (``workers/generic_optimizer.py``). ``kwargs``: the
+    runs through the generic path (``workers/optim/generic.py``). ``kwargs``: the
     optimizer's constructor arguments (``lr`` is the base rate a schedule scales).
     ``decay_biases_and_norms``: false puts parameters with fewer than 2 dimensions (biases,
     norm weights) in a group without weight decay, as GPT-style recipes do.

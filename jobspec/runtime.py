@@ -15,7 +15,7 @@ class ScalingConfig(StrictModel):
     """How many workers, and what each one gets from Ray.
 
     ``resources_per_worker`` uses Ray's resource names: ``CPU``, ``GPU``, ``TPU`` or custom ones.
-    A worker trains on the GPU Ray assigned it (``workers/devices.py``): ``GPU: 1`` is one
+    A worker trains on the GPU Ray assigned it (``workers/runtime/devices.py``): ``GPU: 1`` is one
     worker per GPU; a fraction (``GPU: 0.5``) shares a GPU between workers and needs
     ``collective.backend: gloo`` (NCCL refuses two ranks on one GPU); more than one GPU per
     worker is refused until model parallelism exists.
@@ -201,7 +201,7 @@ class MlflowConfig(StrictModel):
 
 
 class TrackingConfig(StrictModel):
-    """Experiment tracking from the driver (``orchestrator/tracking.py``): per-step metrics,
+    """Experiment tracking from the driver (``orchestrator/output/tracking.py``): per-step metrics,
     eval metrics, the job config and the final model. ``tensorboard``: a log directory
     (relative: inside the run directory); ``mlflow``: see MlflowConfig; ``callbacks``: your own
     trackers, each built from a factory (``module:Class`` with kwargs) with any of the methods

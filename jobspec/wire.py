@@ -116,7 +116,7 @@ class JoinRequest:
     the group starts from (-1: rank 0's next step); the driver names one only for sharded
     state whose slices were all stepped past rank 0's parameters (docs/architecture.md,
     "Sharded optimizer state"). ``claim_ports``: the ports (at ``store_host``) of the stores
-    shard claims are spread over besides this one (``workers/claims.py``, ``ClaimStores``)."""
+    shard claims are spread over besides this one (``workers/step/claims.py``, ``ClaimStores``)."""
 
     store_host: str
     store_port: int

@@ -1,9 +1,9 @@
 """The job controller: owns a job from start to summary as a loop over states
-(``orchestrator/states.py``; docs/architecture.md, "The controller").
+(``orchestrator/steps/states.py``; docs/architecture.md, "The controller").
 
 Each state's handler does its work and returns the next state; ``_step`` runs one handler and
 returns ``(previous, next)``; every change of kind is an event in ``events.jsonl``. The
-controller talks to workers only through a ``WorkerGroup`` (``orchestrator/group.py``): Ray
+controller talks to workers only through a ``WorkerGroup`` (``orchestrator/group/interface.py``): Ray
 actors in a job, an in-process fake (``tests/helpers/fake_group.py``) in ``tests/test_recovery.py``.
 """
 
@@ -14,20 +14,20 @@ from typing import Any
 
 from jobspec.job import JobConfig
 from jobspec.wire import SnapshotOrder
-from orchestrator.chaos_control import ChaosControl, ChaosError
-from orchestrator.checkpointing import CheckpointCoordinator
-from orchestrator.resume_point import ResumePoint
-from orchestrator.control_meter import ControlPlaneMeter
+from orchestrator.group.chaos_control import ChaosControl, ChaosError
+from orchestrator.checkpoints.coordinator import CheckpointCoordinator
+from orchestrator.checkpoints.resume_point import ResumePoint
+from orchestrator.output.control_meter import ControlPlaneMeter
 from orchestrator.errors import JobFailed
-from orchestrator.group import CallFailed, WorkerGroup, WorkerGroupError
-from orchestrator.membership import JoinerPool
-from orchestrator.namespace_lease import NamespaceLease
-from orchestrator.pipeline import StepOutcome, StepPipeline, await_step
-from orchestrator.recovery import PROBE_S, sharding_of
-from orchestrator.recovery_procedure import RecoveryProcedure
-from orchestrator.rendezvous import RendezvousStore
-from orchestrator.run_dir import RunDirectory
-from orchestrator.states import (
+from orchestrator.group.interface import CallFailed, WorkerGroup, WorkerGroupError
+from orchestrator.group.membership import JoinerPool
+from orchestrator.checkpoints.lease import NamespaceLease
+from orchestrator.steps.pipeline import StepOutcome, StepPipeline, await_step
+from orchestrator.recovery.reform import PROBE_S, sharding_of
+from orchestrator.recovery.procedure import RecoveryProcedure
+from orchestrator.store.rendezvous import RendezvousStore
+from orchestrator.output.run_dir import RunDirectory
+from orchestrator.steps.states import (
     CheckpointingBeforeFailure,
     Failed,
     Finished,
@@ -40,13 +40,13 @@ from orchestrator.states import (
     check_transition,
     is_terminal,
 )
-from orchestrator.step_accounting import StepAccounting
-from orchestrator.straggler_control import StragglerControl
-from orchestrator.summary import EVENT_COUNTERS, JobResult
+from orchestrator.accounting.step_sinks import StepAccounting
+from orchestrator.steps.straggler_control import StragglerControl
+from orchestrator.accounting.summary import EVENT_COUNTERS, JobResult
 from policies.elasticity import pick_root
 from policies.run_ahead import RunAhead
 from policies.work_stealing import StepPlan
-from workers.claims import open_step
+from workers.step.claims import open_step
 
 
 class JobController:
@@ -54,8 +54,8 @@ class JobController:
     train, evaluate, save, summarise (see the module doc). ``launched``: ``perf_counter()`` at
     launch, for start-up milestones; ``resume``: the checkpoint to go on from; ``lease``: of
     the checkpoint namespace, held by the caller (``hold_namespace``). A committed
-    step is ``accounting``'s to fan out (``orchestrator/step_accounting.py``), a recovery
-    ``recovery``'s to carry out (``orchestrator/recovery_procedure.py``). It answers the step
+    step is ``accounting``'s to fan out (``orchestrator/accounting/step_sinks.py``), a recovery
+    ``recovery``'s to carry out (``orchestrator/recovery/procedure.py``). It answers the step
     pipeline's questions about each batch (``BatchHooks``)."""
 
     def __init__(
@@ -229,7 +229,7 @@ class JobController:
         self.meter.committed(outcome.records)
         return Running(pipeline.next_step)
 
-    # The pipeline's hooks (``orchestrator.pipeline.BatchHooks``)
+    # The pipeline's hooks (``orchestrator.steps.pipeline.BatchHooks``)
 
     def hold(self, first: int, count: int) -> bool:
         """Whether to submit the batch of ``count`` steps from ``first`` later: a checkpoint is

@@ -23,19 +23,19 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 from jobspec.fields import ConfigError, first_line
 from jobspec.job import JobConfig
 from jobspec.recipe import BUILTIN_LOSSES
-from orchestrator.job_file import resolve_job
-from orchestrator.loss_check import LossTrial
-from orchestrator.run_dir import RunDirectory, RunListener
+from orchestrator.job.reading import resolve_job
+from orchestrator.job.loss_check import LossTrial
+from orchestrator.output.run_dir import RunDirectory, RunListener
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
-    from orchestrator.summary import JobResult
+    from orchestrator.accounting.summary import JobResult
 
 # Imports cannot hang, but a wedged file system could; never wait forever.
 PRELOAD_TIMEOUT_S = 300.0
 # How long the launch waits for a user's loss to be tried (check_loss, in a child process
-# killed then: orchestrator/loss_check.py), from when the child has the job: a convenience, an
+# killed then: orchestrator/job/loss_check.py), from when the child has the job: a convenience, an
 # early refusal of a scalar loss, not worth delaying Ray's start for long; the workers refuse
 # one at step 0 anyway.
 LOSS_CHECK_S = 20.0
@@ -187,7 +187,7 @@ def _track(job: JobConfig, run: RunDirectory) -> None:
     config = job.tracking
     if config.tensorboard is None and config.mlflow is None and not config.callbacks:
         return
-    from orchestrator.tracking import TrackingListener, make_trackers
+    from orchestrator.output.tracking import TrackingListener, make_trackers
 
     report = lambda kind, **fields: run.event(kind, quiet=True, **fields)  # noqa: E731
     try:
@@ -234,7 +234,7 @@ def _preload(job: JobConfig, source: str, checked: Future[None]) -> None:
         raise
     checked.set_result(None)
     import orchestrator.controller  # noqa: F401
-    import orchestrator.worker_group  # noqa: F401 - imports Ray's actor machinery and torch
+    import orchestrator.group.ray_group  # noqa: F401 - imports Ray's actor machinery and torch
 
 
 def _wait(future: Future[None], source: str) -> None:
@@ -273,7 +273,7 @@ def run_job(
     ``local_nodes`` or the address is bad or a user's loss returns a scalar (when the check
     finishes in time; else the workers refuse it at step 0); ``source`` names the job in that
     message. Raises NamespaceBusy (a ConfigError) if another live driver holds the run's
-    checkpoint namespace (``orchestrator/checkpoint_namespace.py``).
+    checkpoint namespace (``orchestrator/checkpoints/namespace.py``).
     ``listeners`` are told what the run records (``RunDirectory.subscribe``); ``within``: a
     placement group reserved for the job (a Tune trial's) to run the workers in.
     """
@@ -288,7 +288,7 @@ def run_job(
         RunDirectory.ensure_free(path)
     resume = None
     if resuming:
-        from orchestrator.resume_point import find_resume_point
+        from orchestrator.checkpoints.resume_point import find_resume_point
 
         resume = find_resume_point(job, path, warn)
     checked: Future[None] = Future()
@@ -301,12 +301,12 @@ def run_job(
     with ray_session(address, local_nodes) as session, contextlib.ExitStack() as held:
         ray_ready = time.perf_counter() - launched
         _wait(preload, source)
-        from orchestrator.chaos_control import ChaosControl
-        from orchestrator.checkpoint_namespace import hold_namespace
+        from orchestrator.group.chaos_control import ChaosControl
+        from orchestrator.checkpoints.namespace import hold_namespace
         from orchestrator.controller import JobController
-        from orchestrator.metrics import JobMetrics, MetricsListener
-        from orchestrator.rendezvous import driver_store
-        from orchestrator.worker_group import RayWorkerGroup
+        from orchestrator.output.metrics import JobMetrics, MetricsListener
+        from orchestrator.store.rendezvous import driver_store
+        from orchestrator.group.ray_group import RayWorkerGroup
 
         run = RunDirectory(path, resume=resuming)
         # Closed on every way out, after the lease is released; a new run that fails before its

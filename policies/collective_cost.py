@@ -9,7 +9,7 @@ ranks on ``m`` nodes (``g = n / m`` per node):
   which ``2 (m - 1)`` cross nodes (as the NCCL version we read counts its ring's latency in
   ``src/graph/tuning.cc``; newer ones count ``2 m``); every hop waits for the slowest link of
   the ring, so the bandwidth term is ``2 (n - 1) / n x S / beta_slowest``;
-* **hierarchical** (ours, ``workers/ring.py``): a reduce-scatter within each node
+* **hierarchical** (ours, ``workers/comm/ring.py``): a reduce-scatter within each node
   (``g - 1`` hops of ``S / g`` over the intra link), a ring all-reduce of each rank's
   ``S / g`` across the ``m`` nodes (inter link), an all-gather within the node.
 

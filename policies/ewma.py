@@ -3,7 +3,7 @@
 The one smoothing rule for noisy measurements: the rebalancer's seconds per shard
 (``policies/rebalance.py``), the checkpoint policy's step time and checkpoint cost
 (``policies/checkpoint_interval.py``) and a slowed worker's own compute per shard
-(``workers/chaos.py``).
+(``workers/runtime/chaos.py``).
 """
 
 from __future__ import annotations

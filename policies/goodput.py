@@ -12,7 +12,7 @@ The causes of lost time, in seconds:
   ``waiting_for_workers``: below ``min_workers``, waiting for replacements;
 * ``redone_steps``: re-running steps that were in flight when a worker died;
 * ``stragglers``: in committed steps, the mean over workers of how long each waited for the
-  slowest (``orchestrator.ledger.straggler_wait``: in the all-reduce, or idle for others'
+  slowest (``orchestrator.accounting.ledger.straggler_wait``: in the all-reduce, or idle for others'
   shards);
 * ``finishing``: after the last step (final checkpoint, eval, saving the model).
 

@@ -1,7 +1,7 @@
 """The memory math of a run: bytes per rank under each sharding setting and precision. Pure: no Ray, no torch.
 
-The convention is what a worker holds (``workers/training.py`` ``FlatParameters``,
-``workers/flat_optimizer.py`` ``FlatOptimizer``), with ``N`` trainable parameters, ``E`` extra
+The convention is what a worker holds (``workers/model/flat_parameters.py`` ``FlatParameters``,
+``workers/optim/fused.py`` ``FlatOptimizer``), with ``N`` trainable parameters, ``E`` extra
 slots in front of the gradient (census, loss, sample count, buffer changes), sharding group
 size ``g`` and ``S = ceil(N / g)``, the largest slice ``policies/split.py`` cuts (the plan is
 for the rank that holds it):
@@ -13,7 +13,7 @@ for the rank that holds it):
 * **gradients** ``w (N + E)``: ``[extra | gradients]``, in the parameters' dtype; with
   ``shard_gradients`` a rank keeps only its slice once reduced, ``w (S + E)``: backward's
   gradients are taken out of the parameters bucket by bucket as the last backward of the step
-  produces them (``workers/overlap.py``). Not counted: the buckets not yet out and the copies
+  produces them (``workers/comm/gradient_reducer.py``). Not counted: the buckets not yet out and the copies
   in flight (a bucket or two while communication keeps up with backward; the probe runs the
   job unsharded, so its activations do not hold them).
 * **optimizer** ``k S + c``: ``k`` bytes of state per parameter (sgd: 0, with momentum 4;
@@ -23,7 +23,7 @@ for the rank that holds it):
   else 0: fp32 parameters are their own master.
 * **buffers**: the model's non-trained tensors (BatchNorm statistics), whole on every rank.
 * **gradient copy** ``w (N + E)`` when straggler mitigation may run: a backup pass clones the
-  gradient, a rescue pass the whole buffer (``workers/step.py``), while it runs. With
+  gradient, a rescue pass the whole buffer (``workers/step/passes.py``), while it runs. With
   ``shard_gradients`` one more where the whole gradient is held for a while anyway
   (``whole_gradient``: a step of several passes per rank accumulates it in the parameters
   until its last backward, and without overlap it is all reduced after backward; with

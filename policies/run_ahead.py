@@ -21,7 +21,7 @@ from typing import Callable
 # and bookkeeping overlap the workers' compute instead of sitting between batches.
 BATCHES_IN_FLIGHT = 2
 # The most steps in one call (``worker.max_steps_per_call`` is validated against it): the
-# claim store keeps a slot per open step (``workers/claims.py``).
+# claim store keeps a slot per open step (``workers/step/claims.py``).
 MAX_STEPS_PER_CALL = 16
 
 

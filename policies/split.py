@@ -1,8 +1,8 @@
 """Near-equal splitting of a count into parts. Pure: no Ray, no torch.
 
 One rule serves all three places that cut something into near-equal pieces: the ring
-all-reduce's chunks (``workers/ring.py``), the slices of a checkpoint that each worker writes
-(``workers/checkpointing.py``) and the balanced shard assignment (``policies/assignment.py``).
+all-reduce's chunks (``workers/comm/ring.py``), the slices of a checkpoint that each worker writes
+(``workers/checkpoint/parts.py``) and the balanced shard assignment (``policies/assignment.py``).
 Sizes differ by at most one and the first ``total % parts`` parts take the extra one. The rule
 must be the same everywhere: a checkpoint written by N workers is read back by slicing with it,
 and shard blocks must match what the benchmarks' DDP peers are given.

@@ -1,5 +1,5 @@
 """One step of the straggler policies together: detection, rebalancing, slow eviction. Pure: no
-Ray, no torch. The driver (``orchestrator/straggler_control.py``) feeds it the workers'
+Ray, no torch. The driver (``orchestrator/steps/straggler_control.py``) feeds it the workers'
 reports, the simulator (``simulator/engine.py``) simulated columns, the replay
 (``simulator/replay.py``) a recorded run's: the same decisions from the same telemetry."""
 

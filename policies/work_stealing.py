@@ -1,7 +1,7 @@
 """Within-step work choice: run own shards, steal unstarted ones, back up late ones. Pure.
 
 Every shard of a step has one claim state, shared by all workers (kept in the driver-hosted
-store, changed only by compare-and-set; see ``workers/claims.py``):
+store, changed only by compare-and-set; see ``workers/step/claims.py``):
 
 * ``free``: nobody has started it;
 * ``run`` by R: R claimed it and is computing it; another worker may still back it up;
@@ -111,7 +111,7 @@ class StepPlan:
     @property
     def clean(self) -> bool:
         """Mitigating with nobody suspected: every rank runs its own shards at once, and the
-        step needs no claims unless someone turns out late (``workers/claims.py``)."""
+        step needs no claims unless someone turns out late (``workers/step/claims.py``)."""
         return self.mitigating and not self.suspects
 
 

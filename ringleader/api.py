@@ -21,8 +21,8 @@ from typing_extensions import Unpack
 
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
-from orchestrator.job_file import apply_overrides, job_from_mapping, load_job
-from orchestrator.run_dir import JOB_FILE, RunDirectory
+from orchestrator.job.reading import apply_overrides, job_from_mapping, load_job
+from orchestrator.output.run_dir import JOB_FILE, RunDirectory
 
 JobLike = JobConfig | Mapping[str, Any] | str | Path | None
 

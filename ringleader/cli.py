@@ -228,8 +228,8 @@ def _err(message: str) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from jobspec.fields import ConfigError
-    from orchestrator.job_file import job_source, load_job, read_overrides
-    from orchestrator.run_dir import JOB_FILE, RunDirectory
+    from orchestrator.job.reading import job_source, load_job, read_overrides
+    from orchestrator.output.run_dir import JOB_FILE, RunDirectory
 
     # Like `python -m`: job files may name factories in modules next to where the user runs.
     sys.path.insert(0, os.getcwd())
@@ -292,7 +292,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from jobspec.fields import ConfigError
     from orchestrator.launch import ray_session
-    from orchestrator.tune import format_ranking, run_sweep
+    from orchestrator.commands.tune import format_ranking, run_sweep
 
     sys.path.insert(0, os.getcwd())
     try:
@@ -310,8 +310,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from jobspec.fields import ConfigError
-    from orchestrator.job_file import load_job
-    from orchestrator.memory_report import PlanRequest, main
+    from orchestrator.job.reading import load_job
+    from orchestrator.commands.plan import PlanRequest, main
     from policies.memory_plan import parse_bytes, parse_count
 
     sys.path.insert(0, os.getcwd())
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return _cmd_plan(args)
     if args.command == "report":
-        from orchestrator.report import ReportError, write_report
+        from orchestrator.commands.report import ReportError, write_report
 
         try:
             print(write_report(Path(args.run_dir), Path(args.out) if args.out else None))

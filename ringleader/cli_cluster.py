@@ -1,5 +1,5 @@
 """The ``ringleader`` commands that talk to a Ray cluster's job server: ``submit``, ``status``,
-``logs``, ``stop`` (``orchestrator/submission.py`` does the work).
+``logs``, ``stop`` (``orchestrator/commands/submit.py`` does the work).
 
 Exit codes as ``ringleader run``'s: 0 succeeded (or done), 1 the job failed, 2 bad input or the
 cluster refused or could not be reached, 130 the job was stopped (or following it interrupted).
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from orchestrator.submission import Cluster
+    from orchestrator.commands.submit import Cluster
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -49,7 +49,7 @@ def add_cluster_commands(commands: argparse._SubParsersAction, set_help: Callabl
 
 def run_cluster_command(args: argparse.Namespace, err: Callable[[str], None]) -> int:
     from jobspec.fields import ConfigError
-    from orchestrator.submission import EXIT_CODES, REQUEST_TIMEOUT_S, Cluster, SubmissionError
+    from orchestrator.commands.submit import EXIT_CODES, REQUEST_TIMEOUT_S, Cluster, SubmissionError
 
     try:
         if args.timeout is not None and not args.timeout > 0:
@@ -79,8 +79,8 @@ def run_cluster_command(args: argparse.Namespace, err: Callable[[str], None]) ->
 
 
 def _submit(cluster: Cluster, args: argparse.Namespace, err: Callable[[str], None]) -> int:
-    from orchestrator.job_file import load_job
-    from orchestrator.submission import EXIT_CODES, job_entrypoint, job_path_within, runtime_env, shipped_overrides
+    from orchestrator.job.reading import load_job
+    from orchestrator.commands.submit import EXIT_CODES, job_entrypoint, job_path_within, runtime_env, shipped_overrides
 
     working_dir: Path = args.working_dir
     job_file = job_path_within(Path(args.job), working_dir)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from jobspec.fields import ConfigError
 from jobspec.stragglers import StragglerConfig
-from orchestrator.job_file import apply_overrides, describe_errors, read_mapping
+from orchestrator.job.reading import apply_overrides, describe_errors, read_mapping
 
 CONTENDERS = ("ringleader", "no_mitigation", "restart_world")
 

@@ -9,8 +9,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workers.comm_group import CommGroup
-from workers.process_group import new_process_group
+from workers.comm.comm_group import CommGroup
+from workers.comm.process_group import new_process_group
 
 
 def free_port() -> int:

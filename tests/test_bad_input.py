@@ -146,7 +146,7 @@ def test_resume_refuses_overrides_given_as_a_string(tmp_path):
 
 def test_a_loss_returning_per_sample_losses_or_a_sum_and_weight_passes_the_check():
     from jobspec.job import JobConfig
-    from orchestrator.job_file import check_loss
+    from orchestrator.job.reading import check_loss
 
     h = "tests.helpers.losses"
     check_loss(JobConfig.model_validate({"loss": f"{h}:exploding_loss"}), "job")  # [n] (infinite, but the shape is right)
@@ -157,7 +157,7 @@ def test_a_loss_returning_per_sample_losses_or_a_sum_and_weight_passes_the_check
 def test_a_scalar_loss_is_refused_on_a_model_too_large_for_the_driver():
     """The model is built on the meta device: shapes, no memory (a real build raises)."""
     from jobspec.job import JobConfig
-    from orchestrator.job_file import check_loss
+    from orchestrator.job.reading import check_loss
 
     with pytest.raises(RuntimeError):  # what building it for real does here
         HugeModel()
@@ -232,7 +232,7 @@ def test_a_generic_optimizer_that_cannot_step_slices_is_refused_before_any_worke
     """Sharded state steps 1-D pieces of parameters: Adafactor (which factors a matrix's
     moments) is refused in one line naming sharding.group_size by the import-heavy checks that
     run beside Ray's start (``resolve_job``), before any actor starts; RAdam passes."""
-    from orchestrator.job_file import load_job, resolve_job
+    from orchestrator.job.reading import load_job, resolve_job
 
     job = load_job(None, ["optimizer.name=Adafactor", "sharding.group_size=2"], resolve=False)
     with pytest.raises(ringleader.ConfigError, match=r"field .sharding.group_size.: Adafactor cannot step slices of parameters"):

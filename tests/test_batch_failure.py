@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from jobspec.step_record import read_telemetry
-from orchestrator.job_file import load_job
+from orchestrator.job.reading import load_job
 from orchestrator.launch import run_job
 from tests.helpers.fake_group import Faults
 from tests.helpers.jobs import jsonl

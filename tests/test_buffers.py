@@ -12,10 +12,10 @@ import ray
 import torch
 
 from jobspec.step_record import read_telemetry
-from orchestrator.worker_group import RayWorkerGroup
+from orchestrator.group.ray_group import RayWorkerGroup
 from tests.helpers.factories import make_norm_cnn
 from tests.helpers.jobs import Reference, assert_same_params, jsonl, params, run
-from workers.step_buffers import StepBuffers, find_batch_dependent
+from workers.model.buffers import StepBuffers, find_batch_dependent
 
 BN = "norm"
 
@@ -116,7 +116,7 @@ def test_batch_dependent_layers_are_found_by_type_or_by_a_probe_forward(caplog):
     constant = torch.nn.Sequential(_Counter())
     constant[0].seen = None  # its remaining buffer never changes
     assert find_batch_dependent(constant, lambda: constant(torch.rand(2, 64))) == ([], [])
-    with caplog.at_level(logging.WARNING, logger="workers.step_buffers"):
+    with caplog.at_level(logging.WARNING, logger="workers.model.buffers"):
         assert StepBuffers.of(make_norm_cnn(), _no_probe).per_shard
     assert "'norm' (BatchNorm2d)" in caplog.text and "pass of its own" in caplog.text
 

@@ -1,5 +1,5 @@
-"""The injected slowness and stalls of one worker (`workers/chaos.py`) and the read ahead of
-its first batch (`workers/prefetch.py`): pure timing, no Ray."""
+"""The injected slowness and stalls of one worker (`workers/runtime/chaos.py`) and the read ahead of
+its first batch (`workers/data/prefetch.py`): pure timing, no Ray."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jobspec.chaos import ChaosConfig
-from workers.chaos import ChaosSchedule
+from workers.runtime.chaos import ChaosSchedule
 
 
 def _schedule(chaos: dict, worker: int = 0) -> ChaosSchedule:
@@ -68,7 +68,7 @@ def test_a_planned_stall_holds_up_its_point_and_ends_early_only_on_an_abort():
 
 
 def test_a_batch_read_ahead_is_waited_for_watching_and_taken_once_by_its_indices():
-    from workers.prefetch import BatchPrefetch
+    from workers.data.prefetch import BatchPrefetch
 
     release = threading.Event()
     prefetch = BatchPrefetch(lambda indices: indices * 10)

@@ -20,20 +20,20 @@ import pytest
 
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
-from orchestrator.chaos_control import ChaosControl
-from orchestrator.checkpoint_namespace import OWNER_FILE, hold_namespace, namespace_root
-from orchestrator.resume_point import config_hash, find_resume_point
+from orchestrator.group.chaos_control import ChaosControl
+from orchestrator.checkpoints.namespace import OWNER_FILE, hold_namespace, namespace_root
+from orchestrator.checkpoints.resume_point import config_hash, find_resume_point
 from orchestrator.controller import JobController
-from orchestrator.job_file import load_job
+from orchestrator.job.reading import load_job
 from orchestrator.launch import run_job
-from orchestrator.namespace_lease import LEASE_FILE, NamespaceBusy, NamespaceLease
-from orchestrator.rendezvous import RendezvousStore
-from orchestrator.run_dir import RUN_ID_FILE, RunDirectory
+from orchestrator.checkpoints.lease import LEASE_FILE, NamespaceBusy, NamespaceLease
+from orchestrator.store.rendezvous import RendezvousStore
+from orchestrator.output.run_dir import RUN_ID_FILE, RunDirectory
 from tests.helpers.fake_group import FakeWorkerGroup
 from tests.helpers.jobs import jsonl, run
 from tests.helpers.leases import lease_file, put_lease, wait_for
-from workers.checkpoint_manifest import MANIFEST, verify_checkpoint
-from workers.checkpoint_storage import CheckpointStorage
+from workers.checkpoint.manifest import MANIFEST, verify_checkpoint
+from workers.checkpoint.storage import CheckpointStorage
 
 LEARNING_RATES = ("optimizer.kwargs={lr: 0.05}", "optimizer.kwargs={lr: 0.1}")
 

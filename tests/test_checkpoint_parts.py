@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.checkpoint_manifest import CheckpointCorrupt, verify_checkpoint, write_manifest
-from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpointing import part_range, take_snapshot, write_snapshot
-from workers.checkpoint_reading import load_residuals, load_state
+from workers.checkpoint.manifest import CheckpointCorrupt, verify_checkpoint, write_manifest
+from workers.checkpoint.storage import CheckpointStorage
+from workers.checkpoint.parts import part_range, take_snapshot, write_snapshot
+from workers.checkpoint.reading import load_residuals, load_state
 
 
 @pytest.mark.parametrize(("numel", "count"), [(10, 3), (7, 7), (3, 5), (1000, 4)])
@@ -69,7 +69,7 @@ def test_a_manifest_listing_one_part_twice_is_refused(tmp_path):
 def test_a_tensor_file_holds_any_dtype_and_shape_and_refuses_a_header_that_lies():
     import json
 
-    from workers.tensor_file import ALIGN, MAGIC, decode, encode
+    from workers.checkpoint.tensor_file import ALIGN, MAGIC, decode, encode
 
     tensors = {
         "a": torch.arange(10, dtype=torch.float32).reshape(2, 5).t(),  # not contiguous
@@ -137,7 +137,7 @@ def test_a_tensor_file_that_does_not_read_is_refused_as_corrupt(tmp_path):
     import hashlib
 
     from jobspec.wire import FileEntry
-    from workers.tensor_file import MAGIC
+    from workers.checkpoint.tensor_file import MAGIC
 
     storage = CheckpointStorage(str(tmp_path))
     data = MAGIC + (10**6).to_bytes(8, "little") + b"{}"
@@ -156,7 +156,7 @@ def test_a_part_is_written_past_the_page_cache_where_the_file_system_takes_it(tm
     import fcntl
     import os
 
-    from workers import checkpoint_storage
+    from workers.checkpoint import storage as checkpoint_storage
 
     write, tried = os.write, []
 
@@ -177,7 +177,7 @@ def test_a_part_is_written_past_the_page_cache_where_the_file_system_takes_it(tm
 
 
 def test_a_thread_reuses_its_buffer_and_an_earlier_files_bytes_never_show_in_a_later_one():
-    from workers.tensor_file import decode, encode
+    from workers.checkpoint.tensor_file import decode, encode
 
     big = bytes(encode({"n": 1}, {"x": torch.full((5000,), 7.0)}))
     small = encode({"n": 2}, {"y": torch.ones(10)})
@@ -189,7 +189,7 @@ def test_a_thread_reuses_its_buffer_and_an_earlier_files_bytes_never_show_in_a_l
 
 
 def test_a_span_reads_from_the_parts_that_hold_it_into_any_dtype_and_layout(tmp_path):
-    from workers.checkpoint_reading import open_checkpoint
+    from workers.checkpoint.reading import open_checkpoint
 
     storage, flat, whole = _checkpoint(tmp_path, count=3)  # parts [0, 334), [334, 668), [668, 1001)
     saved = open_checkpoint(storage, "step-00000007", verify_checkpoint(storage, "step-00000007"))

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from jobspec.wire import FileEntry
-from workers.checkpoint_manifest import MANIFEST, CheckpointCorrupt, latest_valid, prune, verify_checkpoint, write_manifest
-from workers.checkpoint_storage import CheckpointStorage, checkpoint_name, step_of, sub_root
+from workers.checkpoint.manifest import MANIFEST, CheckpointCorrupt, latest_valid, prune, verify_checkpoint, write_manifest
+from workers.checkpoint.storage import CheckpointStorage, checkpoint_name, step_of, sub_root
 
 
 @pytest.fixture(params=["local", "file-uri", "mock"])

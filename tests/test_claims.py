@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from policies import work_stealing as stealing
 from policies.work_stealing import ClaimKind, ClaimState, StepPlan, claim_focus, watched_peers
-from workers.claims import SLOTS, ClaimStores, CountingStore, ShardClaims, claim_keys, open_step
+from workers.step.claims import SLOTS, ClaimStores, CountingStore, ShardClaims, claim_keys, open_step
 
 
 def _store(port: int = 0) -> dist.Store:
@@ -179,7 +179,7 @@ def test_a_clean_step_with_mitigation_on_sends_the_claim_store_nothing():
     """Mitigation on, nobody suspected, nobody late: no claims opened by the driver, none made
     by the worker (no key, no round trip), however many shards (bench control-plane)."""
     from jobspec.wire import JoinRequest
-    from orchestrator.job_file import load_job
+    from orchestrator.job.reading import load_job
     from workers.actor import TrainWorker
 
     shards = 64
@@ -279,9 +279,9 @@ def test_a_focused_read_costs_the_focused_blocks_and_takes_every_other_shard_as_
 
 
 def test_the_watch_of_a_clean_step_reads_nothing_and_opens_a_late_peer_when_it_is_due():
-    from workers.abortable import ABORT_POLL_S
-    from workers.rescue_watch import rescue_watch
-    from workers.step_work import ClaimedStep, StepWork
+    from workers.runtime.abortable import ABORT_POLL_S
+    from workers.step.rescue_watch import rescue_watch
+    from workers.step.records import ClaimedStep, StepWork
 
     plan = StepPlan(((0,), (1,), (2,)), expected_shard_s=0.01, late_factor=3.0)  # late after 50 ms (the floor)
     store = CountingStore(_store())

@@ -17,8 +17,8 @@ from policies.collective_choice import (
     LinkModel,
     choose_collective,
 )
-from workers.communicator import make_communicator
-from workers.link_probe import auto_communicator, candidate_algorithms, measure_links, probe_sizes
+from workers.comm.communicator import make_communicator
+from workers.comm.auto_allreduce import auto_communicator, candidate_algorithms, measure_links, probe_sizes
 
 MB = 1 << 20
 SIZES = (256 << 10, MB, 4 * MB, 16 * MB)

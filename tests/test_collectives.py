@@ -12,9 +12,9 @@ import torch
 from multiproc import comm_group, run_ranks, tcp_store
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
-from workers.communicator import make_communicator
-from workers.compression import compress
-from workers.ring import chunk_bounds, node_groups
+from workers.comm.communicator import make_communicator
+from workers.comm.compression import compress
+from workers.comm.ring import chunk_bounds, node_groups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

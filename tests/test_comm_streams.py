@@ -18,11 +18,11 @@ import torch
 from jobspec.failures import CollectiveTimeout
 from tests.helpers.fake_streams import FakeDeviceStreams, Gate, Mark
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
-from workers.comm_group import CommGroup
-from workers.communicator import NativeAllReduce
-from workers.overlap import GradientReducer
-from workers.ring import RingAllReduce
-from workers.training import FlatParameters
+from workers.comm.comm_group import CommGroup
+from workers.comm.communicator import NativeAllReduce
+from workers.comm.gradient_reducer import GradientReducer
+from workers.comm.ring import RingAllReduce
+from workers.model.flat_parameters import FlatParameters
 
 TIMEOUT_S = 10.0
 

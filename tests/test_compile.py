@@ -10,8 +10,8 @@ import torch
 
 from benchmarks.overhead import solo_worker
 from benchmarks.workloads import EXAMPLES
-from orchestrator.resume_point import config_hash
-from orchestrator.job_file import load_job
+from orchestrator.checkpoints.resume_point import config_hash
+from orchestrator.job.reading import load_job
 from tests.helpers.jobs import CONTROL_MARGIN, YARDSTICK_MULTIPLE, distance
 
 TINY_GPT = [

@@ -12,7 +12,7 @@ import yaml
 from jobspec.chaos import KillChaos, SlowChaos, StallChaos
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
-from orchestrator.job_file import load_job
+from orchestrator.job.reading import load_job
 from ringleader.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,7 +129,7 @@ def test_load_job_resolves_by_default(tmp_path, mapping, expected):
 def test_light_validation_imports_no_torch():
     # The launch path relies on it: torch loads in a thread while Ray starts.
     code = (
-        "import sys; from orchestrator.job_file import load_job; "
+        "import sys; from orchestrator.job.reading import load_job; "
         "load_job(None, resolve=False); import orchestrator.launch; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
@@ -256,11 +256,11 @@ def test_callables_are_recorded_by_a_name_that_imports_them_back_or_marked_not_i
 
 
 def test_the_job_file_reference_is_generated_from_the_models_and_current():
-    from orchestrator.config_reference import reference
+    from orchestrator.job.reference import reference
 
     text = reference()
     on_disk = (Path(__file__).resolve().parent.parent / "docs" / "job-file.md").read_text()
-    assert on_disk == text, "docs/job-file.md is stale: python -m orchestrator.config_reference > docs/job-file.md"
+    assert on_disk == text, "docs/job-file.md is stale: python -m orchestrator.job.reference > docs/job-file.md"
     for dotted in ("optimizer.clip_grad_norm", "worker.max_samples_per_pass", "chaos.kill[].during", "eval.metrics"):
         assert f"| `{dotted}` |" in text
 

@@ -8,7 +8,7 @@ import pytest
 
 from jobspec.step_record import StepRecord
 from jobspec.wire import StepTelemetry
-from orchestrator.control_meter import WARMUP_STEPS, ControlPlaneMeter
+from orchestrator.output.control_meter import WARMUP_STEPS, ControlPlaneMeter
 
 
 def _report(trips: int, nbytes: int) -> StepTelemetry:
@@ -86,7 +86,7 @@ def test_the_store_process_cpu_is_measured_apart_as_a_mean():
 def test_the_store_process_cpu_grows_with_the_traffic_it_serves():
     """The reading itself, from /proc: a store process that served a few thousand round trips
     has used CPU (the control-plane bench's per-step figure may round to 0 ticks)."""
-    from orchestrator.rendezvous import RendezvousStore
+    from orchestrator.store.rendezvous import RendezvousStore
 
     store = RendezvousStore("127.0.0.1", 10.0, own_process=True)
     try:
@@ -102,8 +102,8 @@ def test_the_store_process_cpu_grows_with_the_traffic_it_serves():
 
 
 def test_per_worker_gauges_are_set_at_most_every_few_seconds_not_every_step(monkeypatch):
-    from orchestrator import metrics
-    from orchestrator.metrics import WORKER_GAUGES_EVERY_S, JobMetrics
+    from orchestrator.output import metrics
+    from orchestrator.output.metrics import WORKER_GAUGES_EVERY_S, JobMetrics
     from policies.goodput import Goodput
 
     recorded: list[tuple[str, dict]] = []

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from ray.runtime_env import RuntimeEnv
 
-from orchestrator.job_file import load_job
+from orchestrator.job.reading import load_job
 from ringleader.cli import _parser
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -129,7 +129,7 @@ def test_the_grafana_dashboard_plots_exactly_the_series_the_driver_exports():
     import json
     import re
 
-    from orchestrator.metrics import EVENTS, GAUGES
+    from orchestrator.output.metrics import EVENTS, GAUGES
 
     dashboard = json.loads((DEPLOY / "grafana" / "ringleader.json").read_text())
     exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]

@@ -13,20 +13,20 @@ import pytest
 import torch
 
 from jobspec.job import JobConfig
-from orchestrator.job_file import load_job
-from workers.abortable import call_abortable
-from workers.census import LOSS_SLOT, census_slots
-from workers.chaos import ChaosSchedule
-from workers.comm_group import CommGroup, PendingOp
-from workers.communicator import pick_backend
-from workers.compression import CastCompressed
-from workers.devices import choose_device, cuda_index, host_batch, inherit_device, worker_device
-from workers.objective import Objective, causal_lm, cross_entropy
-from workers.overlap import GradientReducer
-from workers.prefetch import BatchPrefetch
-from workers.sampler import ShardSampler
-from workers.step import StepRunner
-from workers.training import FlatParameters
+from orchestrator.job.reading import load_job
+from workers.runtime.abortable import call_abortable
+from workers.step.census import LOSS_SLOT, census_slots
+from workers.runtime.chaos import ChaosSchedule
+from workers.comm.comm_group import CommGroup, PendingOp
+from workers.comm.communicator import pick_backend
+from workers.comm.compression import CastCompressed
+from workers.runtime.devices import choose_device, cuda_index, host_batch, inherit_device, worker_device
+from workers.model.objective import Objective, causal_lm, cross_entropy
+from workers.comm.gradient_reducer import GradientReducer
+from workers.data.prefetch import BatchPrefetch
+from workers.data.sampler import ShardSampler
+from workers.step.passes import StepRunner
+from workers.model.flat_parameters import FlatParameters
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")

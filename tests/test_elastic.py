@@ -10,10 +10,10 @@ import shutil
 import pytest
 import torch
 
-from orchestrator.run_dir import read_run_id
+from orchestrator.output.run_dir import read_run_id
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
-from workers.checkpoint_manifest import MANIFEST, latest_valid, verify_checkpoint
-from workers.checkpoint_storage import CheckpointStorage
+from workers.checkpoint.manifest import MANIFEST, latest_valid, verify_checkpoint
+from workers.checkpoint.storage import CheckpointStorage
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -149,7 +149,7 @@ def test_a_death_before_a_checkpoint_inside_its_batch_holds_up_no_later_checkpoi
 
 
 def test_too_few_workers_left_fails_after_saving_a_checkpoint(tmp_path):
-    from orchestrator.job_file import load_job
+    from orchestrator.job.reading import load_job
     from orchestrator.launch import run_job
 
     job = load_job(None, [

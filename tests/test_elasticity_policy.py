@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jobspec.fields import ConfigError
-from orchestrator.job_file import load_job
+from orchestrator.job.reading import load_job
 from policies.elasticity import admit_count, after_failure, pick_root
 
 

@@ -21,14 +21,14 @@ from jobspec.wire import SnapshotRequest
 from tests.helpers.optimizers import Lion, SharedStep
 from tests.helpers.replicas import FakeReplica
 from tests.helpers.slow_save import float_bytes, slowed
-from workers.chaos import ChaosSchedule
-from workers.checkpoint_manifest import verify_checkpoint, write_manifest
-from workers.checkpoint_storage import CheckpointStorage
-from workers import tensor_file
-from workers.checkpointing import FlatPieces
-from workers.checkpoint_reading import read_part
-from workers.generic_optimizer import STATE_ENTRY, GenericOptimizer
-from workers.optimizer_state import as_loaded
+from workers.runtime.chaos import ChaosSchedule
+from workers.checkpoint.manifest import verify_checkpoint, write_manifest
+from workers.checkpoint.storage import CheckpointStorage
+from workers.checkpoint import tensor_file
+from workers.checkpoint.parts import FlatPieces
+from workers.checkpoint.reading import read_part
+from workers.optim.generic import STATE_ENTRY, GenericOptimizer
+from workers.optim.state_codec import as_loaded
 from workers.replica_checkpoint import CheckpointWriter, restore_state
 
 OPTIMIZERS = [("RAdam", {"lr": 0.01, "weight_decay": 0.1}), (Lion, {"lr": 0.001, "weight_decay": 0.1})]
@@ -183,7 +183,7 @@ def test_state_tensors_sharing_memory_come_back_sharing_it(tmp_path, caplog, ove
     # parameters, the float32 counter is cast by torch's load_state_dict to their dtype,
     # parameter by parameter (as it moves host state to a GPU's parameters): one copy each,
     # unless it arrives cast already.
-    caplog.set_level(logging.WARNING, logger="workers.generic_optimizer")
+    caplog.set_level(logging.WARNING, logger="workers.optim.generic")
     source = FakeReplica(SharedStep, {"lr": 0.01, "overlap": overlap}, dtype=dtype)
     source.train(3)
     expected = FakeReplica(SharedStep, {"lr": 0.01, "overlap": overlap}, dtype=dtype)
@@ -263,7 +263,7 @@ def test_a_restored_state_is_held_once_in_what_was_received_or_read(tmp_path):
 
 
 def test_how_a_checkpoint_holds_the_state_is_logged_once(caplog):
-    caplog.set_level(logging.WARNING, logger="workers.generic_optimizer")
+    caplog.set_level(logging.WARNING, logger="workers.optim.generic")
     source = FakeReplica("RAdam", {})
     source.optimizer.checkpoint_tensors()  # no state before the first step: nothing to say
     source.train(1)

@@ -43,7 +43,7 @@ def _report(compute_s: float, idle_s: float = 0.0, stalled_s: float = 0.0):
 
 def test_straggler_wait_is_what_workers_waited_for_the_last_one():
     from jobspec.step_record import StepRecord
-    from orchestrator.ledger import straggler_wait
+    from orchestrator.accounting.ledger import straggler_wait
 
     # Mitigation off: a worker 3x slower makes the two others wait 2 s each in the all-reduce.
     assert straggler_wait(StepRecord.of(0, [_report(1.0), _report(1.0), _report(3.0)])) == pytest.approx(4.0 / 3)

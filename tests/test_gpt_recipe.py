@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.job_file import load_job
+from orchestrator.job.reading import load_job
 from ringleader_examples.gpt import TOKENS, TokenWindows, make_dataset, make_model
 from ringleader_examples.prepare_tokens import main as prepare_tokens
-from workers.objective import Objective
+from workers.model.objective import Objective
 
 
 def test_a_text_file_becomes_a_token_file_of_its_bytes(tmp_path):

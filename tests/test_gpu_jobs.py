@@ -20,7 +20,7 @@ from jobspec.step_record import read_telemetry
 
 pytest.importorskip("ray", reason="the GPU suite's whole jobs need Ray (tests/test_gpu_worker.py does not)")
 
-from orchestrator.job_file import load_job  # noqa: E402 - after the skip: these import Ray
+from orchestrator.job.reading import load_job  # noqa: E402 - after the skip: these import Ray
 from orchestrator.launch import run_job  # noqa: E402
 from tests.helpers.devices import DEVICES, worker_resources  # noqa: E402
 from tests.helpers.jobs import assert_same_params, jsonl, params, run  # noqa: E402

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL
-from workers.comm_group import CommGroup
-from workers.process_group import NCCL_ENVIRONMENT, NONBLOCKING_TIMEOUT_VARIABLE, form_process_group
+from workers.comm.comm_group import CommGroup
+from workers.comm.process_group import NCCL_ENVIRONMENT, NONBLOCKING_TIMEOUT_VARIABLE, form_process_group
 
 TIMEOUT_S = 60.0
 # cpu: the fake NCCL group; cuda: torch's ProcessGroupNCCL on the GPU.

@@ -6,6 +6,7 @@ other even indirectly, and the pure layers import nothing heavy. Read from the s
 from __future__ import annotations
 
 import ast
+import re
 import sys
 import tomllib
 from collections import defaultdict
@@ -36,6 +37,11 @@ ALLOWED_THIRD_PARTY = {
 
 
 def _shipped_packages() -> list[str]:
+    """The top-level packages ``pyproject.toml`` ships (its list also names their subpackages)."""
+    return [name for name in _shipped() if "." not in name]
+
+
+def _shipped() -> list[str]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
 
 
@@ -84,6 +90,14 @@ IMPORTS = _imports()
 
 def test_every_shipped_package_has_a_layer():
     assert set(_shipped_packages()) == set(LAYERS)
+
+
+def test_every_subpackage_is_shipped():
+    # setuptools installs only the packages listed: a subpackage left out works in the
+    # checkout and is missing from a wheel.
+    folders = {".".join(init.parent.relative_to(ROOT).parts) for package in _shipped_packages()
+               for init in (ROOT / package).rglob("__init__.py")}
+    assert folders == set(_shipped())
 
 
 def upward_imports(imports: dict[str, set[str]]) -> list[str]:
@@ -164,8 +178,58 @@ def test_the_checks_catch_an_upward_import_and_a_cycle():
     # The checks themselves, on made-up arrows between real modules: a policy reaching into
     # the worker, a package importing its neighbour in the same layer, two driver modules
     # importing each other through a third.
-    upward = {"policies.split": {"workers.ring", "policies.ewma"}, "simulator.engine": {"benchmarks.workloads"}}
-    assert upward_imports(upward) == ["policies.split -> workers.ring", "simulator.engine -> benchmarks.workloads"]
-    loop = {"orchestrator.launch": {"orchestrator.summary"}, "orchestrator.summary": {"orchestrator.report"},
-            "orchestrator.report": {"orchestrator.launch", "jobspec.job"}}
-    assert import_cycles(loop) == [["orchestrator.launch", "orchestrator.report", "orchestrator.summary"]]
+    upward = {"policies.split": {"workers.comm.ring", "policies.ewma"}, "simulator.engine": {"benchmarks.workloads"}}
+    assert upward_imports(upward) == ["policies.split -> workers.comm.ring", "simulator.engine -> benchmarks.workloads"]
+    loop = {"orchestrator.launch": {"orchestrator.accounting.summary"}, "orchestrator.accounting.summary": {"orchestrator.commands.report"},
+            "orchestrator.commands.report": {"orchestrator.launch", "jobspec.job"}}
+    assert import_cycles(loop) == [["orchestrator.accounting.summary", "orchestrator.commands.report", "orchestrator.launch"]]
+
+
+def _rooms(package: str) -> dict[str, int]:
+    """Each room of ``package`` (a subpackage, or a module at its top) and its level, from the
+    table in docs/architecture.md ("Inside the worker and the driver")."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split(f"<!-- rooms {package} -->", 1)[1].split("<!-- /rooms -->", 1)[0]
+    rooms = {}
+    for level, name in re.findall(r"^\| (\d+) \| `([\w.]+)/?` \|", table, re.M):
+        assert name.removesuffix(".py") not in rooms, f"{name} is listed twice"
+        rooms[name.removesuffix(".py")] = int(level)
+    return rooms
+
+
+def _room(module: str) -> str:
+    """The room of ``workers.comm.ring`` is ``comm``; of ``workers.actor``, ``actor``."""
+    return module.split(".")[1]
+
+
+def room_violations(package: str, imports: dict[str, set[str]], rooms: dict[str, int]) -> list[str]:
+    """``a -> b`` for each import from a room of ``package`` to another room at its level or above."""
+    found = []
+    for module, targets in sorted(imports.items()):
+        if module.split(".")[0] != package or module == package:
+            continue
+        for target in sorted(targets):
+            if target.split(".")[0] != package or target == package or _room(target) == _room(module):
+                continue
+            if rooms[_room(target)] >= rooms[_room(module)]:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+@pytest.mark.parametrize("package", ["workers", "orchestrator"])
+def test_every_room_is_in_the_table(package):
+    present = {_room(m) for m in MODULES if m.split(".")[0] == package and m != package}
+    assert set(_rooms(package)) == present
+
+
+@pytest.mark.parametrize("package", ["workers", "orchestrator"])
+def test_imports_point_down_the_rooms(package):
+    assert room_violations(package, IMPORTS, _rooms(package)) == []
+
+
+def test_the_room_check_catches_an_import_beside_and_above():
+    rooms = _rooms("workers")
+    imports = {"workers.comm.ring": {"workers.optim.fused", "workers.runtime.devices"},
+               "workers.data.sampler": {"workers.step.claims"}, "workers.step.census": {"workers.step.records"}}
+    assert room_violations("workers", imports, rooms) == [
+        "workers.comm.ring -> workers.optim.fused", "workers.data.sampler -> workers.step.claims"]

@@ -1,5 +1,5 @@
-"""The exactly-once guards themselves: the driver's ``CommitLedger`` checks (orchestrator/ledger.py)
-and the workers' census (workers/census.py), each shown to fire on a missing, an overlapping and a
+"""The exactly-once guards themselves: the driver's ``CommitLedger`` checks (orchestrator/accounting/ledger.py)
+and the workers' census (workers/step/census.py), each shown to fire on a missing, an overlapping and a
 doubled shard. (A whole job that finishes proves none of them: they hold it to that.)"""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from jobspec.failures import ShardCensusError
 from jobspec.step_record import StepRecord
 from jobspec.wire import StepTelemetry
 from orchestrator.errors import JobFailed
-from orchestrator.ledger import CommitLedger
-from workers.census import BOOKKEEPING_SLOTS, write_census
-from workers.step_verdict import GradientMeasure, StepVerdict, read_verdict
-from workers.step_work import PassResult
+from orchestrator.accounting.ledger import CommitLedger
+from workers.step.census import BOOKKEEPING_SLOTS, write_census
+from workers.step.verdict import GradientMeasure, StepVerdict, read_verdict
+from workers.step.records import PassResult
 
 SHARDS = 4
 
@@ -105,7 +105,7 @@ def _two_ranks_commit_one_shard(rank: int, world: int, port: int, results: dict)
     """Two real workers (``TrainWorker``, no Ray) in one gloo group; step 0 first under a plan that
     gives shard 1 to both ranks (and shard 3 to nobody), then under a right one."""
     from jobspec.wire import JoinRequest
-    from orchestrator.job_file import load_job
+    from orchestrator.job.reading import load_job
     from policies.work_stealing import StepPlan
     from tests.multiproc import tcp_store
     from workers.actor import TrainWorker

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from benchmarks.workloads import EXAMPLES, WORKLOADS
-from orchestrator.job_file import load_job
-from orchestrator.memory_probe import PeakMemory, ProbeWorker, optimizer_tensors, probe_job, state_bytes
+from orchestrator.job.reading import load_job
+from orchestrator.commands.memory_probe import PeakMemory, ProbeWorker, optimizer_tensors, probe_job, state_bytes
 from policies.memory_plan import (
     ModelFigures,
     Sharding,
@@ -83,7 +83,7 @@ def test_optimizer_kinds_and_the_straggler_gradient_copy():
 
 
 def test_a_step_holds_the_whole_gradient_with_several_passes_a_rank_or_without_overlap():
-    from orchestrator.memory_report import holds_whole_gradient
+    from orchestrator.commands.plan import holds_whole_gradient
 
     base = ["eval=null", "shards=8", "batch_size=64", "scaling.workers=2"]  # 32 samples a rank
     assert not holds_whole_gradient(load_job(None, base))  # one fused pass, overlapped
@@ -160,7 +160,7 @@ def test_a_generic_optimizers_state_is_measured_and_its_packed_copy_at_a_join_co
     where the state is packed whole for the broadcast (``GenericOptimizer.sync``): 16 bytes
     a parameter, not the 12 the state alone holds. Only the join is measured here: the
     packed copy may be dropped last by the comm thread, unseen by the CPU meter
-    (``orchestrator/memory_probe.py``), and would read as held through the steps."""
+    (``orchestrator/commands/memory_probe.py``), and would read as held through the steps."""
     file, sized = WORKLOADS["digits"]
     job = load_job(EXAMPLES / file, [*sized, "optimizer={name: Adagrad, kwargs: {lr: 0.01}}"])
     probe = probe_job(job, (16, 32))

@@ -1,4 +1,4 @@
-"""The lease of a checkpoint namespace (``orchestrator/namespace_lease.py``): one live driver at a
+"""The lease of a checkpoint namespace (``orchestrator/checkpoints/lease.py``): one live driver at a
 time holds it; a lease absent or unreadable is written again; a lease is judged by its age on
 the storage's clock, its driver's pid only in its PID namespace; a dead driver's lease is
 waited out, a live one's refused; a lease left behind in this process is nobody's; a release
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-import orchestrator.namespace_lease as lease_module
-from orchestrator.lease_owner import LeaseOwner, Liveness
-from orchestrator.namespace_lease import LEASE_FILE, NamespaceBusy, NamespaceLease
+import orchestrator.checkpoints.lease as lease_module
+from orchestrator.checkpoints.lease_owner import LeaseOwner, Liveness
+from orchestrator.checkpoints.lease import LEASE_FILE, NamespaceBusy, NamespaceLease
 from tests.helpers.leases import lease_file, put_lease, wait_for
 
 

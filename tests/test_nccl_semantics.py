@@ -17,13 +17,13 @@ import torch.distributed as dist
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from tests.helpers.devices import DEVICES
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
-from workers import process_group
-from workers.comm_group import CommGroup
-from workers.communicator import NativeAllReduce, make_communicator
-from workers.compression import compress
-from workers.link_probe import auto_communicator
-from workers.process_group import form_process_group, new_process_group
-from workers.ring import RingAllReduce
+from workers.comm import process_group
+from workers.comm.comm_group import CommGroup
+from workers.comm.communicator import NativeAllReduce, make_communicator
+from workers.comm.compression import compress
+from workers.comm.auto_allreduce import auto_communicator
+from workers.comm.process_group import form_process_group, new_process_group
+from workers.comm.ring import RingAllReduce
 
 # Long enough for a loaded 2-core machine, short enough that a deadlock fails in seconds.
 TIMEOUT_S = 8.0

@@ -1,5 +1,5 @@
 """Losses, batches, gradient finishing, loss scaling and optimizers of a bring-your-own job,
-without Ray: the contract of workers/objective.py and what the worker does after the reduce."""
+without Ray: the contract of workers/model/objective.py and what the worker does after the reduce."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 from tests.helpers.gradients import finish_gradient
 from tests.helpers.losses import IGNORE, make_model, make_sequences, pad_collate, token_loss
-from workers.flat_optimizer import FlatOptimizer
-from workers.generic_optimizer import GenericOptimizer, decay_groups
-from workers.loss_scaler import LossScaler
-from workers.objective import Objective
-from workers.training import FlatParameters
-from workers.evaluate import evaluate_model
-from workers.batches import fetch_batch, move_to
+from workers.optim.fused import FlatOptimizer
+from workers.optim.generic import GenericOptimizer, decay_groups
+from workers.optim.loss_scaler import LossScaler
+from workers.model.objective import Objective
+from workers.model.flat_parameters import FlatParameters
+from workers.model.evaluate import evaluate_model
+from workers.data.batches import fetch_batch, move_to
 
 
 def _grads(model: torch.nn.Module) -> torch.Tensor:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from multiproc import comm_group, run_ranks
 
-from workers.communicator import make_communicator
-from workers.overlap import GradientReducer, default_bucket_bytes, plan_buckets
-from workers.training import FlatParameters
+from workers.comm.communicator import make_communicator
+from workers.comm.gradient_reducer import GradientReducer, default_bucket_bytes, plan_buckets
+from workers.model.flat_parameters import FlatParameters
 
 
 def _ranges(sizes: list[int], start: int = 0) -> list[tuple[int, int]]:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from jobspec.step_record import read_telemetry
-from orchestrator.job_file import load_job
+from orchestrator.job.reading import load_job
 from orchestrator.launch import run_job
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
-from workers.sampler import ShardSampler
+from workers.data.sampler import ShardSampler
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from jobspec.wire import SnapshotOrder
-from orchestrator.group import Call, Submitted
-from orchestrator.pipeline import StepPipeline
+from orchestrator.group.interface import Call, Submitted
+from orchestrator.steps.pipeline import StepPipeline
 from policies.run_ahead import BATCHES_IN_FLIGHT, RunAhead
 from policies.work_stealing import StepPlan
 

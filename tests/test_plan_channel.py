@@ -1,4 +1,4 @@
-"""Published plans (``workers/plan_channel.py``): rank 0's batches to its followers and their
+"""Published plans (``workers/step/published_plans.py``): rank 0's batches to its followers and their
 reports back, over real gloo process groups in processes and over a process group with NCCL's
 semantics (``tests/helpers/nccl_fake_group.py``: posting-order matching, lazy blocking
 communicators, ``wait()`` that only orders streams)."""
@@ -17,8 +17,8 @@ from jobspec.wire import SnapshotOrder
 from policies.work_stealing import StepPlan
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
 from tests.multiproc import comm_group, run_ranks
-from workers.comm_group import CommGroup
-from workers.plan_channel import PlanChannel, compact_plans, expand_plans
+from workers.comm.comm_group import CommGroup
+from workers.step.published_plans import PlanChannel, compact_plans, expand_plans
 
 TIMEOUT_S = 8.0
 

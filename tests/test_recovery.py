@@ -15,17 +15,17 @@ import pytest
 from jobspec.job import JobConfig
 from jobspec.step_record import read_telemetry
 from jobspec.wire import FileEntry, Phase, Progress
-from orchestrator.chaos_control import ChaosControl
+from orchestrator.group.chaos_control import ChaosControl
 from orchestrator.controller import JobController
-from orchestrator.group import Call, CallFailed, FailureKind, WorkerGroupError
-from orchestrator.job_file import load_job
-from orchestrator.metrics import MetricsListener
-from orchestrator.pipeline import InFlight, StepOutcome, await_step
-from orchestrator.recovery import sharded_gap, state_holders
-from orchestrator.recovery_plan import first_uncommitted, steps_to_redo
-from orchestrator.rendezvous import RendezvousStore
-from orchestrator.run_dir import RunDirectory
-from orchestrator.states import (
+from orchestrator.group.interface import Call, CallFailed, FailureKind, WorkerGroupError
+from orchestrator.job.reading import load_job
+from orchestrator.output.metrics import MetricsListener
+from orchestrator.steps.pipeline import InFlight, StepOutcome, await_step
+from orchestrator.recovery.reform import sharded_gap, state_holders
+from orchestrator.recovery.plan import first_uncommitted, steps_to_redo
+from orchestrator.store.rendezvous import RendezvousStore
+from orchestrator.output.run_dir import RunDirectory
+from orchestrator.steps.states import (
     Failed,
     Finished,
     IllegalTransition,
@@ -36,8 +36,8 @@ from orchestrator.states import (
 )
 from tests.helpers.fake_group import FakeWorkerGroup, Faults
 from tests.helpers.jobs import jsonl
-from workers.checkpoint_manifest import MANIFEST, latest_valid, verify_checkpoint, write_manifest
-from workers.checkpoint_storage import CheckpointStorage
+from workers.checkpoint.manifest import MANIFEST, latest_valid, verify_checkpoint, write_manifest
+from workers.checkpoint.storage import CheckpointStorage
 
 STEPS = 20
 
@@ -299,7 +299,7 @@ def test_a_worker_judged_dead_never_leads_even_if_it_answers(tmp_path):
 
 
 def test_leading_with_a_worker_that_is_not_a_member_is_an_error():
-    from orchestrator.worker_group import RayWorkerGroup  # its constructor starts nothing
+    from orchestrator.group.ray_group import RayWorkerGroup  # its constructor starts nothing
 
     with pytest.raises(WorkerGroupError, match="worker 7 is not a member"):
         RayWorkerGroup(_job()).lead_with(7)
@@ -433,7 +433,7 @@ def test_a_final_save_replaces_a_manifest_that_does_not_verify_or_is_another_job
     """A broken manifest of the final step in the run's own namespace is replaced; another job's
     checkpoint of that step on the shared path is neither taken for this run's nor touched."""
     mine, theirs = "20260101-000000-0000000a", "20260101-000000-0000000b"
-    monkeypatch.setattr("orchestrator.run_dir.new_run_id", lambda: mine)
+    monkeypatch.setattr("orchestrator.output.run_dir.new_run_id", lambda: mine)
     own = CheckpointStorage(str(tmp_path / "shared" / mine))
     other = CheckpointStorage(str(tmp_path / "shared" / theirs))
     if kind == "broken":  # a manifest listing a part that never arrived (a partial upload)
@@ -538,7 +538,7 @@ def test_a_checkpoint_kill_strikes_at_the_first_checkpoint_after_its_step():
     import threading
 
     from jobspec.chaos import ChaosConfig
-    from workers.chaos import ChaosSchedule
+    from workers.runtime.chaos import ChaosSchedule
 
     chaos = ChaosConfig.model_validate({"kill": [{"at_step": 420, "worker": 0, "during": "checkpoint"}]})
     schedule = ChaosSchedule.for_worker(chaos, 0, threading.Event())
@@ -623,7 +623,7 @@ def test_a_slow_worker_holding_the_only_copy_of_its_slice_is_not_evicted(tmp_pat
 
 
 def test_a_sharded_group_starts_after_a_step_whose_slices_were_all_stepped():
-    from orchestrator.recovery import ShardedStart, StateLost, sharded_start
+    from orchestrator.recovery.reform import ShardedStart, StateLost, sharded_start
 
     def held(lo: int, hi: int, next_step: int, state_step: int) -> Progress:
         return Progress(next_step, Phase.DONE, 0.0, next_step, held=((lo, hi, 10, state_step),))

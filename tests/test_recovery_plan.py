@@ -1,13 +1,13 @@
-"""``orchestrator/recovery_plan.py`` alone: who leaves a recovery and why, who carries the state
+"""``orchestrator/recovery/plan.py`` alone: who leaves a recovery and why, who carries the state
 on, at which step, and which steps run again, from what the driver saw and the survivors'
 settled progress. Pure: microseconds, no group."""
 
 from __future__ import annotations
 
 from jobspec.wire import Phase, Progress
-from orchestrator.group import Call
-from orchestrator.pipeline import InFlight
-from orchestrator.recovery_plan import plan_recovery, redo_after_reform
+from orchestrator.group.interface import Call
+from orchestrator.steps.pipeline import InFlight
+from orchestrator.recovery.plan import plan_recovery, redo_after_reform
 
 
 def _at(next_step: int, step: int | None = None) -> Progress:

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from jobspec.redaction import redact, redact_all
-from orchestrator.run_dir import RunDirectory
-from workers.checkpoint_storage import CheckpointStorage
+from orchestrator.output.run_dir import RunDirectory
+from workers.checkpoint.storage import CheckpointStorage
 
 SECRET_URI = "s3://AKIAKEY:s3cr3t@bucket/ckpt?X-Amz-Signature=deadbeef&region=eu&token=t0k"
 
@@ -51,7 +51,7 @@ def test_checkpoint_messages_name_files_without_the_secret():
 
 def test_resuming_a_job_whose_saved_credential_was_masked_asks_for_it_again(tmp_path):
     from jobspec.fields import ConfigError
-    from orchestrator.job_file import load_job
+    from orchestrator.job.reading import load_job
 
     run = RunDirectory(tmp_path / "run")
     run.save_job({"checkpoint": {"path": SECRET_URI}, "steps": 5})

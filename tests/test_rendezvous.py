@@ -15,10 +15,10 @@ import pytest
 import torch.distributed as dist
 
 from orchestrator.errors import StoreFailed
-from orchestrator.rendezvous import STORE_CALL_SLACK_S, RendezvousStore
-from orchestrator.store_process import StoreProcessError
+from orchestrator.store.rendezvous import STORE_CALL_SLACK_S, RendezvousStore
+from orchestrator.store.server_process import StoreProcessError
 from policies.work_stealing import StepPlan
-from workers.claims import open_step
+from workers.step.claims import open_step
 
 
 def test_the_store_listens_on_the_given_address_only():

@@ -13,7 +13,7 @@ import pytest
 from jobspec.job import JobConfig
 from jobspec.wire import SnapshotRequest
 from tests.helpers.replicas import FakeReplica
-from workers.chaos import ChaosSchedule
+from workers.runtime.chaos import ChaosSchedule
 from workers.replica_checkpoint import CheckpointWriter
 
 #: What a wait is allowed: far more than settling it takes, far less than the job's

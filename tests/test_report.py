@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from orchestrator.report import ReportError, marker_times, read_run, write_report
+from orchestrator.commands.report import ReportError, marker_times, read_run, write_report
 from ringleader.cli import main
 from tests.helpers.jobs import run
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jobspec.fields import ConfigError
-from orchestrator.job_file import load_job
+from orchestrator.job.reading import load_job
 from orchestrator.launch import run_job
 from ringleader.cli import main
 from tests.helpers.jobs import assert_same_params, jsonl, params, run

@@ -15,10 +15,10 @@ from multiproc import comm_group, run_ranks, tcp_store
 
 from jobspec.failures import CollectiveAborted
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, FakeWork, fake_options
-from workers.comm_group import CommGroup, PendingOp
-from workers.communicator import make_communicator
-from workers.process_group import new_process_group
-from workers.ring import RingAllReduce, chunk_bounds, ring_all_gather
+from workers.comm.comm_group import CommGroup, PendingOp
+from workers.comm.communicator import make_communicator
+from workers.comm.process_group import new_process_group
+from workers.comm.ring import RingAllReduce, chunk_bounds, ring_all_gather
 
 # The stalled generation's gloo timeout: its abandoned waits end by then, so the test does too.
 STALLED_GLOO_TIMEOUT_S = 6.0

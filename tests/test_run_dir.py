@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from jobspec.fields import ConfigError
-from orchestrator.run_dir import RUN_ID_FILE, RunDirectory
+from orchestrator.output.run_dir import RUN_ID_FILE, RunDirectory
 
 
 def test_a_run_id_file_that_holds_no_run_id_is_one_line_naming_it(tmp_path):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from policies.assignment import ShardAssignment
-from workers.sampler import ShardSampler
+from workers.data.sampler import ShardSampler
 
 
 def _step_indices(sampler: ShardSampler, step: int) -> np.ndarray:

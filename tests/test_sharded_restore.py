@@ -18,18 +18,18 @@ import pytest
 import torch
 
 from jobspec.recipe import OptimizerConfig
-from orchestrator.memory_probe import PeakMemory
+from orchestrator.commands.memory_probe import PeakMemory
 from policies.sharding import ShardingLayout
-from workers.checkpoint_manifest import CheckpointCorrupt, verify_checkpoint, write_manifest
-from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpointing import take_snapshot, write_snapshot
-from workers.flat_optimizer import FlatOptimizer
-from workers.generic_optimizer import GenericOptimizer
-from workers.loss_scaler import LossScaler
+from workers.checkpoint.manifest import CheckpointCorrupt, verify_checkpoint, write_manifest
+from workers.checkpoint.storage import CheckpointStorage
+from workers.checkpoint.parts import take_snapshot, write_snapshot
+from workers.optim.fused import FlatOptimizer
+from workers.optim.generic import GenericOptimizer
+from workers.optim.loss_scaler import LossScaler
 from workers.replica_checkpoint import checkpointed_tensors, restore_state
-from workers.sharded_optimizer import ShardedOptimizer
+from workers.sharding.optimizer import ShardedOptimizer
 from workers.state_layout import StateLayout, state_layout
-from workers.training import FlatParameters
+from workers.model.flat_parameters import FlatParameters
 
 NAME = "step-00000003"
 GROUP = 4
@@ -157,8 +157,8 @@ def test_a_generic_optimizers_checkpoint_restores_each_ranks_slice_through_range
 
 
 def test_a_generic_state_saved_whole_before_it_was_taken_apart_restores_a_slice():
-    from workers.generic_optimizer import STATE_ENTRY
-    from workers.optimizer_state import encode
+    from workers.optim.generic import STATE_ENTRY
+    from workers.optim.state_codec import encode
 
     config = OptimizerConfig(name="RAdam", kwargs={"lr": 0.01}, decay_biases_and_norms=False)
     source = Replica(config, sharded=False)

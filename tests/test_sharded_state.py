@@ -15,17 +15,17 @@ from policies.sharding import LostState, ShardingLayout
 from tests.helpers.devices import DEVICES
 from tests.helpers.gradients import finish_gradient
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
-from workers.comm_group import CommGroup
-from workers.flat_optimizer import FlatOptimizer
-from workers.loss_scaler import LossScaler
-from workers.overlap import GradientReducer
-from workers.ring import RingAllReduce
-from workers.sharded_optimizer import ShardedOptimizer
-from workers.step_buffers import StepBuffers
-from workers.sharded_reduce import ShardedSum, gather_slices, group_sum
-from workers.slice_steppers import GenericSlice, shape_blind
+from workers.comm.comm_group import CommGroup
+from workers.optim.fused import FlatOptimizer
+from workers.optim.loss_scaler import LossScaler
+from workers.comm.gradient_reducer import GradientReducer
+from workers.comm.ring import RingAllReduce
+from workers.sharding.optimizer import ShardedOptimizer
+from workers.model.buffers import StepBuffers
+from workers.sharding.reduce import ShardedSum, gather_slices, group_sum
+from workers.sharding.slice_steppers import GenericSlice, shape_blind
 from workers.state_layout import ShardedState
-from workers.training import FlatParameters
+from workers.model.flat_parameters import FlatParameters
 
 TIMEOUT_S = 8.0
 EXTRA = 5  # census-like slots in front of the gradient
@@ -287,8 +287,8 @@ def test_a_generic_optimizer_shards_reshards_and_checkpoints_like_the_whole_one(
     parameters; its checkpoint parts (each rank its slice, rank 0 the skeleton) restore into an
     unsharded ``GenericOptimizer`` with the whole one's state; and resharded from groups of 2
     to whole replicas (every rank needs every entry) each rank holds the whole state."""
-    from workers.checkpointing import part_range
-    from workers.generic_optimizer import GenericOptimizer
+    from workers.checkpoint.parts import part_range
+    from workers.optim.generic import GenericOptimizer
 
     world, steps, config = 2, 2, _config("RAdam", {"lr": 0.01, "weight_decay": 0.1}, decay_biases_and_norms=False)
     groups = _groups(world)

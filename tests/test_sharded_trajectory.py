@@ -19,7 +19,7 @@ SHARDS = 12
 def _train(rank: int, world: int, port: int, results: dict, runs: list[tuple[str, list[str]]]) -> None:
     """Each of ``runs`` (a name, its overrides) trained from scratch in a group of its own."""
     from jobspec.wire import JoinRequest
-    from orchestrator.job_file import load_job
+    from orchestrator.job.reading import load_job
     from policies.split import even_bounds
     from policies.work_stealing import StepPlan
     from tests.multiproc import tcp_store
@@ -44,7 +44,7 @@ def _train(rank: int, world: int, port: int, results: dict, runs: list[tuple[str
 def _state_entries(optimizer: object) -> int:
     """Entries of the optimizer's state that are one value per parameter entry (moments, not
     step counts): what sharding divides."""
-    from workers.generic_optimizer import GenericOptimizer
+    from workers.optim.generic import GenericOptimizer
 
     if isinstance(optimizer, GenericOptimizer):
         found = [

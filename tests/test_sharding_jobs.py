@@ -115,7 +115,7 @@ def test_a_slice_without_a_replica_falls_back_to_the_newest_checkpoint_in_place(
 
 
 def test_a_lost_slice_with_no_checkpoint_fails_naming_what_to_do(tmp_path):
-    from orchestrator.job_file import load_job
+    from orchestrator.job.reading import load_job
     from orchestrator.launch import run_job
 
     job = load_job(None, [

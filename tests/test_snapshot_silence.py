@@ -15,16 +15,16 @@ import pytest
 import torch
 
 from jobspec.wire import Phase, Progress, SnapshotRequest
-from orchestrator.group import Call
-from orchestrator.job_file import load_job
-from orchestrator.pipeline import InFlight, await_step
+from orchestrator.group.interface import Call
+from orchestrator.job.reading import load_job
+from orchestrator.steps.pipeline import InFlight, await_step
 from policies.eviction import silent_workers
 from tests.helpers.jobs import assert_same_params, jsonl, params, run
 from workers import replica_checkpoint
 from workers.actor import TrainWorker
-from workers.checkpoint_manifest import verify_checkpoint
-from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpoint_reading import read_part
+from workers.checkpoint.manifest import verify_checkpoint
+from workers.checkpoint.storage import CheckpointStorage
+from workers.checkpoint.reading import read_part
 
 
 def _progress(

@@ -7,14 +7,14 @@ import pytest
 from policies.assignment import ShardAssignment
 from policies.ewma import ewma
 from policies.split import even_bounds, even_counts
-from workers.checkpointing import part_range
-from workers.ring import chunk_bounds
+from workers.checkpoint.parts import part_range
+from workers.comm.ring import chunk_bounds
 
 # The three splits and the three EWMAs as they were before policies/split.py and policies/ewma.py
 # replaced them, copied verbatim: the shared versions must give the same results, bit for bit.
 
 
-def _old_chunk_bounds(length, parts):  # workers/ring.py
+def _old_chunk_bounds(length, parts):  # workers/comm/ring.py
     base, extra = divmod(length, parts)
     bounds, start = [], 0
     for i in range(parts):
@@ -24,7 +24,7 @@ def _old_chunk_bounds(length, parts):  # workers/ring.py
     return bounds
 
 
-def _old_part_range(numel, index, count):  # workers/checkpointing.py
+def _old_part_range(numel, index, count):  # workers/checkpoint/parts.py
     size, extra = divmod(numel, count)
     lo = index * size + min(index, extra)
     return lo, lo + size + (1 if index < extra else 0)
@@ -39,7 +39,7 @@ def _old_ewma_checkpoint(current, sample, alpha):  # policies/checkpoint_interva
     return sample if current is None else alpha * sample + (1.0 - alpha) * current
 
 
-def _old_ewma_weighted_old_first(current, sample, alpha):  # policies/rebalance.py, workers/chaos.py
+def _old_ewma_weighted_old_first(current, sample, alpha):  # policies/rebalance.py, workers/runtime/chaos.py
     return sample if current is None else (1 - alpha) * current + alpha * sample
 
 

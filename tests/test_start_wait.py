@@ -1,5 +1,5 @@
-"""What a start says while it waits (``orchestrator/start_wait.py``, from
-``orchestrator/worker_group.py``): the stage it waits on and what the cluster has free, in
+"""What a start says while it waits (``orchestrator/group/start_wait.py``, from
+``orchestrator/group/ray_group.py``): the stage it waits on and what the cluster has free, in
 words, never Ray's internal resources."""
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ INTERNAL = ("bundle_group", "_group_", "node:", "__internal_head__", "object_sto
 
 
 def _wait(**fields):
-    from orchestrator.start_wait import StartWait
+    from orchestrator.group.start_wait import StartWait
 
     base = dict(count=4, bundle={"CPU": 0.5}, placed=0, scheduling="NO_RESOURCES", ready=0, loading=0, free=LOADED, nodes=1)
     return StartWait(**{**base, **fields})
 
 
 def test_a_waiting_start_names_its_stage_and_what_is_free_in_words():
-    from orchestrator.start_wait import start_timeout_message, start_wait_message
+    from orchestrator.group.start_wait import start_timeout_message, start_wait_message
 
     reserving = start_wait_message(_wait(), 180.0)
     assert "4 x 0.5 CPU" in reserving and "placement group: 0 of 4 bundles placed" in reserving
@@ -64,7 +64,7 @@ def test_a_waiting_start_names_its_stage_and_what_is_free_in_words():
 
 
 def test_resources_in_words_leave_out_rays_bookkeeping():
-    from orchestrator.start_wait import resources_in_words
+    from orchestrator.group.start_wait import resources_in_words
 
     assert resources_in_words({"CPU": 1.0, "GPU": 1.0, "memory": 2 * 2**30}) == "1 CPU, 1 GPU, 2 GiB memory"
     assert resources_in_words({"TPU": 4.0, "CPU": 0.25}) == "0.25 CPU, 4 TPU"
@@ -80,9 +80,9 @@ def test_a_start_waiting_for_resources_says_so_in_words(ray_cluster):
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from orchestrator.group import WorkerGroupError
-    from orchestrator.job_file import load_job
-    from orchestrator.worker_group import RayWorkerGroup
+    from orchestrator.group.interface import WorkerGroupError
+    from orchestrator.job.reading import load_job
+    from orchestrator.group.ray_group import RayWorkerGroup
 
     other = placement_group([{"CPU": 0.5}])
     ray.get(other.ready(), timeout=30)

@@ -14,13 +14,13 @@ from typing import Any, Callable
 
 import pytest
 
-import orchestrator.rendezvous
-from orchestrator.chaos_control import ChaosControl
+import orchestrator.store.rendezvous
+from orchestrator.group.chaos_control import ChaosControl
 from orchestrator.controller import JobController
-from orchestrator.job_file import load_job
+from orchestrator.job.reading import load_job
 from orchestrator.launch import run_job
-from orchestrator.rendezvous import RendezvousStore
-from orchestrator.run_dir import RunDirectory
+from orchestrator.store.rendezvous import RendezvousStore
+from orchestrator.output.run_dir import RunDirectory
 from tests.helpers.fake_group import FakeWorkerGroup, Faults
 from tests.helpers.jobs import jsonl
 
@@ -76,13 +76,13 @@ def _step_committed(step: int) -> Callable[[dict[str, Any]], bool]:
 @pytest.mark.parametrize("mitigation", [True, False], ids=["mitigation-on", "mitigation-off"])
 def test_a_killed_store_fails_the_job_at_once_naming_the_store(tmp_path, monkeypatch, mitigation):
     stores: list[RendezvousStore] = []
-    make_store = orchestrator.rendezvous.driver_store
+    make_store = orchestrator.store.rendezvous.driver_store
 
     def recorded_store(timeout_s: float, claim_stores: int = 1) -> RendezvousStore:
         stores.append(make_store(timeout_s, claim_stores))
         return stores[-1]
 
-    monkeypatch.setattr(orchestrator.rendezvous, "driver_store", recorded_store)
+    monkeypatch.setattr(orchestrator.store.rendezvous, "driver_store", recorded_store)
     killer = KillStore(stores, _step_committed(KILL_AT))
     job = load_job(None, [
         "steps=40", "eval=null", "scaling.workers=2", f"stragglers.mitigation={str(mitigation).lower()}",

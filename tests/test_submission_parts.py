@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.submission import (
+from orchestrator.commands.submit import (
     PACKAGES,
     SubmissionError,
     find_token,
@@ -70,7 +70,7 @@ def test_the_token_comes_from_where_ray_looks_in_its_order(tmp_path, monkeypatch
 def test_an_address_given_wins_over_ray_address(monkeypatch):
     """Ray's client lets RAY_ADDRESS override the address it is given; ours must not (the
     token would go to the other cluster)."""
-    from orchestrator.submission import Cluster
+    from orchestrator.commands.submit import Cluster
 
     monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:2")
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from orchestrator.submission import Cluster, SubmissionError
+from orchestrator.commands.submit import Cluster, SubmissionError
 from ringleader.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,7 +28,7 @@ SECRET = "s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/ckpt"
 
 @pytest.fixture(autouse=True)
 def private_cache(monkeypatch, tmp_path) -> None:
-    """The key that names overrides files (``orchestrator/submission.py``) is made here, not in
+    """The key that names overrides files (``orchestrator/commands/submit.py``) is made here, not in
     the user's own cache."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
@@ -89,7 +89,7 @@ def test_no_override_value_is_in_the_entrypoint_or_metadata_and_no_token_in_the_
 
 
 def test_the_shipped_overrides_are_what_run_applies(tmp_path, capsys):
-    from orchestrator.job_file import encode_overrides
+    from orchestrator.job.reading import encode_overrides
 
     (tmp_path / "overrides.json").write_bytes(encode_overrides(["steps=0"]))
     assert main(["run", "--set-file", str(tmp_path / "overrides.json"), "--run-dir", str(tmp_path / "run")]) == 2
@@ -139,7 +139,7 @@ def test_the_overrides_file_name_confirms_no_guess_of_them(tmp_path, submitted, 
     (0600) and kept: the same overrides still ship the same file; under another key, another."""
     import hashlib
 
-    from orchestrator.job_file import encode_overrides
+    from orchestrator.job.reading import encode_overrides
 
     project = _project(tmp_path / "project")
     overrides = [f"checkpoint.path={SECRET}"]
@@ -181,7 +181,7 @@ def test_a_killed_submits_overrides_file_is_removed_and_a_live_ones_never_shippe
 
 
 def test_submits_of_the_same_overrides_share_one_file_the_last_one_out_removes(tmp_path):
-    from orchestrator.held_files import held_file
+    from orchestrator.commands.held_files import held_file
 
     path = tmp_path / "shared.json"
     with held_file(path, b"[]"):
@@ -196,7 +196,7 @@ def test_the_last_two_out_at_the_same_instant_still_remove_the_file(tmp_path, mo
     remove the file: refused once, this one tries again, and removes it."""
     import fcntl
 
-    from orchestrator import held_files
+    from orchestrator.commands import held_files
 
     path = tmp_path / "shared.json"
     other: list[int] = []
@@ -402,7 +402,7 @@ def _job_server(tls: tuple[Path, Path] | None, cookie: str | None, header: str |
 def test_following_logs_speaks_as_the_client_does(tmp_path, monkeypatch, needs):
     """The log stream carries what the client carries: its TLS verification (a custom CA),
     cookies and headers (a cluster plugin's, the token Ray found itself)."""
-    from orchestrator.submission import _bounded_client
+    from orchestrator.commands.submit import _bounded_client
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)

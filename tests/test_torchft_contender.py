@@ -17,7 +17,7 @@ from benchmarks.torchft_entry import ATTEMPTS, summarize
 from benchmarks.torchft_loop import torchft_shards
 from benchmarks.workloads import workload_job
 from jobspec.job import JobConfig
-from workers.sampler import ShardSampler
+from workers.data.sampler import ShardSampler
 
 
 def _job(steps: int, **updates: object) -> JobConfig:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from jobspec.fields import ConfigError
-from orchestrator.tune import format_ranking, parse_param, run_sweep
+from orchestrator.commands.tune import format_ranking, parse_param, run_sweep
 
 
 def test_params_parse_into_tune_distributions():

@@ -5,8 +5,8 @@ step pipeline), ``control`` (answers while a step runs, so the driver can always
 ``io`` (waits for background checkpoint writes without holding up either).
 
 The actor takes the driver's calls and delegates: joining and leaving a group to
-``workers/group_link.py``, a step's shards to ``workers/step.py`` (its rescue watch
-``workers/rescue_watch.py``, its census ``workers/census.py``), checkpoints to
+``workers/group_link.py``, a step's shards to ``workers/step/passes.py`` (its rescue watch
+``workers/step/rescue_watch.py``, its census ``workers/step/census.py``), checkpoints to
 ``workers/replica_checkpoint.py``.
 """
 
@@ -42,31 +42,31 @@ from jobspec.wire import (
     WorkerInfo,
 )
 from policies.work_stealing import StepPlan
-from workers import plan_channel
-from workers.census import WEIGHT_SLOT, census_slots
-from workers.chaos import ChaosSchedule, death_key, kill_self
-from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpoint_reading import load_residuals
-from workers.claims import ShardClaims
-from workers.communicator import pick_backend
-from workers.devices import make_current, on_worker_device, worker_device
+from workers.step import published_plans
+from workers.step.census import WEIGHT_SLOT, census_slots
+from workers.runtime.chaos import ChaosSchedule, death_key, kill_self
+from workers.checkpoint.storage import CheckpointStorage
+from workers.checkpoint.reading import load_residuals
+from workers.step.claims import ShardClaims
+from workers.comm.communicator import pick_backend
+from workers.runtime.devices import make_current, on_worker_device, worker_device
 from workers.group_link import GroupLink
-from workers.loss_scaler import LossScaler
-from workers.objective import Objective
+from workers.optim.loss_scaler import LossScaler
+from workers.model.objective import Objective
 from workers.replica_checkpoint import CheckpointWriter, restore_state
-from workers.rescue_watch import rescue_watch
-from workers.sampler import ShardSampler
-from workers.sharded_optimizer import build_optimizer
+from workers.step.rescue_watch import rescue_watch
+from workers.data.sampler import ShardSampler
+from workers.sharding.optimizer import build_optimizer
 from workers.state_layout import state_layout
-from workers.step import StepRunner
-from workers.step_buffers import StepBuffers
-from workers.step_report import StepClock, StepTraffic, step_report
-from workers.step_verdict import GradientMeasure, StepVerdict, measure_gradient, read_verdict
-from workers.step_work import ClaimedStep, RescuePass, StepWork
-from workers.training import flatten_onto
-from workers.precision import autocast
-from workers.evaluate import evaluate_job
-from workers.batches import fetch_batch, move_to
+from workers.step.passes import StepRunner
+from workers.model.buffers import StepBuffers
+from workers.step.report import StepClock, StepTraffic, step_report
+from workers.step.verdict import GradientMeasure, StepVerdict, measure_gradient, read_verdict
+from workers.step.records import ClaimedStep, RescuePass, StepWork
+from workers.model.flat_parameters import flatten_onto
+from workers.model.precision import autocast
+from workers.model.evaluate import evaluate_job
+from workers.data.batches import fetch_batch, move_to
 
 #: When this module (and with it torch and the worker's code) had loaded: the launch's breakdown.
 IMPORTED_AT = time.time()
@@ -97,7 +97,7 @@ class TrainWorker:
     ``job`` is the validated job (the same for every rank); ``worker_id`` names the worker for
     its whole life (ranks change when the group re-forms); chaos settings refer to it.
     ``device``: where a worker built outside Ray trains (the memory probe,
-    ``orchestrator/memory_probe.py``); by default the GPU Ray assigned, or the CPU.
+    ``orchestrator/commands/memory_probe.py``); by default the GPU Ray assigned, or the CPU.
     """
 
     def __init__(self, job: JobConfig, worker_id: int = 0, device: torch.device | None = None) -> None:
@@ -314,11 +314,11 @@ class TrainWorker:
         """Rank 0: end the followers' run after the batches queued before this call."""
         self._channel().end()
 
-    def _channel(self) -> plan_channel.PlanChannel:
+    def _channel(self) -> published_plans.PlanChannel:
         group = self.link.group
         if group is None:
             raise RuntimeError("published plans need a group: join_group first")
-        return plan_channel.PlanChannel(group, self.device)
+        return published_plans.PlanChannel(group, self.device)
 
     @ray.method(concurrency_group="control")
     def kept_reports(self, first: int, end: int) -> list[StepTelemetry]:
@@ -331,11 +331,11 @@ class TrainWorker:
         """Compute this rank's share of the step's gradient, all-reduce it, take the optimizer step.
 
         With the plan's mitigations off the rank runs exactly its planned shards; with them on
-        it claims, steals and backs up shards through the driver's store (``workers/step.py``).
+        it claims, steals and backs up shards through the driver's store (``workers/step/passes.py``).
         The all-reduced buffer holds the sum of every shard's loss-sum gradient and the step's
-        total loss weight; divided by it (``workers/step_verdict.py``, which also clips) it is the
+        total loss weight; divided by it (``workers/step/verdict.py``, which also clips) it is the
         step's mean gradient whoever ran what; the model's changing buffers become the mean of
-        what each shard's pass left in them (``workers/step_buffers.py``). Raises
+        what each shard's pass left in them (``workers/model/buffers.py``). Raises
         ShardCensusError if the ranks together did not commit every shard exactly once
         (``StepVerdict.census``), FloatingPointError if the gradient is not
         finite (fp32, bf16; fp16 skips the step), ValueError (naming ``loss``) for a bad loss.

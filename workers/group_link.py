@@ -23,16 +23,16 @@ from jobspec.chaos import KillPoint
 from jobspec.runtime import CollectiveConfig
 from jobspec.wire import Joined, JoinRequest
 from policies.sharding import ShardingLayout
-from workers.claims import ClaimStores, CountingStore
-from workers.comm_group import CommGroup
-from workers.communicator import Communicator, pick_backend
-from workers.compression import TopKAllReduce
-from workers.devices import stream_marks
-from workers.overlap import GradientReducer
-from workers.process_group import form_process_group
+from workers.step.claims import ClaimStores, CountingStore
+from workers.comm.comm_group import CommGroup
+from workers.comm.communicator import Communicator, pick_backend
+from workers.comm.compression import TopKAllReduce
+from workers.runtime.devices import stream_marks
+from workers.comm.gradient_reducer import GradientReducer
+from workers.comm.process_group import form_process_group
 from workers.replica import Replica
-from workers.sharded_reduce import group_sum
-from workers.training import FlatParameters
+from workers.sharding.reduce import group_sum
+from workers.model.flat_parameters import FlatParameters
 
 
 @dataclass

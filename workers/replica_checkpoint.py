@@ -2,8 +2,8 @@
 steps and written in the background, and a checkpoint's state restored into it.
 
 The part files themselves (slicing, format, reading back and verifying) are
-``workers/checkpointing.py``; the driver coordinates the parts and writes the manifest
-(``orchestrator/checkpointing.py``).
+``workers/checkpoint/parts.py``; the driver coordinates the parts and writes the manifest
+(``orchestrator/checkpoints/coordinator.py``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import torch
 
 from jobspec.wire import PartWritten, SnapshotRequest
 from policies.sharding import Span
-from workers.chaos import ChaosSchedule, kill_self
-from workers.checkpoint_storage import CheckpointStorage
-from workers.checkpointing import FlatPieces, PartSnapshot, take_snapshot, write_snapshot
-from workers.checkpoint_reading import open_checkpoint
-from workers.named_tensors import check_fit, copy_by_name
+from workers.runtime.chaos import ChaosSchedule, kill_self
+from workers.checkpoint.storage import CheckpointStorage
+from workers.checkpoint.parts import FlatPieces, PartSnapshot, take_snapshot, write_snapshot
+from workers.checkpoint.reading import open_checkpoint
+from workers.optim.named_tensors import check_fit, copy_by_name
 from workers.replica import Replica
 
 

@@ -17,17 +17,17 @@ from jobspec.failures import CollectiveAborted
 from jobspec.runtime import CollectiveConfig
 from policies.collective_choice import CollectiveChoice
 from policies.sharding import ShardingLayout, Span
-from workers.checkpoint_reading import SavedFlat
-from workers.comm_group import CommGroup
-from workers.communicator import Communicator, NativeAllReduce, make_communicator
-from workers.compression import OWN_TRANSPORT, TopKAllReduce, compress
-from workers.flat_optimizer import FlatOptimizer
-from workers.generic_optimizer import GenericOptimizer
-from workers.link_probe import auto_communicator
-from workers.overlap import DEFAULT_BUCKET_BYTES, GradientReducer, default_bucket_bytes
-from workers.sharded_optimizer import ShardedOptimizer
-from workers.sharded_reduce import ShardedSum, gather_slices
-from workers.training import FlatParameters
+from workers.checkpoint.reading import SavedFlat
+from workers.comm.comm_group import CommGroup
+from workers.comm.communicator import Communicator, NativeAllReduce, make_communicator
+from workers.comm.compression import OWN_TRANSPORT, TopKAllReduce, compress
+from workers.optim.fused import FlatOptimizer
+from workers.optim.generic import GenericOptimizer
+from workers.comm.auto_allreduce import auto_communicator
+from workers.comm.gradient_reducer import DEFAULT_BUCKET_BYTES, GradientReducer, default_bucket_bytes
+from workers.sharding.optimizer import ShardedOptimizer
+from workers.sharding.reduce import ShardedSum, gather_slices
+from workers.model.flat_parameters import FlatParameters
 
 #: ``Progress.held``: ``(lo, hi, numel, state_step)`` of each slice a rank holds.
 Held = tuple[tuple[int, int, int, int], ...]

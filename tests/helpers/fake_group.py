@@ -19,11 +19,11 @@ from typing import Any, Sequence
 from jobspec.job import JobConfig
 from jobspec.step_record import StepRecord
 from jobspec.wire import FileEntry, PartWritten, Phase, Progress, SnapshotOrder, SnapshotRequest, StepTelemetry, WorkerInfo
-from orchestrator.group import Call, CallFailed, FailureKind, Submitted
-from orchestrator.membership import Membership
-from orchestrator.rendezvous import RendezvousStore
+from orchestrator.group.interface import Call, CallFailed, FailureKind, Submitted
+from orchestrator.group.membership import Membership
+from orchestrator.store.rendezvous import RendezvousStore
 from policies.work_stealing import StepPlan
-from workers.checkpoint_storage import CheckpointStorage
+from workers.checkpoint.storage import CheckpointStorage
 
 BLOCKED = float("inf")  # a call that ends only when aborted
 
@@ -172,7 +172,7 @@ class FakeFollow:
 
 
 class FakeWorkerGroup(Membership[FakeWorker, tuple[FakeWorker, float]]):
-    """Implements ``orchestrator.group.WorkerGroup`` in-process, its membership bookkeeping
+    """Implements ``orchestrator.group.interface.WorkerGroup`` in-process, its membership bookkeeping
     ``Membership``'s as the Ray group's is. ``replacements``: whether free slots get new workers
     (each ready ``join_delay_s`` after it is started); a joiner is (worker, ready at).
     ``timed``: a step's calls last the ``step_s`` their reports claim, in real seconds (else

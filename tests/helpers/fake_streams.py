@@ -53,7 +53,7 @@ class Mark:
 
 
 class FakeDeviceStreams:
-    """One fake device's streams; a ``StreamMarks`` (``workers/devices.py``)."""
+    """One fake device's streams; a ``StreamMarks`` (``workers/runtime/devices.py``)."""
 
     def __init__(self) -> None:
         self.default = FakeStream("default")

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from workers.step_verdict import GradientUpdate, StepVerdict, measure_gradient
+from workers.step.verdict import GradientUpdate, StepVerdict, measure_gradient
 
 
 def finish_gradient(

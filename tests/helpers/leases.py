@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from orchestrator.namespace_lease import LEASE_FILE
+from orchestrator.checkpoints.lease import LEASE_FILE
 
 
 def lease_file(root: Path) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.sampler import ShardSampler
+from workers.data.sampler import ShardSampler
 
 
 def poisoned_index(n: int, batch_size: int, shards: int, step: int, seed: int = 0) -> int:

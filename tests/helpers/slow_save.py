@@ -43,7 +43,7 @@ def make_model_slow_to_save(hidden: int = 32, bytes_per_s: float = 4000.0) -> to
     files' ``encode``) are ``slowed`` (a model factory runs in the worker process only, so the
     driver's are untouched)."""
     from ringleader_examples.digits import make_model
-    from workers import tensor_file
+    from workers.checkpoint import tensor_file
 
     if not getattr(torch.save, "slowed", False):
         torch.save = slowed(torch.save, bytes_per_s)

@@ -1,0 +1,1 @@
+"""Coordinated checkpoints, the driver's side: the coordinator, resuming, the namespace and its lease."""

@@ -1,0 +1,1 @@
+"""The commands beside ``run``: submit, tune, plan (memory), report."""

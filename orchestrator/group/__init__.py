@@ -1,0 +1,1 @@
+"""The worker group: its interface, the Ray implementation, membership, slots, starts, chaos."""

@@ -1,0 +1,1 @@
+"""Recovery after a death or an eviction: the plan, the reform of the group, the procedure."""

@@ -1,0 +1,1 @@
+"""The step loop's parts: the pipeline of batches in flight, the job's states, straggler control."""

@@ -1,0 +1,1 @@
+"""Checkpoint files: storage (local or cloud), manifests, tensor files, parts written and read back."""

@@ -1,0 +1,1 @@
+"""Collectives: process groups, our ring and hierarchical all-reduce, compression, gradient buckets."""

@@ -1,0 +1,1 @@
+"""Optimizers over flat parameters (fused) or any torch optimizer (generic), their state, loss scaling."""

@@ -1,0 +1,1 @@
+"""One training step on a worker: passes, claims, census, rescue, records, verdict, report, plans."""
