@@ -74,7 +74,7 @@ install_wheels() {
 suite() {
   # Worker parts first: they need neither Ray nor a Ray wheel.
   timeout "$SUITE_S" "$PY" -m pytest -m gpu -rA -p no:cacheprovider --junitxml="$OUT/gpu-suite.xml" \
-    tests/test_gpu_worker.py tests/test_gpu_nccl.py tests/test_host_syncs.py tests/test_gpu_jobs.py 2>&1 | tee "$OUT/gpu-suite.log"
+    tests/gpu/test_gpu_worker.py tests/gpu/test_gpu_nccl.py tests/pure/test_host_syncs.py tests/gpu/test_gpu_jobs.py 2>&1 | tee "$OUT/gpu-suite.log"
 }
 
 bench() {

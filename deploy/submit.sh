@@ -10,7 +10,7 @@
 #
 # Ray runs the entrypoint through a shell on the head node. Each word after `--` is passed as
 # its own argument, and `ray job submit` (2.60) joins them with shlex.join, so a value such as
-# `--set checkpoint.path='s3://b/$(id)'` arrives as text (tests/test_deploy.py checks this
+# `--set checkpoint.path='s3://b/$(id)'` arrives as text (tests/multiprocess/test_deploy.py checks this
 # against Ray's own CLI). Do not pre-join the words into one string: Ray would quote it again.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -4,7 +4,7 @@
 Each state's handler does its work and returns the next state; ``_step`` runs one handler and
 returns ``(previous, next)``; every change of kind is an event in ``events.jsonl``. The
 controller talks to workers only through a ``WorkerGroup`` (``orchestrator/group/interface.py``): Ray
-actors in a job, an in-process fake (``tests/helpers/fake_group.py``) in ``tests/test_recovery.py``.
+actors in a job, an in-process fake (``tests/helpers/fake_group.py``) in ``tests/pure/test_recovery.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,11 @@
-"""One local Ray cluster for the whole test session, isolated from anything else on the machine."""
+"""One local Ray cluster for the whole test session, isolated from anything else on the machine,
+and the tiers' folders kept honest.
+
+The tests live in one folder per tier (docs/architecture.md, "Where it is tested"): ``pure/``
+(one process: policies, math, plans, the controller over the fake group, files), ``multiprocess/``
+(real processes, process groups or servers, gloo or the fake NCCL group; no Ray),
+``ray_jobs/`` (a Ray cluster, this session's or ``cluster_utils.Cluster``, or whole jobs) and
+``gpu/`` (a CUDA device)."""
 
 from __future__ import annotations
 
@@ -96,6 +103,21 @@ def reference(tmp_path_factory, one_worker) -> Reference:
     other_seed = run(tmp_path_factory.mktemp("control"), "seed1", "scaling.workers=1", "seed=1")
     assert_control_differs(params(other_seed.run_dir), ran, "the built-in job with seed 1")
     return ran
+
+
+#: The fixtures that start Ray, which only ``ray_jobs/`` and ``gpu/`` may use.
+RAY_FIXTURES = frozenset({"ray_cluster", "one_worker", "reference"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse to run a test filed in ``pure/`` or ``multiprocess/`` that starts Ray: its tier is
+    what a reader (and ``pytest tests/pure``) trusts it to cost."""
+    misfiled = [
+        item.nodeid for item in items
+        if item.path.parent.name in ("pure", "multiprocess") and RAY_FIXTURES & set(getattr(item, "fixturenames", ()))
+    ]
+    if misfiled:
+        raise pytest.UsageError(f"these tests start Ray, so they belong in tests/ray_jobs/: {', '.join(misfiled)}")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -20,7 +20,7 @@ class CommitLedger:
     total must be the step's shard count, all of them together must cover each shard exactly
     once; when some are missing (a rank died after the all-reduce) the ones it has must at
     least not overlap. A step that fails any of these checks fails the job uncommitted
-    (``tests/test_ledger.py``), so a lost or doubled shard never shows as a short or long count
+    (``tests/multiprocess/test_ledger.py``), so a lost or doubled shard never shows as a short or long count
     in the summary: ``shards_committed`` and ``samples`` add up what the census counted, which
     makes ``shards_committed`` ``num_shards`` per step committed with a report (one committed
     with none, its survivors' kept reports not answered in time, adds nothing)."""

@@ -1,5 +1,5 @@
 """The job-file reference (``docs/job-file.md``), generated from the pydantic models of
-the job schema (``jobspec/``) so it cannot drift from them: ``tests/test_config.py`` fails when
+the job schema (``jobspec/``) so it cannot drift from them: ``tests/pure/test_config.py`` fails when
 the file is stale. Regenerate with::
 
     python -m orchestrator.job.reference > docs/job-file.md

@@ -2,7 +2,7 @@
 who leaves (dead or evicted) and why, who carries the state on, where the survivors are; then,
 once the group holds the state again, which steps run again. Pure functions over what the
 driver saw of the failure and the survivors' settled ``Progress``: no Ray, no group, tested in
-microseconds (``tests/test_recovery_plan.py``); ``orchestrator/recovery/procedure.py`` carries
+microseconds (``tests/pure/test_recovery_plan.py``); ``orchestrator/recovery/procedure.py`` carries
 the plan out."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ rank 0), and re-forming the group, retried when someone dies meanwhile
 (docs/architecture.md, "Recovery").
 
 The decisions are pure functions over the survivors' ``Progress``; the procedures drive a
-``WorkerGroup`` (``orchestrator/group/interface.py``), so ``tests/test_recovery.py`` runs them against an
+``WorkerGroup`` (``orchestrator/group/interface.py``), so ``tests/pure/test_recovery.py`` runs them against an
 in-process fake group in milliseconds. ``orchestrator/recovery/procedure.py`` carries them out
 in the ``Recovering`` state.
 """

@@ -56,7 +56,7 @@ def params(run_dir: Path) -> dict[str, torch.Tensor]:
 def run(tmp_path: Path, name: str, *overrides: str) -> JobResult:
     """The built-in job, 25 steps and no eval unless overridden; asserts it finished. (Its
     ``shards_committed == shards_expected`` holds whenever a job finishes, by the census and
-    ledger checks: those guards are shown to fire in tests/test_ledger.py.)"""
+    ledger checks: those guards are shown to fire in tests/multiprocess/test_ledger.py.)"""
     job = load_job(None, ["steps=25", "eval=null", *overrides])
     result = run_job(job, run_dir=tmp_path / name)
     assert result.summary["status"] == "finished", result.summary.get("error")

@@ -248,7 +248,7 @@ def test_only_a_persistent_and_far_slower_worker_is_evicted_for_slowness():
 
 def test_slow_eviction_needs_most_of_the_window_and_starts_over_when_a_worker_recovers():
     """A worker descheduled for one step on a busy machine looks 8x slower for that step
-    (tests/test_job.py's clean built-in example lost a worker to that in CI)."""
+    (tests/ray_jobs/test_job.py's clean built-in example lost a worker to that in CI)."""
     eviction = SlowEviction(8.0, window=4, required=3)
     slow, normal = {0: 0.01, 1: 0.01, 2: 0.1}, {0: 0.01, 1: 0.01, 2: 0.012}
     for shard_s in (normal, slow, normal, slow):

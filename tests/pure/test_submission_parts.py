@@ -15,8 +15,7 @@ from orchestrator.commands.submit import (
     job_path_within,
     runtime_env,
 )
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import REPO
 
 
 def test_no_user_value_reaches_the_shell_unquoted():

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.S | re.M)
 CODE_SPAN = re.compile(r"`+[^`\n]*`+")

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import comm_group, run_ranks, tcp_store
+from tests.helpers.ranks import comm_group, run_ranks, tcp_store
 
 from jobspec.failures import CollectiveAborted
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, FakeWork, fake_options

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from multiproc import comm_group, run_ranks, tcp_store
+from tests.helpers.ranks import comm_group, run_ranks, tcp_store
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from workers.comm.communicator import make_communicator

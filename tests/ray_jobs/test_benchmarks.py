@@ -204,7 +204,7 @@ def test_control_plane_benchmark_measures_a_real_null_job_and_fits_the_growth(tm
         # Mitigation on, nobody slow: clean steps, which make no claims (the median step sends
         # the store nothing; before, each worker sealed its block and the driver opened the step).
         assert row["store_round_trips"] == row["store_bytes"] == 0
-        assert "store_cpu_ms" in row  # its own process, read apart (tests/test_control_meter.py reads it)
+        assert "store_cpu_ms" in row  # its own process, read apart (tests/multiprocess/test_control_meter.py reads it)
     fitted = fit(rows)
     assert "store_cpu_ms" in fitted
     assert fitted["store_round_trips"]["at_4096"] == pytest.approx(0.0, abs=1e-9)

@@ -15,8 +15,8 @@ from typing import Iterator
 import pytest
 
 from benchmarks.ray_head import RayHead, start_head
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 SUBMIT_TIMEOUT_S = 300
 
 

@@ -4,12 +4,12 @@ the whole bench on the CPU with a tiny GPT, so the code a GPU runs cannot rot in
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from benchmarks import gpu
 from ringleader.cli import main
+from tests.helpers.paths import REPO
 
 
 @pytest.mark.parametrize(
@@ -48,32 +48,16 @@ def test_without_cuda_it_says_so_in_one_line(monkeypatch, capsys):
     assert len(err) == 1 and "no CUDA device" in err[0]
 
 
-@pytest.mark.usefixtures("ray_cluster")
-@pytest.mark.cpu_bf16_attention
-def test_a_tiny_run_on_the_cpu_prints_both_contenders_and_the_ratio(tmp_path, capsys):
-    out = tmp_path / "gpu.json"
-    assert main(["bench", "gpu", "--device", "cpu", "--tiny", "--steps", "6", "--warmup", "2", "--rounds", "1",
-                 "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "ringleader/plain tokens/s" in printed and "peak bf16 unknown" in printed
-    table = json.loads(out.read_text())
-    assert table["num_params"] > 0 and table["ratio"] > 0
-    for contender in ("ringleader", "plain"):
-        assert table[contender]["tokens_per_s"] == pytest.approx(table[contender]["samples_per_s"] * 64)
-        assert table[contender]["mfu"] is None  # no peak for a CPU
-
-
 def test_the_device_script_parses_and_runs_what_exists():
     """deploy/gpu-check.sh: valid bash, a usage line for a wrong mode, and the suite's files and
     the bench's subcommand it runs are there."""
     import subprocess
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "deploy" / "gpu-check.sh"
+    script = REPO / "deploy" / "gpu-check.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     wrong = subprocess.run(["bash", str(script), "nonsense"], capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and wrong.stderr.startswith("usage:")
     text = script.read_text()
-    for name in ("tests/test_gpu_worker.py", "tests/test_gpu_jobs.py"):
+    for name in ("tests/gpu/test_gpu_worker.py", "tests/gpu/test_gpu_jobs.py"):
         assert name in text and (script.parents[1] / name).is_file()
     assert "-m ringleader bench gpu" in text

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from multiproc import comm_group, run_ranks
+from tests.helpers.ranks import comm_group, run_ranks
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from policies.collective_choice import (

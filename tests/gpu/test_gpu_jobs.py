@@ -18,16 +18,17 @@ import torch
 
 from jobspec.step_record import read_telemetry
 
-pytest.importorskip("ray", reason="the GPU suite's whole jobs need Ray (tests/test_gpu_worker.py does not)")
+pytest.importorskip("ray", reason="the GPU suite's whole jobs need Ray (tests/gpu/test_gpu_worker.py does not)")
 
 from orchestrator.job.reading import load_job  # noqa: E402 - after the skip: these import Ray
 from orchestrator.launch import run_job  # noqa: E402
 from tests.helpers.devices import DEVICES, worker_resources  # noqa: E402
 from tests.helpers.jobs import assert_same_params, jsonl, params, run  # noqa: E402
+from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
-GPT_YAML = Path(__file__).resolve().parents[1] / "examples" / "gpt.yaml"
+GPT_YAML = REPO / "examples" / "gpt.yaml"
 # examples/gpt.yaml's recipe (AdamW, warmup-cosine, clipping, causal_lm), made small.
 TINY_GPT = (
     "model.kwargs={vocab_size: 256, block_size: 64, n_layer: 2, n_head: 2, n_embd: 64}",
@@ -44,7 +45,7 @@ FP32_LOSS_RTOL = 1e-4
 FP32_PARAM_ATOL = 1e-3
 FP32_PARAM_RTOL = 1e-3
 # bf16 autocast against fp32: each matmul rounds to 8 bits of mantissa; the loss curve agrees
-# to a few percent (tests/test_own_job.py holds bf16 parameters to rtol 2e-2).
+# to a few percent (tests/ray_jobs/test_own_job.py holds bf16 parameters to rtol 2e-2).
 BF16_LOSS_RTOL = 5e-2
 # A checkpoint written on one device and resumed on the other: the first part's steps ran in
 # one float order and the rest in another, so the resumed run matches the clean CPU run as

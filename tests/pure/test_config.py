@@ -7,15 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from jobspec.chaos import KillChaos, SlowChaos, StallChaos
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
 from orchestrator.job.reading import load_job
 from ringleader.cli import main
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.bad_jobs import BAD_JOBS, DEEP_BAD_JOBS, assert_refused, write_job
+from tests.helpers.paths import REPO
 
 
 def test_builtin_example_is_examples_digits_yaml():
@@ -44,86 +43,15 @@ def test_epochs_instead_of_steps():
     assert job.steps is None and job.epochs == 2.5
 
 
-def _write(tmp_path: Path, mapping: dict) -> str:
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(mapping))
-    return str(path)
-
-
-BAD_JOBS = [
-    ({"steps": 10, "learning_rate": 0.1}, "'learning_rate': unknown field"),
-    ({"scaling": {"workers": "many"}}, "'scaling.workers'"),
-    ({"batch_size": -3}, "'batch_size'"),
-    ({"model": {"factory": "no_such_module_xyz:make"}}, "'model.factory': cannot import module 'no_such_module_xyz'"),
-    ({"model": {"factory": "not a path"}}, "'model.factory': expected 'package.module:function'"),
-    ({"batch_size": 8, "shards": 16}, "shards (16) must not exceed batch_size (8)"),
-    ({"shards": 2}, "shards (2) must be >= the most workers"),
-    ({"scaling": {"workers": 5, "max_workers": 4}}, "min_workers <= workers <= max_workers"),
-    ({"optimizer": {"name": "lamb!"}}, "'optimizer.name'"),
-    ({"collective": {"algorithm": "butterfly"}}, "'collective.algorithm'"),
-    ({"collective": {"compression": "zip"}}, "'collective.compression'"),
-    ({"collective": {"topk_ratio": 2}}, "'collective.topk_ratio'"),
-    ({"scaling": {"resources_per_worker": {"CPU": -1}}}, "'scaling.resources_per_worker'"),
-    ({"steps": 10, "epochs": 2}, "exactly one of 'steps' and 'epochs'"),
-    ({"chaos": {"slow": [{"worker": 9, "factor": 3}]}}, "chaos.slow.0.worker: 9 is not a worker"),
-    ({"chaos": {"slow": [{"worker": 0, "factor": 0.5}]}}, "'chaos.slow.0.factor'"),
-    ({"chaos": {"slow": [{"worker": 0, "factor": 2, "from_step": 5, "to_step": 5}]}}, "to_step (5) must be after from_step (5)"),
-    ({"chaos": {"stall": [{"worker": 1, "at_step": 3}]}}, "'chaos.stall.0.seconds'"),
-    ({"chaos": {"stall": [{"worker": 1, "rank": 1, "at_step": 3, "seconds": 1}]}}, "field 'chaos.stall.0': chaos.stall: set 'worker' only"),
-    ({"chaos": {"stall": [{"worker": 1, "at_step": 3, "seconds": 1, "during": "sleep"}]}}, "'chaos.stall.0.during'"),
-    ({"chaos": {"stalls": {"probability": 1.5, "seconds": 1}}}, "'chaos.stalls.probability'"),
-    ({"chaos": {"stalls": {"probability": 0.1}}}, "'chaos.stalls.seconds'"),
-    ({"stragglers": {"min_ratio": 1}}, "'stragglers.min_ratio'"),
-    ({"loss": "hinge"}, "'loss.name': unknown loss 'hinge'"),
-    ({"loss": {"name": "mse", "kwargs": {"ignore_index": 0}}}, "'loss.kwargs': loss 'mse' takes no arguments"),
-    ({"schedule": {"name": "exponential"}}, "'schedule.name': unknown schedule 'exponential'"),
-    ({"precision": "fp8"}, "'precision'"),
-    ({"precision": "fp16", "collective": {"compression": "topk"}}, "precision fp16 cannot be combined with collective.compression topk"),
-    ({"optimizer": {"clip_grad_norm": 0}}, "'optimizer.clip_grad_norm'"),
-    ({"worker": {"max_samples_per_pass": 0}}, "'worker.max_samples_per_pass'"),
-    ({"stragglers": {"window": 3, "persistent_steps": 4}}, "persistent_steps (4) must be <= window (3)"),
-]
-
-
-# Found only by importing user code and torch, which the CLI does while Ray starts.
-DEEP_BAD_JOBS = [
-    ({"dataset": {"factory": "ringleader_examples.digits:nope"}}, "'dataset.factory': module 'ringleader_examples.digits' has no attribute 'nope'"),
-    ({"optimizer": {"name": "adam", "kwargs": {"learning_rate": 1}}}, "'optimizer.kwargs'"),
-    ({"optimizer": {"name": "lamb"}}, "'optimizer.name': torch.optim has no optimizer 'lamb'"),
-    (
-        {"optimizer": {"name": "adam", "kwargs": {"weight_decay": 0.1, "maximize": True}, "decay_biases_and_norms": False}},
-        "'optimizer.kwargs': adam with maximize cannot exempt biases and norms from weight decay",
-    ),
-    ({"optimizer": {"name": "RAdam", "kwargs": {"lr": 0.1, "momentum": 0.9}}}, "'optimizer.kwargs': RAdam: RAdam.__init__() got an unexpected keyword argument 'momentum'"),
-    ({"loss": "tests.helpers.losses:nope"}, "'loss.name': module 'tests.helpers.losses' has no attribute 'nope'"),
-    ({"schedule": {"name": "json:loads.nope"}}, "'schedule.name': module 'json' has no attribute 'loads.nope'"),
-]
-
-
-def _assert_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], mapping: dict, expected: str) -> None:
-    path = _write(tmp_path, mapping)
-    assert main(["run", path, "--run-dir", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert expected in err
-    assert path in err
-    assert not (tmp_path / "run").exists()
-
-
 @pytest.mark.parametrize("mapping, expected", BAD_JOBS, ids=[e for _, e in BAD_JOBS])
 def test_bad_job_file_exits_2_naming_the_field(tmp_path, capsys, mapping, expected):
-    _assert_refused(tmp_path, capsys, mapping, expected)
-
-
-@pytest.mark.usefixtures("ray_cluster")
-@pytest.mark.parametrize("mapping, expected", DEEP_BAD_JOBS, ids=[e for _, e in DEEP_BAD_JOBS])
-def test_job_that_fails_on_import_exits_2(tmp_path, capsys, mapping, expected):
-    _assert_refused(tmp_path, capsys, mapping, expected)
+    assert_refused(tmp_path, capsys, mapping, expected)
 
 
 @pytest.mark.parametrize("mapping, expected", BAD_JOBS + DEEP_BAD_JOBS, ids=[e for _, e in BAD_JOBS + DEEP_BAD_JOBS])
 def test_load_job_resolves_by_default(tmp_path, mapping, expected):
     with pytest.raises(ConfigError, match=re.escape(expected)):
-        load_job(_write(tmp_path, mapping))
+        load_job(write_job(tmp_path, mapping))
 
 
 def test_light_validation_imports_no_torch():
@@ -150,7 +78,7 @@ def test_bad_overrides_exit_2(tmp_path, capsys, args, expected):
 
 
 def test_override_through_a_scalar_names_it(tmp_path, capsys):
-    path = _write(tmp_path, {"scaling": {"workers": 2}})
+    path = write_job(tmp_path, {"scaling": {"workers": 2}})
     assert main(["run", path, "--set", "scaling.workers.x=1"]) == 2
     assert "field 'scaling.workers' is not a mapping" in capsys.readouterr().err
 
@@ -179,7 +107,7 @@ def test_non_empty_run_dir_is_refused_before_starting(tmp_path, capsys):
 def test_console_entry_point_exit_code_and_no_traceback(tmp_path, module):
     # orchestrator.cli is the old entrypoint of jobs submitted by hand: it still runs the
     # command, saying it is deprecated.
-    path = _write(tmp_path, {"scaling": {"workers": "two"}})
+    path = write_job(tmp_path, {"scaling": {"workers": "two"}})
     proc = subprocess.run([sys.executable, "-m", module, "run", path], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "field 'scaling.workers'" in proc.stderr
@@ -259,7 +187,7 @@ def test_the_job_file_reference_is_generated_from_the_models_and_current():
     from orchestrator.job.reference import reference
 
     text = reference()
-    on_disk = (Path(__file__).resolve().parent.parent / "docs" / "job-file.md").read_text()
+    on_disk = (REPO / "docs" / "job-file.md").read_text()
     assert on_disk == text, "docs/job-file.md is stale: python -m orchestrator.job.reference > docs/job-file.md"
     for dotted in ("optimizer.clip_grad_norm", "worker.max_samples_per_pass", "chaos.kill[].during", "eval.metrics"):
         assert f"| `{dotted}` |" in text
@@ -302,4 +230,3 @@ def test_every_public_name_of_ringleader_loads_on_first_use():
     assert sorted(ringleader.__all__) == sorted(ringleader._HOMES)  # the two lists name the same things
     for name in ringleader.__all__:
         assert getattr(ringleader, name) is getattr(importlib.import_module(ringleader._HOMES[name]), name)
-

@@ -13,8 +13,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 #: Bottom up. A package may import packages of lower layers only; packages of one layer do not
 #: import each other.

@@ -7,7 +7,6 @@ import re
 import shlex
 import subprocess
 import tomllib
-from pathlib import Path
 
 import pytest
 import yaml
@@ -15,8 +14,9 @@ from ray.runtime_env import RuntimeEnv
 
 from orchestrator.job.reading import load_job
 from ringleader.cli import _parser
+from tests.helpers.paths import REPO
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = REPO / "deploy"
 
 
 def _job_from(argv: list[str]):

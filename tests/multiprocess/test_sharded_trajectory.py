@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multiproc import run_ranks
+from tests.helpers.ranks import run_ranks
 
 STEPS = 5
 SHARDS = 12
@@ -22,7 +22,7 @@ def _train(rank: int, world: int, port: int, results: dict, runs: list[tuple[str
     from orchestrator.job.reading import load_job
     from policies.split import even_bounds
     from policies.work_stealing import StepPlan
-    from tests.multiproc import tcp_store
+    from tests.helpers.ranks import tcp_store
     from workers.actor import TrainWorker
 
     store = tcp_store(rank, world, port)  # rank 0 hosts it, as the driver does

@@ -7,7 +7,7 @@ optimizer, the fp16 loss scaler and forward seeding on the device.
 Every test runs on ``cpu`` (CI: the logic) and ``cuda`` (``pytest -m gpu``: skipped, saying
 so, where there is no CUDA device). One GPU is enough: NCCL refuses two ranks on one device,
 so collectives between ranks on CUDA are verified only by the fake NCCL process group
-(tests/test_nccl_semantics.py) and, over gloo, by tests/test_gpu_jobs.py."""
+(tests/multiprocess/test_nccl_semantics.py) and, over gloo, by tests/gpu/test_gpu_jobs.py."""
 
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def _two_ranks_commit_one_shard(rank: int, world: int, port: int, results: dict)
     from jobspec.wire import JoinRequest
     from orchestrator.job.reading import load_job
     from policies.work_stealing import StepPlan
-    from tests.multiproc import tcp_store
+    from tests.helpers.ranks import tcp_store
     from workers.actor import TrainWorker
 
     store = tcp_store(rank, world, port)  # rank 0 hosts it, as the driver does
@@ -128,7 +128,7 @@ def _two_ranks_commit_one_shard(rank: int, world: int, port: int, results: dict)
 
 
 def test_two_ranks_committing_one_shard_raise_the_census_error_and_take_no_optimizer_step():
-    from tests.multiproc import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     results = run_ranks(_two_ranks_commit_one_shard, 2)
     for rank in range(2):

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
 
 from jobspec.wire import Phase, Progress, SnapshotRequest
 from orchestrator.group.interface import Call

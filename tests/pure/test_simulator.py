@@ -4,17 +4,15 @@ against a real run's decisions (the same classes fed the same telemetry)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from jobspec.fields import ConfigError
 from ringleader.cli import main
 from simulator.engine import Run, simulate
-from simulator.replay import recorded_decisions, replayed_decisions
 from simulator.scenario import Scenario, load_scenario
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 
 # Nothing random, nothing slow, nothing failing: every contender computes the nominal step.
 QUIET = {
@@ -136,24 +134,6 @@ def test_a_bad_scenario_names_the_file_and_the_field(tmp_path, content, message,
     assert message in str(err.value)
     assert main(["simulate", str(path)]) == 2
     assert message in capsys.readouterr().err
-
-
-@pytest.mark.usefixtures("ray_cluster")
-def test_the_simulators_policies_make_the_real_runs_decisions_from_its_telemetry(tmp_path):
-    """A real job with slow spells and stalls; its telemetry.jsonl replayed through the policy
-    step the simulator runs gives exactly the straggler and rebalance events its driver logged."""
-    from tests.helpers.jobs import run
-
-    result = run(
-        tmp_path, "replay", "scaling.workers=4", "steps=30",
-        "chaos={slow: [{worker: 1, factor: 4, from_step: 4}, {worker: 3, factor: 3, from_step: 12, to_step: 15}], "
-        "stall: [{worker: 2, at_step: 20, seconds: 0.3}]}",
-        "stragglers.persistent_steps=2", "stragglers.window=4", "stragglers.evict=false",
-    )
-    recorded = recorded_decisions(result.run_dir)
-    kinds = {d[0] for d in recorded}
-    assert {"straggler", "rebalance"} <= kinds, recorded  # the run gave the replay something to match
-    assert replayed_decisions(result.run_dir) == recorded
 
 
 def test_the_driver_is_a_floor_under_ringleaders_steps_only():

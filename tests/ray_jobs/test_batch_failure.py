@@ -13,7 +13,7 @@ from orchestrator.launch import run_job
 from tests.helpers.fake_group import Faults
 from tests.helpers.jobs import jsonl
 from tests.helpers.poisoned_data import poisoned_index
-from tests.test_recovery import Ran
+from tests.helpers.fake_runs import Ran
 
 FAILING = 10  # in the batch of steps 8-15 (batches of 1, 1, 2, 4 and 8 steps while quiet)
 

@@ -17,8 +17,7 @@ import torch.nn.functional as F
 
 import ringleader
 from ringleader.cli import main
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import REPO
 
 
 def mean_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from jobspec.failures import CollectiveAborted
 from jobspec.wire import SnapshotOrder
 from policies.work_stealing import StepPlan
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
-from tests.multiproc import comm_group, run_ranks
+from tests.helpers.ranks import comm_group, run_ranks
 from workers.comm.comm_group import CommGroup
 from workers.step.published_plans import PlanChannel, compact_plans, expand_plans
 

@@ -12,19 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from jobspec.job import JobConfig
 from jobspec.step_record import read_telemetry
 from jobspec.wire import FileEntry, Phase, Progress
 from orchestrator.group.chaos_control import ChaosControl
-from orchestrator.controller import JobController
 from orchestrator.group.interface import Call, CallFailed, FailureKind, WorkerGroupError
-from orchestrator.job.reading import load_job
-from orchestrator.output.metrics import MetricsListener
 from orchestrator.steps.pipeline import InFlight, StepOutcome, await_step
 from orchestrator.recovery.reform import sharded_gap, state_holders
 from orchestrator.recovery.plan import first_uncommitted, steps_to_redo
-from orchestrator.store.rendezvous import RendezvousStore
-from orchestrator.output.run_dir import RunDirectory
 from orchestrator.steps.states import (
     Failed,
     Finished,
@@ -35,57 +29,9 @@ from orchestrator.steps.states import (
     check_transition,
 )
 from tests.helpers.fake_group import FakeWorkerGroup, Faults
-from tests.helpers.jobs import jsonl
+from tests.helpers.fake_runs import STEPS, Ran, fake_job, fake_run
 from workers.checkpoint.manifest import MANIFEST, latest_valid, verify_checkpoint, write_manifest
 from workers.checkpoint.storage import CheckpointStorage
-
-STEPS = 20
-
-
-def _job(*overrides: str) -> JobConfig:
-    return load_job(None, [f"steps={STEPS}", "eval=null", "scaling.workers=3", "stragglers.rebalance=false", *overrides], resolve=False)
-
-
-class Ran:
-    """A finished fake run: its summary, events, states and group."""
-
-    def __init__(
-        self, tmp_path: Path, faults: Faults | None, overrides: tuple[str, ...], metrics: object = None, **group_options: object
-    ) -> None:
-        self.job = _job(*overrides)
-        run = RunDirectory(tmp_path / "run")
-        self.group = FakeWorkerGroup(self.job, faults, **group_options)  # type: ignore[arg-type]
-        store = RendezvousStore("127.0.0.1", 10.0)
-        controller = JobController(
-            self.job, run, self.group, store, chaos=ChaosControl(self.job.chaos, None, 0, run.event), launched=time.perf_counter()
-        )
-        if metrics is not None:  # as run_job subscribes it, with a recorder for Ray's metrics
-            run.subscribe(MetricsListener(metrics, controller.accounting, run.event))  # type: ignore[arg-type]
-        started = time.perf_counter()
-        self.summary = controller.execute().summary
-        self.seconds = time.perf_counter() - started
-        self.run_dir = run.path
-        self.events = jsonl(run.path / "events.jsonl")
-        self.states = [e["new"] for e in self.events if e["event"] == "state"]
-
-    def of(self, kind: str) -> list[dict]:
-        return [e for e in self.events if e["event"] == kind]
-
-    def assert_exact(self) -> None:
-        assert self.summary["status"] == "finished", self.summary.get("error")
-        assert [e["step"] for e in self.of("step")] == list(range(STEPS))
-        assert self.summary["steps"] == STEPS
-        # Every step committed with its reports (a batch cut by a failure included).
-        assert all(e["samples"] == self.job.batch_size for e in self.of("step"))
-        assert len(self.group.at_shutdown) == self.summary["workers"]["end"] > 0
-        for member in self.group.at_shutdown:
-            assert member.next_step == STEPS
-            assert member.applied == sorted(set(member.applied)), f"worker {member.worker} applied {member.applied}"
-
-
-def _run(tmp_path: Path, faults: Faults | None = None, *overrides: str, **group_options: object) -> Ran:
-    return Ran(tmp_path, faults, overrides, **group_options)
-
 
 class RecordedMetrics:
     """``JobMetrics``' calls, recorded (it needs Ray's metrics agent); ``broken`` raises in that call."""
@@ -137,16 +83,15 @@ def test_a_metrics_failure_is_reported_once_and_never_fails_the_job(tmp_path):
     assert max(c[1] for c in metrics.calls if c[0] == "step") < STEPS  # nothing recorded after it
 
 
-
 def test_a_clean_run_goes_starting_running_finished(tmp_path):
-    ran = _run(tmp_path)
+    ran = fake_run(tmp_path)
     ran.assert_exact()
     assert ran.states == ["running", "finished"]
     assert not any(ran.summary["events"][k] for k in ("failures", "recoveries", "steps_redone", "joins"))
 
 
 def test_one_death_mid_step_is_recovered_and_its_replacement_joins(tmp_path):
-    ran = _run(tmp_path, Faults(die_in_step={(1, 5): False}))
+    ran = fake_run(tmp_path, Faults(die_in_step={(1, 5): False}))
     ran.assert_exact()
     assert ran.states == ["running", "recovering", "running", "finished"]
     (recovery,) = ran.summary["recoveries"]
@@ -184,7 +129,7 @@ def test_goodput_productive_time_is_the_committed_steps_own_time(tmp_path, fault
     """Measured apart from the account: the committed steps' own seconds (their step events,
     each step once) are the productive time; all else in the wall time is charged to a cause."""
     timed = Faults(shard_s=TIMED.shard_s, **faults)
-    ran = _run(tmp_path, timed, "shards=12", *overrides, join_delay_s=join_delay_s, timed=True)
+    ran = fake_run(tmp_path, timed, "shards=12", *overrides, join_delay_s=join_delay_s, timed=True)
     ran.assert_exact()
     goodput = ran.summary["goodput"]
     own_s = sum(e["step_s"] for e in ran.of("step"))
@@ -200,7 +145,7 @@ def test_goodput_productive_time_is_the_committed_steps_own_time(tmp_path, fault
 
 
 def test_run_ahead_grows_while_quiet_and_a_death_mid_batch_keeps_the_steps_before_it(tmp_path):
-    ran = _run(tmp_path, Faults(die_in_step={(1, 10): False}))
+    ran = fake_run(tmp_path, Faults(die_in_step={(1, 10): False}))
     ran.assert_exact()
     # One step at a time at first, then doubling per quiet batch up to max_steps_per_call (8).
     assert ran.group.batches[:5] == [(0, 1), (1, 1), (2, 2), (4, 4), (8, 8)]
@@ -210,7 +155,7 @@ def test_run_ahead_grows_while_quiet_and_a_death_mid_batch_keeps_the_steps_befor
     assert recovery["at_step"] == 10 and recovery["redo_steps"] == [10]
     # 16-19 was in flight too; Running again, one step at a time.
     assert ran.group.batches[5:8] == [(16, 4), (10, 1), (11, 1)]
-    ran_once = _run(tmp_path / "once", None, "worker.max_steps_per_call=1")
+    ran_once = fake_run(tmp_path / "once", None, "worker.max_steps_per_call=1")
     assert {count for _, count in ran_once.group.batches} == {1}
 
 
@@ -218,7 +163,7 @@ def test_a_periodic_checkpoint_rides_inside_its_batch_and_ends_no_call(tmp_path)
     """Checkpoints every 6 steps: the batches grow as without them (1, 1, 2, 4, 8, ...), each
     checkpoint is taken inside the batch that runs its step (no snapshot call between
     batches), its copy time comes from that step's reports, and the parts are written."""
-    ran = _run(tmp_path, None, "checkpoint.every_steps=6", "checkpoint.keep=10")
+    ran = fake_run(tmp_path, None, "checkpoint.every_steps=6", "checkpoint.keep=10")
     ran.assert_exact()
     assert ran.group.batches[:5] == [(0, 1), (1, 1), (2, 2), (4, 4), (8, 8)]
     # The only snapshot call: the final checkpoint's, after the last batch.
@@ -232,7 +177,7 @@ def test_a_checkpoint_abandoned_in_a_recovery_is_cancelled_on_its_writers_that_a
     """Worker 1 dies in step 5, inside the batch of steps 4-7 that carries the checkpoint of
     step 6: the recovery abandons that attempt and tells its writers still there (their waits
     would hold their io thread), and the next attempt is written."""
-    ran = _run(tmp_path, Faults(die_in_step={(1, 5): False}), "checkpoint.every_steps=6", "checkpoint.keep=10")
+    ran = fake_run(tmp_path, Faults(die_in_step={(1, 5): False}), "checkpoint.every_steps=6", "checkpoint.keep=10")
     ran.assert_exact()
     (abandoned,) = ran.of("checkpoint_abandoned")
     assert abandoned["name"] == "step-00000006" and "left the group" in abandoned["reason"]
@@ -244,14 +189,14 @@ def test_a_checkpoint_abandoned_in_a_recovery_is_cancelled_on_its_writers_that_a
 def test_a_batch_longer_than_the_step_timeout_runs_while_its_steps_advance(tmp_path):
     # Steps 8-15 go out in one call and take 0.3 s each, 2.4 s in all: the step timeout (1 s)
     # bounds each step, not the batch.
-    ran = _run(tmp_path, Faults(stall={(0, s): 0.3 for s in range(8, 16)}), "timeouts.step_s=1")
+    ran = fake_run(tmp_path, Faults(stall={(0, s): 0.3 for s in range(8, 16)}), "timeouts.step_s=1")
     ran.assert_exact()
     assert (8, 8) in ran.group.batches
 
 
 def test_a_death_while_steps_are_redone_keeps_both_recoveries(tmp_path):
     # Worker 3 replaces worker 1 and dies in step 5, which the first recovery is redoing.
-    ran = _run(tmp_path, Faults(die_in_step={(1, 5): False, (3, 5): False}))
+    ran = fake_run(tmp_path, Faults(die_in_step={(1, 5): False, (3, 5): False}))
     ran.assert_exact()
     first, second = ran.summary["recoveries"]
     assert first["workers"] == [1] and first["redo_s"] is None  # cut short by the second failure
@@ -260,7 +205,7 @@ def test_a_death_while_steps_are_redone_keeps_both_recoveries(tmp_path):
 
 
 def test_two_deaths_in_one_step_are_one_recovery(tmp_path):
-    ran = _run(tmp_path, Faults(die_in_step={(1, 7): False, (2, 7): False}), "scaling.workers=4")
+    ran = fake_run(tmp_path, Faults(die_in_step={(1, 7): False, (2, 7): False}), "scaling.workers=4")
     ran.assert_exact()
     (recovery,) = ran.summary["recoveries"]
     assert recovery["workers"] == [1, 2] and recovery["at_step"] == 7
@@ -268,7 +213,7 @@ def test_two_deaths_in_one_step_are_one_recovery(tmp_path):
 
 
 def test_a_death_after_the_all_reduce_commits_the_step_and_redoes_only_the_next(tmp_path):
-    ran = _run(tmp_path, Faults(die_in_step={(2, 5): True}))
+    ran = fake_run(tmp_path, Faults(die_in_step={(2, 5): True}))
     ran.assert_exact()
     (recovery,) = ran.summary["recoveries"]
     # The survivors applied step 5: it is committed from their reports, not run again.
@@ -281,7 +226,7 @@ def test_a_step_only_a_lost_leader_held_is_redone_not_committed(tmp_path):
     # Worker 3 dies after step 5's all-reduce; only worker 1 applied it, and worker 1 dies while
     # the group re-forms around it. Nobody holds step 5: it is redone from the others' state.
     faults = Faults(die_in_step={(3, 5): True}, applied_only_by={5: {1}}, die_joining={1: 5})
-    ran = _run(tmp_path, faults, "scaling.workers=4", replacements=False)
+    ran = fake_run(tmp_path, faults, "scaling.workers=4", replacements=False)
     ran.assert_exact()
     (recovery,) = ran.summary["recoveries"]
     assert recovery["at_step"] == 5 and recovery["redo_steps"] == [5]
@@ -291,7 +236,7 @@ def test_a_step_only_a_lost_leader_held_is_redone_not_committed(tmp_path):
 def test_a_worker_judged_dead_never_leads_even_if_it_answers(tmp_path):
     # Worker 0's step-5 call fails as unavailable after it applied step 5; it still answers
     # probes and is the furthest: it must not be taken as the state's source.
-    ran = _run(tmp_path, Faults(unavailable={(0, 5)}), replacements=False)
+    ran = fake_run(tmp_path, Faults(unavailable={(0, 5)}), replacements=False)
     ran.assert_exact()
     (recovery,) = ran.summary["recoveries"]
     assert recovery["workers"] == [0] and recovery["at_step"] == 5 and recovery["redo_steps"] == [5]
@@ -302,11 +247,11 @@ def test_leading_with_a_worker_that_is_not_a_member_is_an_error():
     from orchestrator.group.ray_group import RayWorkerGroup  # its constructor starts nothing
 
     with pytest.raises(WorkerGroupError, match="worker 7 is not a member"):
-        RayWorkerGroup(_job()).lead_with(7)
+        RayWorkerGroup(fake_job()).lead_with(7)
 
 
 def test_a_death_during_re_forming_starts_it_over(tmp_path):
-    ran = _run(tmp_path, Faults(die_in_step={(1, 6): False}, die_joining={2: 6}), "scaling.workers=4")
+    ran = fake_run(tmp_path, Faults(die_in_step={(1, 6): False}, die_joining={2: 6}), "scaling.workers=4")
     ran.assert_exact()
     assert len(ran.of("reform_failed")) == 1
     (recovery,) = ran.summary["recoveries"]
@@ -316,7 +261,7 @@ def test_a_death_during_re_forming_starts_it_over(tmp_path):
 
 def test_a_silent_worker_is_a_failure_and_replaced(tmp_path):
     faults = Faults(stall={(2, 5): 30.0})
-    ran = _run(tmp_path, faults, "stragglers.silent_s=0.3")
+    ran = fake_run(tmp_path, faults, "stragglers.silent_s=0.3")
     ran.assert_exact()
     assert ran.seconds < 10  # nobody waited out the 30 s stall
     (evict,) = ran.of("evict")
@@ -331,7 +276,7 @@ def test_a_silent_worker_is_a_failure_and_replaced(tmp_path):
 
 
 def test_a_persistently_far_slower_worker_is_evicted(tmp_path):
-    ran = _run(tmp_path, Faults(shard_s={1: 0.5}))
+    ran = fake_run(tmp_path, Faults(shard_s={1: 0.5}))
     ran.assert_exact()
     (evict,) = ran.of("evict")
     assert evict["worker"] == 1 and evict["reason"] == "slow" and evict["evidence"]["ratio"] > 8
@@ -339,7 +284,7 @@ def test_a_persistently_far_slower_worker_is_evicted(tmp_path):
 
 
 def test_too_few_workers_left_saves_a_checkpoint_then_fails(tmp_path):
-    ran = _run(
+    ran = fake_run(
         tmp_path, Faults(die_in_step={(1, 5): False}), "scaling.workers=2", "scaling.min_workers=2",
         "scaling.wait_for_workers_s=0", replacements=False,
     )
@@ -352,7 +297,7 @@ def test_too_few_workers_left_saves_a_checkpoint_then_fails(tmp_path):
 
 
 def test_a_step_the_saved_survivor_applied_is_committed_before_failing(tmp_path):
-    ran = _run(
+    ran = fake_run(
         tmp_path, Faults(die_in_step={(1, 5): True}), "scaling.workers=2", "scaling.min_workers=2",
         "scaling.wait_for_workers_s=0", replacements=False,
     )
@@ -363,7 +308,7 @@ def test_a_step_the_saved_survivor_applied_is_committed_before_failing(tmp_path)
 
 def test_waiting_for_workers_that_never_come_does_not_spin(tmp_path):
     cpu = time.process_time()
-    ran = _run(
+    ran = fake_run(
         tmp_path, Faults(die_in_step={(1, 5): False}), "scaling.workers=2", "scaling.min_workers=2",
         "scaling.wait_for_workers_s=2", replacements=False,
     )
@@ -376,7 +321,7 @@ def test_a_step_is_not_committed_when_the_save_before_failing_fails(tmp_path, mo
         raise OSError("the bucket is unreachable")
 
     monkeypatch.setattr(CheckpointStorage, "size", unreachable)
-    ran = _run(
+    ran = fake_run(
         tmp_path, Faults(die_in_step={(1, 5): True}), "scaling.workers=2", "scaling.min_workers=2",
         "scaling.wait_for_workers_s=0", replacements=False,
     )
@@ -388,7 +333,7 @@ def test_a_step_is_not_committed_when_the_save_before_failing_fails(tmp_path, mo
 
 
 def test_a_replacement_that_is_still_loading_is_waited_for_below_min_workers(tmp_path):
-    ran = _run(
+    ran = fake_run(
         tmp_path, Faults(die_in_step={(1, 5): False}), "scaling.workers=2", "scaling.min_workers=2",
         join_delay_s=0.5,
     )
@@ -399,7 +344,7 @@ def test_a_replacement_that_is_still_loading_is_waited_for_below_min_workers(tmp
 
 
 def test_a_failure_while_a_checkpoint_is_written_abandons_only_that_one(tmp_path):
-    ran = _run(tmp_path, Faults(die_writing={(1, 8)}), "checkpoint.every_steps=4", "checkpoint.keep=10")
+    ran = fake_run(tmp_path, Faults(die_writing={(1, 8)}), "checkpoint.every_steps=4", "checkpoint.keep=10")
     ran.assert_exact()
     assert "step-00000008" in [e["name"] for e in ran.of("checkpoint_abandoned")]
     # The interval counts from the last written checkpoint (4): step 8 is taken again after the
@@ -414,7 +359,7 @@ def test_a_failure_while_a_checkpoint_is_written_abandons_only_that_one(tmp_path
 def test_parts_not_where_the_manifest_would_say_abandon_the_checkpoint(tmp_path):
     # Worker 1 "wrote" its part of step 8 to a disk the driver does not see.
     # One step per call: the next checkpoint's step shows where the interval counts from.
-    ran = _run(
+    ran = fake_run(
         tmp_path, Faults(unwritten={(1, 8)}), "checkpoint.every_steps=4", "checkpoint.keep=10", "worker.max_steps_per_call=1"
     )
     ran.assert_exact()
@@ -441,7 +386,7 @@ def test_a_final_save_replaces_a_manifest_that_does_not_verify_or_is_another_job
     else:
         other.write_bytes(f"step-{STEPS:08d}/model.pt", b"theirs")
         write_manifest(other, STEPS, [FileEntry("model.pt", hashlib.sha256(b"theirs").hexdigest(), 6)], {"config_hash": "x"})
-    ran = _run(tmp_path, None, "checkpoint.every_steps=50", f"checkpoint.path={tmp_path / 'shared'}")
+    ran = fake_run(tmp_path, None, "checkpoint.every_steps=50", f"checkpoint.path={tmp_path / 'shared'}")
     ran.assert_exact()
     (final,) = ran.of("checkpoint")
     assert final["step"] == STEPS and final["why"] == "final" and final["location"] == own.location(f"step-{STEPS:08d}")
@@ -468,7 +413,7 @@ def test_storage_errors_in_the_final_save_cost_neither_model_nor_summary(tmp_pat
 
     for method in blips:
         monkeypatch.setattr(CheckpointStorage, method, flaky(method))
-    ran = _run(tmp_path, None, "checkpoint.every_steps=50")
+    ran = fake_run(tmp_path, None, "checkpoint.every_steps=50")
     ran.assert_exact()
     assert blips == {"exists": 0, "size": 0}
     assert any("connection reset" in e["reason"] for e in ran.of("checkpoint_abandoned"))
@@ -479,7 +424,7 @@ def test_storage_errors_in_the_final_save_cost_neither_model_nor_summary(tmp_pat
 def test_a_checkpoint_manifest_holds_no_credential(tmp_path):
     # (the fake group builds no dataset: the kwargs only travel in the config)
     secret = "dataset={factory: 'ringleader_examples.digits:make_dataset', kwargs: {url: 'https://user:pa55@data.example/d?token=t0k'}}"
-    ran = _run(tmp_path, None, "checkpoint.every_steps=50", secret)
+    ran = fake_run(tmp_path, None, "checkpoint.every_steps=50", secret)
     ran.assert_exact()
     manifest = (Path(ran.summary["checkpoints"]["root"]) / f"step-{STEPS:08d}" / MANIFEST).read_text()
     assert "pa55" not in manifest and "t0k" not in manifest and "https://***@data.example" in manifest
@@ -487,7 +432,7 @@ def test_a_checkpoint_manifest_holds_no_credential(tmp_path):
 
 def test_growth_adds_workers_at_a_step_boundary(tmp_path):
     # The newcomer loads while step 3 is held up, and joins at the next boundary.
-    ran = _run(tmp_path, Faults(stall={(0, 3): 0.5}), "scaling.workers=2", "scaling.max_workers=3", join_delay_s=0.2)
+    ran = fake_run(tmp_path, Faults(stall={(0, 3): 0.5}), "scaling.workers=2", "scaling.max_workers=3", join_delay_s=0.2)
     ran.assert_exact()
     (grow,) = ran.of("grow")
     assert grow["joined"] == [2] and grow["workers"] == [0, 1, 2]
@@ -496,7 +441,7 @@ def test_growth_adds_workers_at_a_step_boundary(tmp_path):
 
 def test_a_death_while_the_group_grows_is_recovered_without_the_newcomer_as_source(tmp_path):
     faults = Faults(die_joining={1: 1}, stall={(0, 3): 0.5})
-    ran = _run(tmp_path, faults, "scaling.workers=2", "scaling.max_workers=3", join_delay_s=0.2)
+    ran = fake_run(tmp_path, faults, "scaling.workers=2", "scaling.max_workers=3", join_delay_s=0.2)
     ran.assert_exact()
     assert "growing" in ran.states and ran.states[ran.states.index("growing") + 1] == "recovering"
     reformed = ran.of("group_reformed")[0]
@@ -505,20 +450,20 @@ def test_a_death_while_the_group_grows_is_recovered_without_the_newcomer_as_sour
 
 def test_a_rendezvous_error_while_growing_is_retried_not_fatal(tmp_path):
     faults = Faults(error_joining={2}, stall={(0, 3): 0.5})
-    ran = _run(tmp_path, faults, "scaling.workers=2", "scaling.max_workers=3", join_delay_s=0.2)
+    ran = fake_run(tmp_path, faults, "scaling.workers=2", "scaling.max_workers=3", join_delay_s=0.2)
     ran.assert_exact()
     assert ran.states[ran.states.index("growing") + 1] == "recovering"
     assert ran.summary["events"]["failures"] == 0 and ran.summary["workers"]["end"] == 3
 
 
 def test_a_census_that_miscounts_fails_the_job_and_is_not_committed(tmp_path):
-    ran = _run(tmp_path, Faults(miscount={6: 1}))
+    ran = fake_run(tmp_path, Faults(miscount={6: 1}))
     assert ran.summary["status"] == "failed" and "census counted [17] shards, expected 16" in ran.summary["error"]
     assert ran.summary["steps"] == 6 and ran.summary["shards_committed"] == 6 * 16
 
 
 def test_a_worker_error_fails_the_job_without_retrying(tmp_path):
-    ran = _run(tmp_path, Faults(error_in_step={(2, 4): "bad batch"}))
+    ran = fake_run(tmp_path, Faults(error_in_step={(2, 4): "bad batch"}))
     assert ran.summary["status"] == "failed" and "bad batch" in ran.summary["error"]
     assert ran.summary["events"]["recoveries"] == 0 and ran.summary["steps"] == 4
 
@@ -527,7 +472,7 @@ def test_chaos_that_hits_nothing_says_so(tmp_path):
     # Worker 1 dies in step 3, so the ray_kill aimed at it in step 8 has no target; the fake
     # carries out no worker-side sigkill, so that entry never strikes either.
     kills = "chaos.kill=[{at_step: 8, worker: 1, how: ray_kill}, {at_step: 2, worker: 2, during: checkpoint}]"
-    ran = _run(tmp_path, Faults(die_in_step={(1, 3): False}), kills)
+    ran = fake_run(tmp_path, Faults(die_in_step={(1, 3): False}), kills)
     ran.assert_exact()
     skipped = {e["kill"]["worker"]: e["reason"] for e in ran.of("chaos_skipped")}
     assert "worker 1 is not in the group at step 8" in skipped[1]
@@ -575,12 +520,12 @@ def test_commit_and_redo_decisions():
 
 
 def test_chaos_at_a_step_cuts_the_batches_around_it():
-    job = _job("chaos.kill=[{worker: 1, at_step: 5, how: ray_kill}]")
+    job = fake_job("chaos.kill=[{worker: 1, at_step: 5, how: ray_kill}]")
     chaos = ChaosControl(job.chaos, None, 0, lambda *a, **k: None)
     # The kill's step and the next two start batches: 5 and 6 run alone, so the driver strikes
     # with the victim in step 5 or 6, as with one step per call.
     assert [step for step in range(10) if chaos.acts_at(step)] == [5, 6, 7]
-    assert ChaosControl(_job().chaos, None, 0, lambda *a, **k: None).acts_at(5) is False
+    assert ChaosControl(fake_job().chaos, None, 0, lambda *a, **k: None).acts_at(5) is False
 
 
 def test_sharded_state_is_whole_only_where_survivors_hold_every_slice_at_the_root_step():
@@ -605,7 +550,7 @@ def test_sharded_state_is_whole_only_where_survivors_hold_every_slice_at_the_roo
 def test_too_few_workers_with_sharded_state_fail_without_a_save_no_worker_could_write(tmp_path):
     """Each survivor holds only its slice of the optimizer state: no one worker can write a
     checkpoint before failing; the job says so and fails (the newest checkpoint stands)."""
-    ran = _run(
+    ran = fake_run(
         tmp_path, Faults(die_in_step={(1, 5): False}), "scaling.workers=2", "scaling.min_workers=2",
         "scaling.wait_for_workers_s=0", "sharding.group_size=2", replacements=False,
     )
@@ -617,7 +562,7 @@ def test_too_few_workers_with_sharded_state_fail_without_a_save_no_worker_could_
 def test_a_slow_worker_holding_the_only_copy_of_its_slice_is_not_evicted(tmp_path):
     """With one sharding group its slice exists nowhere else: evicting it would cost a rollback
     to a checkpoint, so it stays (an evict_skipped event says why)."""
-    ran = _run(tmp_path, Faults(shard_s={1: 0.5}), "sharding.group_size=4")
+    ran = fake_run(tmp_path, Faults(shard_s={1: 0.5}), "sharding.group_size=4")
     assert not ran.of("evict") and ran.summary["events"]["evictions"] == 0
     assert "sharded" in ran.of("evict_skipped")[0]["reason"]
 
@@ -645,7 +590,7 @@ def _runs_of(group: FakeWorkerGroup, worker: int) -> list:
 
 
 def test_a_followers_death_on_published_plans_ends_its_run_and_the_group_goes_on_without_it(tmp_path):
-    ran = _run(tmp_path, Faults(die_in_step={(2, 9): False}))
+    ran = fake_run(tmp_path, Faults(die_in_step={(2, 9): False}))
     ran.assert_exact()
     group = ran.group
     assert len(group.leaders) == len(group.batches)  # one call per batch, into the leader
@@ -664,7 +609,7 @@ def test_a_followers_death_on_published_plans_ends_its_run_and_the_group_goes_on
 
 
 def test_the_leaders_death_is_a_failure_of_its_batch_and_a_survivor_leads_the_next(tmp_path):
-    ran = _run(tmp_path, Faults(die_in_step={(0, 9): False}))
+    ran = fake_run(tmp_path, Faults(die_in_step={(0, 9): False}))
     ran.assert_exact()
     group = ran.group
     failed = [leader for leader in group.leaders if leader.error is not None]
@@ -682,7 +627,7 @@ def test_a_plan_changed_while_a_batch_runs_on_the_old_one_takes_the_next_batch(t
     # Worker 1 is five times slower: the rebalancer moves shards off it while the batches
     # handed out (published with the old split) still run; each step runs the plan it was
     # published with, every shard once, and run-ahead starts over at one step per batch.
-    ran = _run(tmp_path, Faults(shard_s={1: 0.05}), "stragglers.rebalance=true", "shards=12")
+    ran = fake_run(tmp_path, Faults(shard_s={1: 0.05}), "stragglers.rebalance=true", "shards=12")
     ran.assert_exact()
     telemetry = read_telemetry(ran.run_dir / "telemetry.jsonl")
     by_step: dict[int, dict[int, tuple[int, ...]]] = {}
@@ -744,7 +689,7 @@ def _records() -> list:
 
 
 def test_a_followers_death_with_the_leaders_failure_is_known_as_a_death_whichever_ended_first():
-    job = _job()
+    job = fake_job()
     died = CallFailed(2, FailureKind.DIED, "ActorDiedError")
     lost = CallFailed(0, FailureKind.PEER_LOST, "CollectiveTimeout: a peer closed its connection")
     group = ScriptedGroup({0: (0.05, lost), 1: (9.0, 0), 2: (0.07, died)}, leader_next_step=5)
@@ -754,7 +699,7 @@ def test_a_followers_death_with_the_leaders_failure_is_known_as_a_death_whicheve
 
 
 def test_a_follower_that_dies_after_its_batch_leaves_the_batch_whole():
-    job = _job()
+    job = fake_job()
     died = CallFailed(2, FailureKind.DIED, "ActorDiedError")
     # The leader applied steps 4 and 5 (next is 6) and its answer is slow to come (0.3 s,
     # past GATHER_S): the death belongs to the next batch.

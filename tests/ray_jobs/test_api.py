@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import ringleader
 from tests.helpers.jobs import REORDERED, Reference, Yardstick, assert_same_params, jsonl
+from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -124,7 +125,7 @@ def test_the_docs_example_runs_as_written(tmp_path, monkeypatch):
     ``__main__``, so Ray ships them by value), in a scratch directory."""
     import re
 
-    doc = (Path(__file__).parent.parent / "docs" / "python-api.md").read_text()
+    doc = (REPO / "docs" / "python-api.md").read_text()
     section = doc[doc.index("# Python API") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     monkeypatch.chdir(tmp_path)

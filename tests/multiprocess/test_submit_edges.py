@@ -21,8 +21,8 @@ import pytest
 
 from orchestrator.commands.submit import Cluster, SubmissionError
 from ringleader.cli import main
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 SECRET = "s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/ckpt"
 
 
