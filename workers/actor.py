@@ -5,14 +5,12 @@ step pipeline), ``control`` (answers while a step runs, so the driver can always
 ``io`` (waits for background checkpoint writes without holding up either).
 
 The actor takes the driver's calls and delegates: joining and leaving a group to
-``workers/group_link.py``, a step's shards to ``workers/step/passes.py`` (its rescue watch
-``workers/step/rescue_watch.py``, its census ``workers/step/census.py``), checkpoints to
-``workers/replica_checkpoint.py``.
+``workers/group_link.py``, a training step to ``workers/train_step.py`` (its passes
+``workers/step/passes.py``), checkpoints to ``workers/replica_checkpoint.py``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import threading
@@ -43,27 +41,23 @@ from jobspec.wire import (
 )
 from policies.work_stealing import StepPlan
 from workers.step import published_plans
-from workers.step.census import WEIGHT_SLOT, census_slots
+from workers.step.census import census_slots
 from workers.runtime.chaos import ChaosSchedule, death_key, kill_self
 from workers.checkpoint.storage import CheckpointStorage
 from workers.checkpoint.reading import load_residuals
-from workers.step.claims import ShardClaims
 from workers.comm.communicator import pick_backend
 from workers.runtime.devices import make_current, on_worker_device, worker_device
 from workers.group_link import GroupLink
 from workers.optim.loss_scaler import LossScaler
 from workers.model.objective import Objective
 from workers.replica_checkpoint import CheckpointWriter, restore_state
-from workers.step.rescue_watch import rescue_watch
 from workers.data.sampler import ShardSampler
 from workers.sharding.optimizer import build_optimizer
 from workers.state_layout import state_layout
 from workers.step.passes import StepRunner
+from workers.train_step import StepTrainer
 from workers.model.buffers import StepBuffers
-from workers.step.report import StepClock, StepTraffic, step_report
-from workers.step.verdict import GradientMeasure, StepVerdict, measure_gradient, read_verdict
-from workers.step.records import ClaimedStep, RescuePass, StepWork
-from workers.model.flat_parameters import flatten_onto
+from workers.model.build import build_model
 from workers.model.precision import autocast
 from workers.model.evaluate import evaluate_job
 from workers.data.batches import fetch_batch, move_to
@@ -117,14 +111,7 @@ class TrainWorker:
         total = None if job.epochs is None else max(1, round(job.epochs * num_samples))
         self.sampler = ShardSampler(num_samples, job.batch_size, job.shards, job.seed, total)
         self.num_steps = job.steps if job.steps is not None else self.sampler.num_steps
-        self.model: torch.nn.Module = factories.build(job.model.factory, job.model.kwargs)
-        # Onto the device parameter by parameter, into the flat values: never the whole model
-        # there beside them. The gradient waits for its extra slots, which StepBuffers counts
-        # (with a forward on the device where it must).
-        self.flat = flatten_onto(self.model, self.device)
-        self.model.train()
-        if job.model.compile:
-            self.model.compile()  # in place: the same parameters (the flat buffer's views) and names
+        self.model, self.flat = build_model(job, self.device)
         self.objective = Objective(job.loss.name, job.loss.kwargs)
         # Batch-dependent layers (BatchNorm): a pass per shard, buffers kept in step (docs/architecture.md, "Model buffers").
         self.buffers = StepBuffers.of(self.model, self._probe_forward)
@@ -132,13 +119,6 @@ class TrainWorker:
         # buffers' changes. Sharded, no gradient until the join gives this rank its slice.
         extra = census_slots(job.shards) + self.buffers.slots
         self.flat.hold_gradients(extra, (0, 0) if job.sharding.enabled else None)
-        if self.flat.values.dtype in (torch.float16, torch.bfloat16):
-            # The census and loss weights ride in the parameters' dtype, and half types count
-            # exactly only to 256 (bf16) or 2048 (fp16).
-            raise ValueError(
-                f"field 'model.factory': the model's parameters are {self.flat.values.dtype}; keep them float32 "
-                "(the master weights) and set precision: bf16 or fp16 to compute in half precision"
-            )
         self.optimizer = build_optimizer(job, self.flat)
         self.state = state_layout(self.optimizer, job.sharding.group_size)
         self.schedule = job.schedule.policy()
@@ -149,9 +129,7 @@ class TrainWorker:
         self.abort_flag = threading.Event()
         self.aborted_through = 0  # the latest generation the driver aborted
         self.generation = 0  # the generation this worker last joined
-        self.link = GroupLink(
-            job.collective, job.timeouts.collective_s, self.abort_flag, self._chaos_point
-        )
+        self.link = GroupLink(job.collective, job.timeouts.collective_s, self.abort_flag, self._chaos_point)
         #: The next step this replica will apply: the optimizer steps it holds, in job steps.
         self.next_step = 0
         # The reports of the last steps applied: a batch whose call failed part-way (aborted
@@ -167,6 +145,10 @@ class TrainWorker:
             self.chaos, self.device, collate=optional_callable(job.dataset.collate), precision=job.precision,
             max_samples_per_pass=job.worker.max_samples_per_pass,
             on_phase=lambda phase: self._enter(self._phase[0], phase), buffers=self.buffers,
+        )
+        self.trainer = StepTrainer(
+            job, self, self.link, self.runner, self.buffers, self.schedule, self.num_steps, self.chaos, self.abort_flag,
+            self._enter, self._record_death, worker_id,
         )
 
     def _probe_forward(self) -> None:
@@ -343,94 +325,12 @@ class TrainWorker:
         shard's in them, and a group re-formed next takes rank 0's).
         """
         try:
-            return self._train_step(step, plan)
+            report = self.trainer.run(step, plan)
         except BaseException:
             self.buffers.abandon()
             raise
-
-    def _train_step(self, step: int, plan: StepPlan) -> StepTelemetry:
-        """One step (``train_step``'s body)."""
-        link = self.link
-        reducer, claims_store = link.reducer, link.claims_store
-        if reducer is None or claims_store is None:
-            raise RuntimeError("train_step called before join_group")
-        if step != self.next_step:
-            # Applying a step twice (or skipping one) would corrupt the replica silently.
-            raise RuntimeError(f"asked for step {step}, but this replica's next step is {self.next_step}")
-        started = time.perf_counter()
-        store_trips, store_bytes = claims_store.round_trips, claims_store.bytes
-        link.reducing_step = step
-        self._enter(step, Phase.STALL)  # until its data is there (and any injected stall is over)
-        self.flat.zero()
-        self.buffers.begin()
-        self.runner.loss_scale = self.scaler.scale
-        watch = None
-        if plan.mitigating:
-            claims = ShardClaims(claims_store, step, plan, link.rank)
-            claimed = ClaimedStep(step, plan, claims, reducer, self.job.timeouts.collective_s, self.abort_flag)
-            work = self.runner.run_claimed(claimed)
-            watch = rescue_watch(claimed, work)
-        else:
-            work = self.runner.run_fixed(step, list(plan.shards_by_rank[link.rank]), plan.num_shards, reducer)
-        computed = time.perf_counter()
-        self._enter(step, Phase.REDUCE)
-        if self.chaos.kill_due("step", step):
-            kill_self(self._record_death)  # mid all-reduce: overlapped buckets are on the wire
-        comm_s = reducer.finish(watch)
-        rescue = RescuePass()
-        verdict, measure = self._judge(step, plan.num_shards, work)  # the step's one host sync
-        if plan.mitigating:
-            missing = verdict.missing_shards()
-            if missing:  # rare: a rank gave up waiting for its data; its shards run now
-                rescue = self.runner.rescue(claimed, work, missing)
-                comm_s += rescue.comm_s
-                verdict, measure = self._judge(step, plan.num_shards, work)
-            claims.forget()
-        self.chaos.record(step, work.compute_s, work.shards_run)
-        census = verdict.census(step)
-        update = verdict.update()
-        link.commit_residuals()
-        reduced = time.perf_counter()
-        if math.isfinite(update.grad_norm):
-            measure.apply()
-        lr = self.optimizer.base_lr * self.schedule.factor(step, self.job.schedule.total_steps or self.num_steps)
-        # Sharded: the scale and the step's buffers as they were kept until the all-gather completes.
-        link.before_update(step, [(self.scaler.state, self.scaler.state.clone()), *self.buffers.pre_step()])
-        skipped = self.scaler.update(update.grad_norm)
-        if not self.scaler.enabled and not math.isfinite(update.grad_norm):
-            # Every replica holds this same gradient, so all stop here: better than parameters
-            # turned to nan. (fp16 skips such steps instead; that is what its scaler is for.)
-            raise FloatingPointError(
-                f"step {step}: the reduced gradient is not finite (norm {update.grad_norm}, loss "
-                f"{census.loss_sum / census.weight}): the loss diverged or the data holds inf or nan"
-            )
-        if not skipped:
-            self.optimizer.step(lr=lr)
-        self.buffers.apply(self.flat.extra[census_slots(plan.num_shards) :])  # as DDP, a skipped step's too
-        link.gather_stepped(self, step, stepped=not skipped)  # sharded: the other slices' parameters
-        self.next_step = step + 1
-        self._enter(step, Phase.DONE)
-        clock = StepClock(started, computed, reduced, time.perf_counter())
-        traffic = StepTraffic(
-            link.group.bytes_sent if link.group is not None else 0,
-            claims_store.round_trips - store_trips,
-            claims_store.bytes - store_bytes,
-        )
-        report = step_report(
-            step, link.rank, self.worker_id, work, rescue, census, update, verdict.local_weight, lr, skipped, clock,
-            comm_s, traffic,
-        )
         self._kept.append(report)
         return report
-
-    def _judge(self, step: int, num_shards: int, work: StepWork) -> tuple[StepVerdict, GradientMeasure]:
-        """The reduced ``step``'s measure (on the device) and verdict (read in one copy)."""
-        grads, sum_squares = self.link.owned_gradient(self.flat)  # sharded: its slice, the norm from all
-        weight = self.flat.extra[num_shards + WEIGHT_SLOT]
-        scaled_by = self.runner.loss_scale / self.sampler.step_batch_size(step)
-        clip = self.job.optimizer.clip_grad_norm
-        measure = measure_gradient(grads, weight, scaled_by, clip, sum_squares)
-        return read_verdict(self.flat.extra, num_shards, measure, clip, work.total.weight), measure
 
     @compute_method
     def snapshot(self, request: SnapshotRequest) -> float:
