@@ -54,7 +54,7 @@ from workers.replica_checkpoint import CheckpointWriter, restore_state
 from workers.data.sampler import ShardSampler
 from workers.sharding.optimizer import build_optimizer
 from workers.state_layout import state_layout
-from workers.step.passes import StepRunner
+from workers.step.runner import StepRunner
 from workers.train_step import StepTrainer
 from workers.model.buffers import StepBuffers
 from workers.model.build import build_model
@@ -313,7 +313,7 @@ class TrainWorker:
         """Compute this rank's share of the step's gradient, all-reduce it, take the optimizer step.
 
         With the plan's mitigations off the rank runs exactly its planned shards; with them on
-        it claims, steals and backs up shards through the driver's store (``workers/step/passes.py``).
+        it claims, steals and backs up shards through the driver's store (``workers/step/runner.py``).
         The all-reduced buffer holds the sum of every shard's loss-sum gradient and the step's
         total loss weight; divided by it (``workers/step/verdict.py``, which also clips) it is the
         step's mean gradient whoever ran what; the model's changing buffers become the mean of

@@ -22,11 +22,21 @@ from workers.replica import Replica
 from workers.runtime.chaos import ChaosSchedule, kill_self
 from workers.step.census import WEIGHT_SLOT, census_slots
 from workers.step.claims import ShardClaims
-from workers.step.passes import StepRunner
+from workers.step.runner import StepRunner
 from workers.step.records import ClaimedStep, RescuePass, StepWork
 from workers.step.report import StepClock, StepTraffic, step_report
 from workers.step.rescue_watch import rescue_watch
-from workers.step.verdict import GradientMeasure, GradientUpdate, StepCensus, StepVerdict, measure_gradient, read_verdict
+from workers.step.verdict import (
+    GradientMeasure,
+    GradientUpdate,
+    StepCensus,
+    StepVerdict,
+    measure_gradient,
+    read_verdict,
+)
+
+#: The rescue watch over a step's peers while this rank waits in its all-reduce (``rescue_watch``).
+Watch = Callable[[], float | None]
 
 
 class StepTrainer:
@@ -102,14 +112,15 @@ class StepTrainer:
             comm_s, traffic,
         )
 
-    def _compute(self, step: int, plan: StepPlan) -> tuple[StepWork, ClaimedStep | None, Callable[[], float | None] | None]:
+    def _compute(self, step: int, plan: StepPlan) -> tuple[StepWork, ClaimedStep | None, Watch | None]:
         """This rank's passes of ``step``: exactly its planned shards, or (the plan's mitigations
         on) the shards it claims, steals and backs up through the driver's store, with the
         rescue watch over its peers while it waits on the all-reduce."""
         link = self.link
         assert link.reducer is not None and link.claims_store is not None
         if not plan.mitigating:
-            return self.runner.run_fixed(step, list(plan.shards_by_rank[link.rank]), plan.num_shards, link.reducer), None, None
+            work = self.runner.run_fixed(step, list(plan.shards_by_rank[link.rank]), plan.num_shards, link.reducer)
+            return work, None, None
         claims = ShardClaims(link.claims_store, step, plan, link.rank)
         claimed = ClaimedStep(step, plan, claims, link.reducer, self.job.timeouts.collective_s, self.abort_flag)
         work = self.runner.run_claimed(claimed)

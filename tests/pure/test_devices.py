@@ -25,7 +25,7 @@ from workers.model.objective import Objective, causal_lm, cross_entropy
 from workers.comm.gradient_reducer import GradientReducer
 from workers.data.prefetch import BatchPrefetch
 from workers.data.sampler import ShardSampler
-from workers.step.passes import StepRunner
+from workers.step.runner import StepRunner
 from workers.model.flat_parameters import FlatParameters
 
 CUDA = torch.device("cuda", 0)

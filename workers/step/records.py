@@ -1,5 +1,5 @@
 """What a step's run records: pass results, this worker's work in a step, the step's claims
-context and its rescue pass (``workers/step/passes.py`` runs them)."""
+context and its rescue pass (``workers/step/runner.py`` runs them)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ A peer whose planned shards all still sit unstarted long after they were expecte
 stalled before it sealed its block, e.g. reading its data) holds the whole group up: the
 watcher opens its block (``ShardClaims.open_block``); the peer, seeing that while it waits for
 its data, stops waiting and brings nothing to the all-reduce, and every rank runs its shards
-in the rescue pass after it (``StepRunner.rescue``, ``workers/step/passes.py``; docs/architecture.md,
+in the rescue pass after it (``StepRunner.rescue``, ``workers/step/runner.py``; docs/architecture.md,
 "Rescue"). The reducer calls the watch between its waits (``GradientReducer.finish``).
 """
 
