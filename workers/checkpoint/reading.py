@@ -14,7 +14,8 @@ import torch
 
 from workers.checkpoint import tensor_file
 from workers.checkpoint.manifest import CheckpointCorrupt
-from workers.checkpoint.storage import CheckpointStorage, RangedReader
+from workers.checkpoint.storage import CheckpointStorage
+from workers.checkpoint.file_io import RangedReader
 from workers.checkpoint.parts import FORMAT, part_range, residual_file
 
 

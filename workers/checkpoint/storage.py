@@ -10,8 +10,6 @@ No torch or Ray here; pyarrow is imported only when the root is a URI.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import os
 import re
@@ -21,13 +19,11 @@ import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, BinaryIO, Callable
+from typing import IO, Any, BinaryIO, Callable
 
-from jobspec.durable import fsync_dir, write_atomic
+from jobspec.durable import write_atomic
 from jobspec.redaction import redact
-
-if TYPE_CHECKING:
-    import pyarrow.fs
+from workers.checkpoint.file_io import HashingWriter, RangedReader, makedirs_durable, write_direct
 
 _CHUNK = 1 << 20
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -136,7 +132,7 @@ class CheckpointStorage:
         if self._local is None:
             return self._upload_from(relpath, lambda handle: handle.write(data))
         target = self._path(relpath)
-        _makedirs_durable(os.path.dirname(target))
+        makedirs_durable(os.path.dirname(target))
         # Hashed here, not on the way: the file gets exactly these bytes or the write raises.
         sha256 = hashlib.sha256(data).hexdigest()
         write_atomic(Path(target), lambda handle: write_direct(handle.fileno(), data))
@@ -158,12 +154,12 @@ class CheckpointStorage:
         if self._local is None:
             return self._upload_from(relpath, write)
         target = self._path(relpath)
-        _makedirs_durable(os.path.dirname(target))
-        hashed: _HashingWriter | None = None
+        makedirs_durable(os.path.dirname(target))
+        hashed: HashingWriter | None = None
 
         def write_hashed(raw: IO[bytes]) -> None:
             nonlocal hashed
-            hashed = _HashingWriter(raw)
+            hashed = HashingWriter(raw)
             write(hashed)
 
         # Private (0600), fsynced, renamed over the target, the directory fsynced; no temp file
@@ -294,7 +290,7 @@ class CheckpointStorage:
         assert self._fs is not None
         target = self._path(relpath)
         with tempfile.TemporaryFile() as spool:
-            hashed = _HashingWriter(spool)
+            hashed = HashingWriter(spool)
             write(hashed)
             spool.flush()
             spool.seek(0)
@@ -308,92 +304,6 @@ class CheckpointStorage:
         return hashed.hexdigest(), hashed.size
 
 
-class RangedReader:
-    """An open file of ``size`` bytes (``where``: its path or URI, for messages) read at any offset."""
-
-    def __init__(self, handle: Any, size: int, where: str) -> None:
-        self._handle = handle  # seek and readinto: a raw local file or a pyarrow NativeFile
-        self.size = size
-        self.where = where
-
-    def read_into(self, offset: int, into: memoryview) -> None:
-        """Fill ``into`` (a writable buffer: a tensor's memory, say) with the file's bytes from
-        ``offset``, with no copy between. Raises EOFError if the file ends first."""
-        view = memoryview(into).cast("B")
-        self._handle.seek(offset)
-        done = 0
-        while done < len(view):  # a read may return less than asked: a raw file's, a network's
-            got = self._handle.readinto(view[done:])
-            if not got:
-                raise EOFError(f"{self.where}: {len(view)} bytes wanted at {offset}, the file ends after {done}")
-            done += got
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        """``nbytes`` bytes from ``offset`` (EOFError if the file ends first)."""
-        out = bytearray(nbytes)
-        self.read_into(offset, memoryview(out))
-        return bytes(out)
-
-
-def write_direct(fd: int, data: memoryview) -> bool:
-    """Write all of ``data`` to the file ``fd`` (freshly opened, nothing written to it yet) with
-    ``O_DIRECT`` where the file system takes it (ext4, xfs: the disk reads the buffer, no CPU
-    copy), else through the page cache (tmpfs and others refuse it: EINVAL). ``data``'s address
-    and length must be multiples of the page size for the direct write. Returns whether it was
-    direct."""
-    view = memoryview(data).cast("B")
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    direct = hasattr(os, "O_DIRECT")
-    if direct:
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
-        except OSError:
-            direct = False
-    written = 0
-    while written < len(view):
-        try:
-            written += os.write(fd, view[written:])
-        except OSError as err:
-            if not direct or err.errno != errno.EINVAL:
-                raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags)  # direct I/O refused here: through the cache
-            direct = False
-    return direct
-
-
-class _HashingWriter:
-    """Passes writes through to ``raw`` and hashes them on the way, so nothing is read back."""
-
-    def __init__(self, raw: IO[bytes]) -> None:
-        self._raw = raw
-        self._sha = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        # Buffered files (all we wrap) write everything or raise, so the hash covers exactly the file.
-        self._raw.write(view)
-        self._sha.update(view)
-        self.size += len(view)
-        return len(view)
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def tell(self) -> int:
-        return self.size
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        # Seeking back would make the running hash wrong; writers must stream.
-        return False
-
-    def hexdigest(self) -> str:
-        return self._sha.hexdigest()
-
-
 def split_relpath(relpath: str) -> list[str]:
     """The parts of a checkpoint-relative path; ValueError for one that could escape the root."""
     # Refuse anything that could escape the root: checkpoint paths come from manifests on disk.
@@ -401,18 +311,3 @@ def split_relpath(relpath: str) -> list[str]:
     if not parts or relpath.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in relpath:
         raise ValueError(f"path must be relative, '/'-separated, without '.' or '..' parts, got {relpath!r}")
     return parts
-
-
-def _makedirs_durable(directory: str) -> None:
-    # A new directory's entry lives in its parent: fsync each parent we add to, or a crash could
-    # lose a directory whose files (and manifest) were all fsynced.
-    missing = []
-    while not os.path.isdir(directory):
-        missing.append(directory)
-        directory = os.path.dirname(directory)
-    for path in reversed(missing):
-        try:
-            os.mkdir(path)
-        except FileExistsError:  # a concurrent writer made it first
-            pass
-        fsync_dir(os.path.dirname(path))
