@@ -28,7 +28,7 @@ import torch
 
 from jobspec.job import JobConfig
 from jobspec.recipe import OptimizerConfig
-from policies.sharding import LostState, ShardingLayout, Span, plan_moves
+from policies.sharding import LostState, Move, ShardingLayout, Span, plan_moves
 from workers.comm.comm_group import CommGroup
 from workers.comm.communicator import NativeAllReduce
 from workers.optim.fused import FlatOptimizer
@@ -144,24 +144,10 @@ class ShardedOptimizer:
         meta = self._from(group, source, {"dtypes": dtypes, "template": first.template if first else {}})
         values = self.flat.values
         new_flat = {k: torch.empty(hi - lo, dtype=getattr(torch, t), device=values.device) for k, t in meta["dtypes"].items()}
-        for kept in sources:  # what this rank holds of its own new slice
-            a, b = max(lo, kept.span[0]), min(hi, kept.span[1])
-            if a < b:
-                there, here = slice(a - kept.span[0], b - kept.span[0]), slice(a - lo, b - lo)
-                for key in new_flat:
-                    new_flat[key][here].copy_(kept.state[key][there])
-                values[a:b].copy_(kept.values[there])  # the same step's: equal where a source's values are these
+        _copy_own_part(sources, (lo, hi), new_flat, values)
         # Received parameters land in scratch, written into place only once all of it is in.
         incoming = torch.empty(hi - lo, dtype=values.dtype, device=values.device)
-        sends, receives = [], []
-        for move in moves:
-            if move.source == group.rank:
-                kept = next(s for s in sources if s.span[0] <= move.lo and move.hi <= s.span[1])
-                cut = slice(move.lo - kept.span[0], move.hi - kept.span[0])
-                sends += [(kept.state[key][cut], move.target) for key in sorted(new_flat)] + [(kept.values[cut], move.target)]
-            if move.target == group.rank:
-                receives += [(new_flat[key][move.lo - lo : move.hi - lo], move.source) for key in sorted(new_flat)]
-                receives.append((incoming[move.lo - lo : move.hi - lo], move.source))
+        sends, receives = _transfers(group.rank, moves, sources, lo, new_flat, incoming)
         before_move()
         group.submit(lambda: group.exchange(sends, receives).complete(), "reshard optimizer state").wait()
         # The slice it stepped (a source) keeps its values, copied: the all-gather overwrites them.
@@ -275,3 +261,42 @@ def build_optimizer(job: JobConfig, flat: FlatParameters) -> FlatOptimizer | Gen
     if job.sharding.enabled:
         return ShardedOptimizer(job.optimizer, flat)
     return make_optimizer(job.optimizer, flat)
+
+
+def _copy_own_part(
+    sources: list[KeptSlice], span: tuple[int, int], new_flat: dict[str, torch.Tensor], values: torch.Tensor
+) -> None:
+    """Copy what this rank holds (``sources``) of its new slice ``span`` into the slice's state
+    (``new_flat``) and the parameters (``values``, the same step's: equal where a source's
+    values are these)."""
+    lo, hi = span
+    for kept in sources:
+        a, b = max(lo, kept.span[0]), min(hi, kept.span[1])
+        if a < b:
+            there, here = slice(a - kept.span[0], b - kept.span[0]), slice(a - lo, b - lo)
+            for key in new_flat:
+                new_flat[key][here].copy_(kept.state[key][there])
+            values[a:b].copy_(kept.values[there])
+
+
+Transfer = tuple[torch.Tensor, int]  # a tensor and the peer rank it goes to or comes from
+
+
+def _transfers(
+    rank: int, moves: list[Move], sources: list[KeptSlice], lo: int,
+    new_flat: dict[str, torch.Tensor], incoming: torch.Tensor,
+) -> tuple[list[Transfer], list[Transfer]]:
+    """``rank``'s sends and receives for ``moves``: each moved range's state (by key, in sorted
+    order) then its parameters, sent from the source that holds it, received into the new
+    slice's state (starting at entry ``lo``) and into ``incoming``."""
+    sends: list[Transfer] = []
+    receives: list[Transfer] = []
+    for move in moves:
+        if move.source == rank:
+            kept = next(s for s in sources if s.span[0] <= move.lo and move.hi <= s.span[1])
+            cut = slice(move.lo - kept.span[0], move.hi - kept.span[0])
+            sends += [(kept.state[key][cut], move.target) for key in sorted(new_flat)] + [(kept.values[cut], move.target)]
+        if move.target == rank:
+            receives += [(new_flat[key][move.lo - lo : move.hi - lo], move.source) for key in sorted(new_flat)]
+            receives.append((incoming[move.lo - lo : move.hi - lo], move.source))
+    return sends, receives
