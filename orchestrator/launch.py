@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
     from orchestrator.accounting.summary import JobResult
+    from orchestrator.checkpoints.resume_point import ResumePoint
+    from orchestrator.group.chaos_control import ChaosControl
+    from orchestrator.group.ray_group import RayWorkerGroup
 
 # Imports cannot hang, but a wedged file system could; never wait forever.
 PRELOAD_TIMEOUT_S = 300.0
@@ -278,19 +281,7 @@ def run_job(
     placement group reserved for the job (a Tune trial's) to run the workers in.
     """
     launched = time.perf_counter()
-    check_local_nodes(local_nodes, address or os.environ.get("RAY_ADDRESS"))
-    # Absolute here, once: workers may run in another working directory than the driver.
-    path = (run_dir or default_run_dir(job)).absolute()
-    if job.chaos.needs_local_nodes and not local_nodes:
-        raise ConfigError(f"invalid job ({source}): chaos.kill with how: remove_node and chaos.add_node need --local-nodes N")
-    resuming = RunDirectory.is_run(path)
-    if not resuming:
-        RunDirectory.ensure_free(path)
-    resume = None
-    if resuming:
-        from orchestrator.checkpoints.resume_point import find_resume_point
-
-        resume = find_resume_point(job, path, warn)
+    path, resuming, resume = _run_directory(job, address, local_nodes, run_dir, source, warn)
     checked: Future[None] = Future()
     preload = _in_background(_preload, job, source, checked)
     if job.loss.name not in BUILTIN_LOSSES:
@@ -301,12 +292,10 @@ def run_job(
     with ray_session(address, local_nodes) as session, contextlib.ExitStack() as held:
         ray_ready = time.perf_counter() - launched
         _wait(preload, source)
-        from orchestrator.group.chaos_control import ChaosControl
         from orchestrator.checkpoints.namespace import hold_namespace
         from orchestrator.controller import JobController
         from orchestrator.output.metrics import JobMetrics, MetricsListener
         from orchestrator.store.rendezvous import driver_store
-        from orchestrator.group.ray_group import RayWorkerGroup
 
         run = RunDirectory(path, resume=resuming)
         # Closed on every way out, after the lease is released; a new run that fails before its
@@ -318,32 +307,56 @@ def run_job(
         for listener in listeners:
             run.subscribe(listener)
         run.save_job(job.model_dump(mode="json", exclude_unset=True))
-        node_cpus = local_node_cpus(local_nodes) if local_nodes else 0
 
-        def waiting(message: str) -> None:
-            run.event("waiting_for_resources", message=message)
-            warn(message)
-
-        # Chaos that adds nodes makes even a local cluster grow.
-        fixed = session.started_here and not job.chaos.add_node
+        group, chaos = _worker_group(job, run, session, local_nodes, within, warn)
         store = driver_store(job.timeouts.rendezvous_s, job.stragglers.claim_store_count(job.scaling.max_workers))
         try:
             controller = JobController(
-                job,
-                run,
-                RayWorkerGroup(
-                    job, fixed_cluster=fixed, on_wait=waiting, within=within,
-                    on_collective=lambda choice: run.event("collective_choice", **choice.to_json()),
-                ),
-                store,
-                chaos=ChaosControl(job.chaos, session.cluster, node_cpus, run.event),
-                launched=launched,
-                progress=progress,
-                resume=resume,
-                lease=lease,
+                job, run, group, store, chaos=chaos, launched=launched, progress=progress, resume=resume, lease=lease,
             )
             run.subscribe(MetricsListener(JobMetrics(job.name), controller.accounting, run.event))
             controller.accounting.mark("ray_ready", ray_ready)
             return controller.execute()
         finally:
             store.close()
+
+
+def _run_directory(
+    job: JobConfig, address: str | None, local_nodes: int, run_dir: Path | None, source: str, warn: Callable[[str], None]
+) -> tuple[Path, bool, ResumePoint | None]:
+    """Before anything starts: the run directory (absolute, once: workers may run in another
+    working directory than the driver), whether it is an earlier run's, and where that run
+    resumes (None: from step 0). Raises ConfigError for bad ``local_nodes`` or chaos that needs
+    them, FileExistsError for a directory that is neither free nor a run."""
+    check_local_nodes(local_nodes, address or os.environ.get("RAY_ADDRESS"))
+    path = (run_dir or default_run_dir(job)).absolute()
+    if job.chaos.needs_local_nodes and not local_nodes:
+        raise ConfigError(f"invalid job ({source}): chaos.kill with how: remove_node and chaos.add_node need --local-nodes N")
+    if not RunDirectory.is_run(path):
+        RunDirectory.ensure_free(path)
+        return path, False, None
+    from orchestrator.checkpoints.resume_point import find_resume_point
+
+    return path, True, find_resume_point(job, path, warn)
+
+
+def _worker_group(
+    job: JobConfig, run: RunDirectory, session: RaySession, local_nodes: int, within: PlacementGroup | None,
+    warn: Callable[[str], None],
+) -> tuple[RayWorkerGroup, ChaosControl]:
+    """The job's Ray worker group (in ``within``, if given) and the driver's half of its chaos,
+    both recording into ``run``; a wait for resources is also told to ``warn``."""
+    from orchestrator.group.chaos_control import ChaosControl
+    from orchestrator.group.ray_group import RayWorkerGroup
+
+    def waiting(message: str) -> None:
+        run.event("waiting_for_resources", message=message)
+        warn(message)
+
+    group = RayWorkerGroup(
+        # Chaos that adds nodes makes even a local cluster grow.
+        job, fixed_cluster=session.started_here and not job.chaos.add_node, on_wait=waiting, within=within,
+        on_collective=lambda choice: run.event("collective_choice", **choice.to_json()),
+    )
+    node_cpus = local_node_cpus(local_nodes) if local_nodes else 0
+    return group, ChaosControl(job.chaos, session.cluster, node_cpus, run.event)

@@ -77,6 +77,12 @@ def token_accuracy(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> di
     return {"token_accuracy": (right / kept.sum(dim=1)).sum()}
 
 
+def mean_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The mistake the loss contract refuses: the batch's mean, not per-sample losses."""
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets)
+
+
 def wrong_shape_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     inputs, targets = batch
     return F.cross_entropy(model(inputs), targets, reduction="none")[:1]

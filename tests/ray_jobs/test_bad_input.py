@@ -13,17 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ringleader
 from ringleader.cli import main
+from tests.helpers.losses import mean_loss
 from tests.helpers.paths import REPO
-
-
-def mean_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The mistake the loss contract refuses: the batch's mean, not per-sample losses."""
-    inputs, targets = batch
-    return F.cross_entropy(model(inputs), targets)
 
 
 class HugeModel(torch.nn.Module):
@@ -96,7 +90,7 @@ SMALL = "steps: 2\neval: null\nshards: 2\nbatch_size: 8\nscaling: {workers: 1}\n
         (SMALL + "optimizer: {name: sgd, kwargs: {lr: 1e-3}}\n", [], "got '1e-3' (YAML reads 1e-3 as text: write 1.0e-3)"),
         (b"name: caf\xe9\n", [], "is not UTF-8 text (byte 0xe9 at offset 9)"),
         (SMALL, ["--address", "127.0.0.1:{port}"], "address 127.0.0.1:{port}: no Ray cluster answers there (Connection refused)"),
-        (SMALL + "loss: tests.test_bad_input:mean_loss\n", [], "field 'loss' (tests.test_bad_input:mean_loss) returned a scalar"),
+        (SMALL + "loss: tests.helpers.losses:mean_loss\n", [], "field 'loss' (tests.helpers.losses:mean_loss) returned a scalar"),
         (SMALL, ["--local-nodes", "-1"], "local_nodes (--local-nodes): expected an integer >= 0, got -1"),
     ],
     ids=["lr-text", "lr-1e-3", "not-utf8", "no-cluster", "scalar-loss", "local-nodes"],
@@ -200,7 +194,7 @@ def test_a_failed_torch_import_ends_the_launch_at_once_with_the_import_error(tmp
 
 def test_overrides_none_means_no_overrides(tmp_path, ray_never_starts):
     """None is what a caller passes for "no overrides": the launch goes on, to the scalar loss check."""
-    job = {**_small_job(), "loss": "tests.test_bad_input:mean_loss"}
+    job = {**_small_job(), "loss": "tests.helpers.losses:mean_loss"}
     with pytest.raises(ringleader.ConfigError, match="returned a scalar"):
         ringleader.run(job, tmp_path / "run", overrides=None)
     (tmp_path / "earlier").mkdir()
