@@ -23,13 +23,13 @@ from jobspec.job import JobConfig
 from jobspec.recipe import OptimizerConfig
 from jobspec.targets import optional_callable
 from policies.assignment import ShardAssignment
-from workers.runtime.chaos import ChaosSchedule
-from workers.optim.generic import decay_groups, resolve_optimizer_class
-from workers.model.objective import Objective
-from workers.data.sampler import ShardSampler
-from workers.model.precision import autocast
-from workers.model.evaluate import evaluate_job
 from workers.data.batches import fetch_batch
+from workers.data.sampler import ShardSampler
+from workers.model.evaluate import evaluate_job
+from workers.model.objective import Objective
+from workers.model.precision import autocast
+from workers.optim.generic import decay_groups, resolve_optimizer_class
+from workers.runtime.chaos import ChaosSchedule
 
 _STOCK_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,

@@ -29,13 +29,13 @@ import numpy as np
 from jobspec.job import JobConfig
 from jobspec.step_record import COLUMNS, StepRecord
 from jobspec.wire import Phase, Progress, SnapshotOrder, SnapshotRequest, StepTelemetry, WorkerInfo
-from orchestrator.group.chaos_control import ChaosControl
 from orchestrator.controller import JobController
+from orchestrator.group.chaos_control import ChaosControl
 from orchestrator.group.interface import Call, Submitted
 from orchestrator.group.membership import Membership
 from orchestrator.output.metrics import WORKER_GAUGES_EVERY_S, JobMetrics, MetricsListener
-from orchestrator.store.rendezvous import RendezvousStore
 from orchestrator.output.run_dir import RunDirectory
+from orchestrator.store.rendezvous import RendezvousStore
 from policies.work_stealing import StepPlan
 
 _COLUMN = {name: i for i, name in enumerate(COLUMNS)}

@@ -17,8 +17,8 @@ class PlainLoop:
 
     def __init__(self, job: Any, device: torch.device) -> None:
         from jobspec.targets import build
-        from workers.optim.generic import decay_groups
         from workers.data.sampler import ShardSampler
+        from workers.optim.generic import decay_groups
 
         torch.manual_seed(job.seed)
         self.job, self.device = job, device
@@ -32,8 +32,8 @@ class PlainLoop:
 
     def step(self, index: int) -> None:
         """Train step ``index`` (its windows: every shard's, as the sampler deals them)."""
-        from workers.model.precision import autocast
         from workers.data.batches import fetch_batch
+        from workers.model.precision import autocast
 
         job = self.job
         indices = [int(i) for shard in range(job.shards) for i in self.sampler.shard_indices(index, shard)]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue as queues
-import time
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable

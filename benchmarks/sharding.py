@@ -43,7 +43,14 @@ from benchmarks.ranks import RankError
 from benchmarks.sharding_memory import format_memory, measure_memory, ratios
 from benchmarks.sharding_recovery import measure_recoveries, recovery_lines, recovery_skipped, recovery_targets
 from benchmarks.throughput import (
-    RUN_TIMEOUT_S, BenchmarkError, RunRow, ringleader_result, run_and_report, run_command, run_once, timed_row,
+    RUN_TIMEOUT_S,
+    BenchmarkError,
+    RunRow,
+    ringleader_result,
+    run_and_report,
+    run_command,
+    run_once,
+    timed_row,
     torchrun_command,
 )
 from benchmarks.workloads import sharded_job

@@ -14,19 +14,20 @@ from typing import Any
 
 from jobspec.job import JobConfig
 from jobspec.wire import SnapshotOrder
-from orchestrator.group.chaos_control import ChaosControl, ChaosError
+from orchestrator.accounting.step_sinks import StepAccounting
+from orchestrator.accounting.summary import EVENT_COUNTERS, JobResult
 from orchestrator.checkpoints.coordinator import CheckpointCoordinator
+from orchestrator.checkpoints.lease import NamespaceLease
 from orchestrator.checkpoints.resume_point import ResumePoint
-from orchestrator.output.control_meter import ControlPlaneMeter
 from orchestrator.errors import JobFailed
+from orchestrator.group.chaos_control import ChaosControl, ChaosError
 from orchestrator.group.interface import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.group.membership import JoinerPool
-from orchestrator.checkpoints.lease import NamespaceLease
-from orchestrator.steps.pipeline import StepOutcome, StepPipeline, await_step
-from orchestrator.recovery.reform import PROBE_S, sharding_of
-from orchestrator.recovery.procedure import RecoveryProcedure
-from orchestrator.store.rendezvous import RendezvousStore
+from orchestrator.output.control_meter import ControlPlaneMeter
 from orchestrator.output.run_dir import RunDirectory
+from orchestrator.recovery.procedure import RecoveryProcedure
+from orchestrator.recovery.reform import PROBE_S, sharding_of
+from orchestrator.steps.pipeline import StepOutcome, StepPipeline, await_step
 from orchestrator.steps.states import (
     CheckpointingBeforeFailure,
     Failed,
@@ -40,9 +41,8 @@ from orchestrator.steps.states import (
     check_transition,
     is_terminal,
 )
-from orchestrator.accounting.step_sinks import StepAccounting
 from orchestrator.steps.straggler_control import StragglerControl
-from orchestrator.accounting.summary import EVENT_COUNTERS, JobResult
+from orchestrator.store.rendezvous import RendezvousStore
 from policies.elasticity import pick_root
 from policies.run_ahead import RunAhead
 from policies.work_stealing import StepPlan

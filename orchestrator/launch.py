@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 from jobspec.fields import ConfigError, first_line
 from jobspec.job import JobConfig
 from jobspec.recipe import BUILTIN_LOSSES
-from orchestrator.job.reading import resolve_job
 from orchestrator.job.loss_check import LossTrial
+from orchestrator.job.reading import resolve_job
 from orchestrator.output.run_dir import RunDirectory, RunListener
 
 if TYPE_CHECKING:

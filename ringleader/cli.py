@@ -291,8 +291,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_tune(args: argparse.Namespace) -> int:
     from jobspec.fields import ConfigError
-    from orchestrator.launch import ray_session
     from orchestrator.commands.tune import format_ranking, run_sweep
+    from orchestrator.launch import ray_session
 
     sys.path.insert(0, os.getcwd())
     try:
@@ -310,8 +310,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from jobspec.fields import ConfigError
-    from orchestrator.job.reading import load_job
     from orchestrator.commands.plan import PlanRequest, main
+    from orchestrator.job.reading import load_job
     from policies.memory_plan import parse_bytes, parse_count
 
     sys.path.insert(0, os.getcwd())

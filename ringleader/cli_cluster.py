@@ -79,8 +79,8 @@ def run_cluster_command(args: argparse.Namespace, err: Callable[[str], None]) ->
 
 
 def _submit(cluster: Cluster, args: argparse.Namespace, err: Callable[[str], None]) -> int:
-    from orchestrator.job.reading import load_job
     from orchestrator.commands.submit import EXIT_CODES, job_entrypoint, job_path_within, runtime_env, shipped_overrides
+    from orchestrator.job.reading import load_job
 
     working_dir: Path = args.working_dir
     job_file = job_path_within(Path(args.job), working_dir)

@@ -40,27 +40,27 @@ from jobspec.wire import (
     WorkerInfo,
 )
 from policies.work_stealing import StepPlan
-from workers.step import published_plans
-from workers.step.census import census_slots
-from workers.runtime.chaos import ChaosSchedule, death_key, kill_self
-from workers.checkpoint.storage import CheckpointStorage
 from workers.checkpoint.reading import load_residuals
+from workers.checkpoint.storage import CheckpointStorage
 from workers.comm.communicator import pick_backend
-from workers.runtime.devices import make_current, on_worker_device, worker_device
-from workers.group_link import GroupLink
-from workers.optim.loss_scaler import LossScaler
-from workers.model.objective import Objective
-from workers.replica_checkpoint import CheckpointWriter, restore_state
+from workers.data.batches import fetch_batch, move_to
 from workers.data.sampler import ShardSampler
-from workers.sharding.optimizer import build_optimizer
-from workers.state_layout import state_layout
-from workers.step.runner import StepRunner
-from workers.train_step import StepTrainer
+from workers.group_link import GroupLink
 from workers.model.buffers import StepBuffers
 from workers.model.build import build_model
-from workers.model.precision import autocast
 from workers.model.evaluate import evaluate_job
-from workers.data.batches import fetch_batch, move_to
+from workers.model.objective import Objective
+from workers.model.precision import autocast
+from workers.optim.loss_scaler import LossScaler
+from workers.replica_checkpoint import CheckpointWriter, restore_state
+from workers.runtime.chaos import ChaosSchedule, death_key, kill_self
+from workers.runtime.devices import make_current, on_worker_device, worker_device
+from workers.sharding.optimizer import build_optimizer
+from workers.state_layout import state_layout
+from workers.step import published_plans
+from workers.step.census import census_slots
+from workers.step.runner import StepRunner
+from workers.train_step import StepTrainer
 
 #: When this module (and with it torch and the worker's code) had loaded: the launch's breakdown.
 IMPORTED_AT = time.time()

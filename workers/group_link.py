@@ -23,16 +23,16 @@ from jobspec.chaos import KillPoint
 from jobspec.runtime import CollectiveConfig
 from jobspec.wire import Joined, JoinRequest
 from policies.sharding import ShardingLayout
-from workers.step.claims import ClaimStores, CountingStore
 from workers.comm.comm_group import CommGroup
 from workers.comm.communicator import Communicator, pick_backend
 from workers.comm.compression import TopKAllReduce
-from workers.runtime.devices import stream_marks
 from workers.comm.gradient_reducer import GradientReducer
 from workers.comm.process_group import form_process_group
-from workers.replica import Replica
-from workers.sharding.reduce import group_sum
 from workers.model.flat_parameters import FlatParameters
+from workers.replica import Replica
+from workers.runtime.devices import stream_marks
+from workers.sharding.reduce import group_sum
+from workers.step.claims import ClaimStores, CountingStore
 
 
 @dataclass

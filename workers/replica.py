@@ -9,12 +9,12 @@ from typing import Protocol
 
 import torch
 
+from workers.model.flat_parameters import FlatParameters
 from workers.optim.fused import FlatOptimizer
 from workers.optim.generic import GenericOptimizer
 from workers.optim.loss_scaler import LossScaler
 from workers.sharding.optimizer import ShardedOptimizer
 from workers.state_layout import StateLayout
-from workers.model.flat_parameters import FlatParameters
 
 
 class Replica(Protocol):

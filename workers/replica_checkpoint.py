@@ -18,12 +18,12 @@ import torch
 
 from jobspec.wire import PartWritten, SnapshotRequest
 from policies.sharding import Span
-from workers.runtime.chaos import ChaosSchedule, kill_self
-from workers.checkpoint.storage import CheckpointStorage
 from workers.checkpoint.parts import FlatPieces, PartSnapshot, take_snapshot, write_snapshot
 from workers.checkpoint.reading import open_checkpoint
+from workers.checkpoint.storage import CheckpointStorage
 from workers.optim.named_tensors import check_fit, copy_by_name
 from workers.replica import Replica
+from workers.runtime.chaos import ChaosSchedule, kill_self
 
 
 def checkpointed_tensors(

@@ -18,16 +18,16 @@ from jobspec.runtime import CollectiveConfig
 from policies.collective_choice import CollectiveChoice
 from policies.sharding import ShardingLayout, Span
 from workers.checkpoint.reading import SavedFlat
+from workers.comm.auto_allreduce import auto_communicator
 from workers.comm.comm_group import CommGroup
 from workers.comm.communicator import Communicator, NativeAllReduce, make_communicator
 from workers.comm.compression import OWN_TRANSPORT, TopKAllReduce, compress
+from workers.comm.gradient_reducer import DEFAULT_BUCKET_BYTES, GradientReducer, default_bucket_bytes
+from workers.model.flat_parameters import FlatParameters
 from workers.optim.fused import FlatOptimizer
 from workers.optim.generic import GenericOptimizer
-from workers.comm.auto_allreduce import auto_communicator
-from workers.comm.gradient_reducer import DEFAULT_BUCKET_BYTES, GradientReducer, default_bucket_bytes
 from workers.sharding.optimizer import ShardedOptimizer
 from workers.sharding.reduce import ShardedSum, gather_slices
-from workers.model.flat_parameters import FlatParameters
 
 #: ``Progress.held``: ``(lo, hi, numel, state_step)`` of each slice a rank holds.
 Held = tuple[tuple[int, int, int, int], ...]

@@ -22,10 +22,10 @@ from workers.replica import Replica
 from workers.runtime.chaos import ChaosSchedule, kill_self
 from workers.step.census import WEIGHT_SLOT, census_slots
 from workers.step.claims import ShardClaims
-from workers.step.runner import StepRunner
 from workers.step.records import ClaimedStep, RescuePass, StepWork
 from workers.step.report import StepClock, StepTraffic, step_report
 from workers.step.rescue_watch import rescue_watch
+from workers.step.runner import StepRunner
 from workers.step.verdict import (
     GradientMeasure,
     GradientUpdate,

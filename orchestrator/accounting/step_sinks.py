@@ -19,13 +19,13 @@ from tqdm import tqdm
 from jobspec.job import JobConfig
 from jobspec.step_record import StepRecord
 from jobspec.wire import WorkerInfo
-from orchestrator.checkpoints.coordinator import CheckpointCoordinator
-from orchestrator.group.interface import WorkerGroup
 from orchestrator.accounting.ledger import CommitLedger
 from orchestrator.accounting.recovery_log import RecoveryLog
+from orchestrator.accounting.summary import job_goodput, job_summary
+from orchestrator.checkpoints.coordinator import CheckpointCoordinator
+from orchestrator.group.interface import WorkerGroup
 from orchestrator.output.run_dir import RunDirectory
 from orchestrator.steps.states import Failed, Finished, State, Stopped
-from orchestrator.accounting.summary import job_goodput, job_summary
 from policies.goodput import Goodput
 
 #: Told of every step committed with every rank's report: ``(step, record)``.

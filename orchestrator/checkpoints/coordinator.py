@@ -23,11 +23,11 @@ from jobspec.job import JobConfig
 from jobspec.redaction import redact_all
 from jobspec.step_record import StepRecord
 from jobspec.wire import FileEntry, PartWritten, SnapshotOrder
+from orchestrator.checkpoints.lease import NamespaceLease
 from orchestrator.checkpoints.namespace import namespace_root
+from orchestrator.checkpoints.resume_point import ResumePoint, config_hash, trajectory_config
 from orchestrator.errors import JobFailed
 from orchestrator.group.interface import Call, CallFailed, WorkerGroup
-from orchestrator.checkpoints.lease import NamespaceLease
-from orchestrator.checkpoints.resume_point import ResumePoint, config_hash, trajectory_config
 from orchestrator.output.run_dir import RunDirectory
 from policies.checkpoint_interval import CheckpointInterval
 from policies.sharding import effective_group_size

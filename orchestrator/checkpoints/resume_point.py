@@ -15,7 +15,6 @@ from orchestrator.checkpoints.namespace import run_namespace
 from workers.checkpoint.manifest import latest_valid
 from workers.checkpoint.storage import CheckpointStorage
 
-
 # Fields of a job that decide its trajectory: a checkpoint resumes only a job that agrees on
 # them. Worker counts, timeouts, straggler handling, chaos and ``steps`` (to extend a run) may
 # change.

@@ -18,9 +18,9 @@ from jobspec.wire import JoinRequest, Progress, SnapshotOrder, SnapshotRequest, 
 from orchestrator.group.interface import Call, Submitted, WorkerGroupError
 from orchestrator.group.membership import Membership
 from orchestrator.group.ray_calls import failure_of, ray_errors_as_group_errors
-from orchestrator.store.rendezvous import RendezvousStore
 from orchestrator.group.slots import Slot, SlotPlacement
 from orchestrator.group.start_wait import StartWait, start_timeout_message, start_wait_message
+from orchestrator.store.rendezvous import RendezvousStore
 from policies.collective_choice import CollectiveChoice
 from policies.placement import unplaceable
 from policies.work_stealing import StepPlan

@@ -9,7 +9,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-
 #: Resources of Ray's own bookkeeping, not capacity a job can ask for: one per node and per
 #: accelerator type, the placement groups' (``bundle_group_<id>``, ``CPU_group_0_<id>``), and the
 #: object store.

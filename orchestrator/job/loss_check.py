@@ -103,8 +103,8 @@ def _main() -> None:
 
     import torch  # noqa: F401 - the bulk of the wait, before the job arrives
 
-    import workers.model.objective  # noqa: F401 - what check_loss imports
     import workers.model.flat_parameters  # noqa: F401
+    import workers.model.objective  # noqa: F401 - what check_loss imports
     from orchestrator.job.reading import check_loss
 
     payload = sys.stdin.buffer.read()

@@ -196,8 +196,8 @@ def check_loss(job: JobConfig, source: str) -> None:
     import numpy as np
     import torch
 
-    from workers.model.objective import Objective, ScalarLossError
     from workers.data.batches import fetch_batch, move_to
+    from workers.model.objective import Objective, ScalarLossError
 
     meta = torch.device("meta")
     try:

@@ -16,21 +16,30 @@ from typing import Mapping, Sequence
 from jobspec.job import JobConfig
 from jobspec.step_record import StepRecord
 from jobspec.wire import Progress
-from orchestrator.group.chaos_control import ChaosControl
+from orchestrator.accounting.recovery_log import Recovery
+from orchestrator.accounting.step_sinks import StepAccounting
 from orchestrator.checkpoints.coordinator import CheckpointCoordinator
 from orchestrator.checkpoints.resume_point import find_resume_point
 from orchestrator.errors import JobFailed
+from orchestrator.group.chaos_control import ChaosControl
 from orchestrator.group.interface import CallFailed, WorkerGroup, WorkerGroupError
 from orchestrator.group.membership import JoinerPool
-from orchestrator.steps.pipeline import InFlight, StepOutcome, batch_reports
-from orchestrator.recovery.reform import MAX_REFORMS, PROBE_S, GiveUp, Reformed, Reformer, StateLost, settle, sharding_of
-from orchestrator.accounting.recovery_log import Recovery
-from orchestrator.recovery.plan import plan_recovery, redo_after_reform
-from orchestrator.store.rendezvous import RendezvousStore
 from orchestrator.output.run_dir import RunDirectory
+from orchestrator.recovery.plan import plan_recovery, redo_after_reform
+from orchestrator.recovery.reform import (
+    MAX_REFORMS,
+    PROBE_S,
+    GiveUp,
+    Reformed,
+    Reformer,
+    StateLost,
+    settle,
+    sharding_of,
+)
+from orchestrator.steps.pipeline import InFlight, StepOutcome, batch_reports
 from orchestrator.steps.states import CheckpointingBeforeFailure, Recovering, Running, State
-from orchestrator.accounting.step_sinks import StepAccounting
 from orchestrator.steps.straggler_control import StragglerControl
+from orchestrator.store.rendezvous import RendezvousStore
 
 
 @dataclass(eq=False)

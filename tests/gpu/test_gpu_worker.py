@@ -26,19 +26,19 @@ from jobspec.runtime import CollectiveConfig
 from jobspec.wire import JoinRequest, SnapshotRequest
 from tests.helpers.devices import DEVICES
 from tests.helpers.gradients import finish_gradient
-from workers.runtime.chaos import ChaosSchedule
 from workers.checkpoint.manifest import verify_checkpoint, write_manifest
 from workers.checkpoint.storage import CheckpointStorage
 from workers.comm.comm_group import CommGroup, PendingOp
 from workers.comm.compression import CastCompressed, TopKAllReduce
-from workers.optim.generic import decay_groups, make_optimizer
-from workers.group_link import GroupLink
-from workers.optim.loss_scaler import LossScaler
 from workers.comm.gradient_reducer import GradientReducer
-from workers.replica_checkpoint import CheckpointWriter, restore_state
-from workers.model.seeding import seed_forward
-from workers.state_layout import ReplicatedState
+from workers.group_link import GroupLink
 from workers.model.flat_parameters import FlatParameters
+from workers.model.seeding import seed_forward
+from workers.optim.generic import decay_groups, make_optimizer
+from workers.optim.loss_scaler import LossScaler
+from workers.replica_checkpoint import CheckpointWriter, restore_state
+from workers.runtime.chaos import ChaosSchedule
+from workers.state_layout import ReplicatedState
 
 ADAMW = OptimizerConfig(name="adamw", kwargs={"lr": 0.01, "weight_decay": 0.1}, decay_biases_and_norms=False)
 # Every algorithm and compression a group can be built with (auto: the link probe runs too).

@@ -18,7 +18,16 @@ from typing import Any, Sequence
 
 from jobspec.job import JobConfig
 from jobspec.step_record import StepRecord
-from jobspec.wire import FileEntry, PartWritten, Phase, Progress, SnapshotOrder, SnapshotRequest, StepTelemetry, WorkerInfo
+from jobspec.wire import (
+    FileEntry,
+    PartWritten,
+    Phase,
+    Progress,
+    SnapshotOrder,
+    SnapshotRequest,
+    StepTelemetry,
+    WorkerInfo,
+)
 from orchestrator.group.interface import Call, CallFailed, FailureKind, Submitted
 from orchestrator.group.membership import Membership
 from orchestrator.store.rendezvous import RendezvousStore

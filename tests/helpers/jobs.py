@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from orchestrator.accounting.summary import JobResult
 from orchestrator.job.reading import load_job
 from orchestrator.launch import run_job
-from orchestrator.accounting.summary import JobResult
 
 #: The re-ordering a job's yardstick is measured with, as an override of a one-worker run: the
 #: worker takes each step's shards in a seeded random order (policies/assignment.py), so a fused

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
+from workers.model.flat_parameters import FlatParameters
 from workers.optim.generic import GenericOptimizer
 from workers.optim.loss_scaler import LossScaler
 from workers.state_layout import ReplicatedState
-from workers.model.flat_parameters import FlatParameters
 
 
 @dataclass

@@ -280,8 +280,8 @@ def test_a_focused_read_costs_the_focused_blocks_and_takes_every_other_shard_as_
 
 def test_the_watch_of_a_clean_step_reads_nothing_and_opens_a_late_peer_when_it_is_due():
     from workers.runtime.abortable import ABORT_POLL_S
-    from workers.step.rescue_watch import rescue_watch
     from workers.step.records import ClaimedStep, StepWork
+    from workers.step.rescue_watch import rescue_watch
 
     plan = StepPlan(((0,), (1,), (2,)), expected_shard_s=0.01, late_factor=3.0)  # late after 50 ms (the floor)
     store = CountingStore(_store())

@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-from tests.helpers.ranks import comm_group, run_ranks
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from policies.collective_choice import (
@@ -17,8 +16,9 @@ from policies.collective_choice import (
     LinkModel,
     choose_collective,
 )
-from workers.comm.communicator import make_communicator
+from tests.helpers.ranks import comm_group, run_ranks
 from workers.comm.auto_allreduce import auto_communicator, candidate_algorithms, measure_links, probe_sizes
+from workers.comm.communicator import make_communicator
 
 MB = 1 << 20
 SIZES = (256 << 10, MB, 4 * MB, 16 * MB)

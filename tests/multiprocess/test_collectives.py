@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
-from tests.helpers.ranks import comm_group, run_ranks, tcp_store
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
+from tests.helpers.ranks import comm_group, run_ranks, tcp_store
 from workers.comm.communicator import make_communicator
 from workers.comm.compression import compress
 from workers.comm.ring import chunk_bounds, node_groups

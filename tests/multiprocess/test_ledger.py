@@ -10,11 +10,11 @@ import torch
 from jobspec.failures import ShardCensusError
 from jobspec.step_record import StepRecord
 from jobspec.wire import StepTelemetry
-from orchestrator.errors import JobFailed
 from orchestrator.accounting.ledger import CommitLedger
+from orchestrator.errors import JobFailed
 from workers.step.census import BOOKKEEPING_SLOTS, write_census
-from workers.step.verdict import GradientMeasure, StepVerdict, read_verdict
 from workers.step.records import PassResult
+from workers.step.verdict import GradientMeasure, StepVerdict, read_verdict
 
 SHARDS = 4
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import orchestrator.checkpoints.lease as lease_module
-from orchestrator.checkpoints.lease_owner import LeaseOwner, Liveness
 from orchestrator.checkpoints.lease import LEASE_FILE, NamespaceBusy, NamespaceLease
+from orchestrator.checkpoints.lease_owner import LeaseOwner, Liveness
 from tests.helpers.leases import lease_file, put_lease, wait_for
 
 

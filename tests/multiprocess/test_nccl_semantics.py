@@ -18,10 +18,10 @@ from jobspec.failures import CollectiveAborted, CollectiveTimeout
 from tests.helpers.devices import DEVICES
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
 from workers.comm import process_group
+from workers.comm.auto_allreduce import auto_communicator
 from workers.comm.comm_group import CommGroup
 from workers.comm.communicator import NativeAllReduce, make_communicator
 from workers.comm.compression import compress
-from workers.comm.auto_allreduce import auto_communicator
 from workers.comm.process_group import form_process_group, new_process_group
 from workers.comm.ring import RingAllReduce
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.ranks import comm_group, run_ranks
 
+from tests.helpers.ranks import comm_group, run_ranks
 from workers.comm.communicator import make_communicator
 from workers.comm.gradient_reducer import GradientReducer, default_bucket_bytes, plan_buckets
 from workers.model.flat_parameters import FlatParameters

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from tests.helpers.ranks import comm_group, run_ranks, tcp_store
 
 from jobspec.failures import CollectiveAborted
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, FakeWork, fake_options
+from tests.helpers.ranks import comm_group, run_ranks, tcp_store
 from workers.comm.comm_group import CommGroup, PendingOp
 from workers.comm.communicator import make_communicator
 from workers.comm.process_group import new_process_group

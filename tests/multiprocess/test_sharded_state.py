@@ -16,16 +16,16 @@ from tests.helpers.devices import DEVICES
 from tests.helpers.gradients import finish_gradient
 from tests.helpers.nccl_fake_group import FakeNcclWorld, FakeProcessGroupNCCL, fake_options, on_ranks
 from workers.comm.comm_group import CommGroup
-from workers.optim.fused import FlatOptimizer
-from workers.optim.loss_scaler import LossScaler
 from workers.comm.gradient_reducer import GradientReducer
 from workers.comm.ring import RingAllReduce
-from workers.sharding.optimizer import ShardedOptimizer
 from workers.model.buffers import StepBuffers
+from workers.model.flat_parameters import FlatParameters
+from workers.optim.fused import FlatOptimizer
+from workers.optim.loss_scaler import LossScaler
+from workers.sharding.optimizer import ShardedOptimizer
 from workers.sharding.reduce import ShardedSum, gather_slices, group_sum
 from workers.sharding.slice_steppers import GenericSlice, shape_blind
 from workers.state_layout import ShardedState
-from workers.model.flat_parameters import FlatParameters
 
 TIMEOUT_S = 8.0
 EXTRA = 5  # census-like slots in front of the gradient

@@ -4,7 +4,6 @@ the whole bench on the CPU with a tiny GPT, so the code a GPU runs cannot rot in
 
 from __future__ import annotations
 
-
 import pytest
 
 from benchmarks import gpu

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from workers.checkpoint.manifest import CheckpointCorrupt, verify_checkpoint, write_manifest
-from workers.checkpoint.storage import CheckpointStorage
 from workers.checkpoint.parts import part_range, take_snapshot, write_snapshot
 from workers.checkpoint.reading import load_residuals, load_state
+from workers.checkpoint.storage import CheckpointStorage
 
 
 @pytest.mark.parametrize(("numel", "count"), [(10, 3), (7, 7), (3, 5), (1000, 4)])

@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from jobspec.wire import FileEntry
-from workers.checkpoint.manifest import MANIFEST, CheckpointCorrupt, latest_valid, prune, verify_checkpoint, write_manifest
+from workers.checkpoint.manifest import (
+    MANIFEST,
+    CheckpointCorrupt,
+    latest_valid,
+    prune,
+    verify_checkpoint,
+    write_manifest,
+)
 from workers.checkpoint.storage import CheckpointStorage, checkpoint_name, step_of, sub_root
 
 

@@ -14,19 +14,19 @@ import torch
 
 from jobspec.job import JobConfig
 from orchestrator.job.reading import load_job
-from workers.runtime.abortable import call_abortable
-from workers.step.census import LOSS_SLOT, census_slots
-from workers.runtime.chaos import ChaosSchedule
 from workers.comm.comm_group import CommGroup, PendingOp
 from workers.comm.communicator import pick_backend
 from workers.comm.compression import CastCompressed
-from workers.runtime.devices import choose_device, cuda_index, host_batch, inherit_device, worker_device
-from workers.model.objective import Objective, causal_lm, cross_entropy
 from workers.comm.gradient_reducer import GradientReducer
 from workers.data.prefetch import BatchPrefetch
 from workers.data.sampler import ShardSampler
-from workers.step.runner import StepRunner
 from workers.model.flat_parameters import FlatParameters
+from workers.model.objective import Objective, causal_lm, cross_entropy
+from workers.runtime.abortable import call_abortable
+from workers.runtime.chaos import ChaosSchedule
+from workers.runtime.devices import choose_device, cuda_index, host_batch, inherit_device, worker_device
+from workers.step.census import LOSS_SLOT, census_slots
+from workers.step.runner import StepRunner
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+
 from tests.helpers.paths import REPO
 
 ROOT = REPO

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from workers.optim.fused import FlatOptimizer, parse_optimizer
 from workers.model.flat_parameters import FlatParameters
+from workers.optim.fused import FlatOptimizer, parse_optimizer
 
 STOCK = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.job.reading import load_job
 from orchestrator.commands.memory_probe import PeakMemory
+from orchestrator.job.reading import load_job
 from tests.helpers.devices import DEVICES
 from workers.actor import TrainWorker
-from workers.step.census import census_slots
 from workers.model.flat_parameters import flatten_onto
+from workers.step.census import census_slots
 
 HIDDEN = 1024
 #: What else a worker allocates while it builds: its extra slots, and on a GPU the model's

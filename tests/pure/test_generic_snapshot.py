@@ -21,15 +21,15 @@ from jobspec.wire import SnapshotRequest
 from tests.helpers.optimizers import Lion, SharedStep
 from tests.helpers.replicas import FakeReplica
 from tests.helpers.slow_save import float_bytes, slowed
-from workers.runtime.chaos import ChaosSchedule
-from workers.checkpoint.manifest import verify_checkpoint, write_manifest
-from workers.checkpoint.storage import CheckpointStorage
 from workers.checkpoint import tensor_file
+from workers.checkpoint.manifest import verify_checkpoint, write_manifest
 from workers.checkpoint.parts import FlatPieces
 from workers.checkpoint.reading import read_part
+from workers.checkpoint.storage import CheckpointStorage
 from workers.optim.generic import STATE_ENTRY, GenericOptimizer
 from workers.optim.state_codec import as_loaded
 from workers.replica_checkpoint import CheckpointWriter, restore_state
+from workers.runtime.chaos import ChaosSchedule
 
 OPTIMIZERS = [("RAdam", {"lr": 0.01, "weight_decay": 0.1}), (Lion, {"lr": 0.001, "weight_decay": 0.1})]
 SAVE_RATE = 200.0  # bytes of floating-point data per second the slowed serializer writes

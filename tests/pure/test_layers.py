@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
 from tests.helpers.paths import REPO
 
 ROOT = REPO

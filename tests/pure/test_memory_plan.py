@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from benchmarks.workloads import EXAMPLES, WORKLOADS
-from orchestrator.job.reading import load_job
 from orchestrator.commands.memory_probe import PeakMemory, ProbeWorker, optimizer_tensors, probe_job, state_bytes
+from orchestrator.job.reading import load_job
 from policies.memory_plan import (
     ModelFigures,
     Sharding,

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 from tests.helpers.gradients import finish_gradient
 from tests.helpers.losses import IGNORE, make_model, make_sequences, pad_collate, token_loss
+from workers.data.batches import fetch_batch, move_to
+from workers.model.evaluate import evaluate_model
+from workers.model.flat_parameters import FlatParameters
+from workers.model.objective import Objective
 from workers.optim.fused import FlatOptimizer
 from workers.optim.generic import GenericOptimizer, decay_groups
 from workers.optim.loss_scaler import LossScaler
-from workers.model.objective import Objective
-from workers.model.flat_parameters import FlatParameters
-from workers.model.evaluate import evaluate_model
-from workers.data.batches import fetch_batch, move_to
 
 
 def _grads(model: torch.nn.Module) -> torch.Tensor:

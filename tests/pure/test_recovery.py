@@ -16,9 +16,9 @@ from jobspec.step_record import read_telemetry
 from jobspec.wire import FileEntry, Phase, Progress
 from orchestrator.group.chaos_control import ChaosControl
 from orchestrator.group.interface import Call, CallFailed, FailureKind, WorkerGroupError
-from orchestrator.steps.pipeline import InFlight, StepOutcome, await_step
-from orchestrator.recovery.reform import sharded_gap, state_holders
 from orchestrator.recovery.plan import first_uncommitted, steps_to_redo
+from orchestrator.recovery.reform import sharded_gap, state_holders
+from orchestrator.steps.pipeline import InFlight, StepOutcome, await_step
 from orchestrator.steps.states import (
     Failed,
     Finished,
@@ -32,6 +32,7 @@ from tests.helpers.fake_group import FakeWorkerGroup, Faults
 from tests.helpers.fake_runs import STEPS, Ran, fake_job, fake_run
 from workers.checkpoint.manifest import MANIFEST, latest_valid, verify_checkpoint, write_manifest
 from workers.checkpoint.storage import CheckpointStorage
+
 
 class RecordedMetrics:
     """``JobMetrics``' calls, recorded (it needs Ray's metrics agent); ``broken`` raises in that call."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from jobspec.wire import Phase, Progress
 from orchestrator.group.interface import Call
-from orchestrator.steps.pipeline import InFlight
 from orchestrator.recovery.plan import plan_recovery, redo_after_reform
+from orchestrator.steps.pipeline import InFlight
 
 
 def _at(next_step: int, step: int | None = None) -> Progress:

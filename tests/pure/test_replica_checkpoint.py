@@ -13,8 +13,8 @@ import pytest
 from jobspec.job import JobConfig
 from jobspec.wire import SnapshotRequest
 from tests.helpers.replicas import FakeReplica
-from workers.runtime.chaos import ChaosSchedule
 from workers.replica_checkpoint import CheckpointWriter
+from workers.runtime.chaos import ChaosSchedule
 
 #: What a wait is allowed: far more than settling it takes, far less than the job's
 #: ``timeouts.checkpoint_s`` (which a wait for a snapshot that never comes used to run to).

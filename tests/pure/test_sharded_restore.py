@@ -21,15 +21,15 @@ from jobspec.recipe import OptimizerConfig
 from orchestrator.commands.memory_probe import PeakMemory
 from policies.sharding import ShardingLayout
 from workers.checkpoint.manifest import CheckpointCorrupt, verify_checkpoint, write_manifest
-from workers.checkpoint.storage import CheckpointStorage
 from workers.checkpoint.parts import take_snapshot, write_snapshot
+from workers.checkpoint.storage import CheckpointStorage
+from workers.model.flat_parameters import FlatParameters
 from workers.optim.fused import FlatOptimizer
 from workers.optim.generic import GenericOptimizer
 from workers.optim.loss_scaler import LossScaler
 from workers.replica_checkpoint import checkpointed_tensors, restore_state
 from workers.sharding.optimizer import ShardedOptimizer
 from workers.state_layout import StateLayout, state_layout
-from workers.model.flat_parameters import FlatParameters
 
 NAME = "step-00000003"
 GROUP = 4

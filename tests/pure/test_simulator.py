@@ -13,7 +13,6 @@ from simulator.engine import Run, simulate
 from simulator.scenario import Scenario, load_scenario
 from tests.helpers.paths import REPO
 
-
 # Nothing random, nothing slow, nothing failing: every contender computes the nominal step.
 QUIET = {
     "workers": 16, "workers_per_node": 4, "steps": 200,

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from workers.model.flat_parameters import FlatParameters
 from workers.data.batches import fetch_batch
+from workers.model.flat_parameters import FlatParameters
 
 
 def _model() -> torch.nn.Module:

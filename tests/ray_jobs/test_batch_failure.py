@@ -4,16 +4,15 @@ names the step that failed, not the batch's first."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from jobspec.step_record import read_telemetry
 from orchestrator.job.reading import load_job
 from orchestrator.launch import run_job
 from tests.helpers.fake_group import Faults
+from tests.helpers.fake_runs import Ran
 from tests.helpers.jobs import jsonl
 from tests.helpers.poisoned_data import poisoned_index
-from tests.helpers.fake_runs import Ran
 
 FAILING = 10  # in the batch of steps 8-15 (batches of 1, 1, 2, 4 and 8 steps while quiet)
 

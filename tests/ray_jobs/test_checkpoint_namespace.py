@@ -20,15 +20,15 @@ import pytest
 
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
-from orchestrator.group.chaos_control import ChaosControl
+from orchestrator.checkpoints.lease import LEASE_FILE, NamespaceBusy, NamespaceLease
 from orchestrator.checkpoints.namespace import OWNER_FILE, hold_namespace, namespace_root
 from orchestrator.checkpoints.resume_point import config_hash, find_resume_point
 from orchestrator.controller import JobController
+from orchestrator.group.chaos_control import ChaosControl
 from orchestrator.job.reading import load_job
 from orchestrator.launch import run_job
-from orchestrator.checkpoints.lease import LEASE_FILE, NamespaceBusy, NamespaceLease
-from orchestrator.store.rendezvous import RendezvousStore
 from orchestrator.output.run_dir import RUN_ID_FILE, RunDirectory
+from orchestrator.store.rendezvous import RendezvousStore
 from tests.helpers.fake_group import FakeWorkerGroup
 from tests.helpers.jobs import jsonl, run
 from tests.helpers.leases import lease_file, put_lease, wait_for

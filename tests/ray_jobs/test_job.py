@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from jobspec.step_record import read_telemetry
+from orchestrator.accounting.summary import EVENT_COUNTERS
 from orchestrator.job.reading import load_job
 from orchestrator.launch import run_job
-from orchestrator.accounting.summary import EVENT_COUNTERS
 from ringleader.cli import main
 from tests.helpers.jobs import assert_control_differs, assert_same_params, params, run
 

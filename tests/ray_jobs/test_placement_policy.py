@@ -25,8 +25,8 @@ def test_a_cluster_that_cannot_grow_refuses_impossible_workers_at_once(ray_clust
     import pytest
 
     from orchestrator.group.interface import WorkerGroupError
-    from orchestrator.job.reading import load_job
     from orchestrator.group.ray_group import RayWorkerGroup
+    from orchestrator.job.reading import load_job
 
     for resources in ("{CPU: 2}", "{CPU: 0.5, GPU: 1}"):
         job = load_job(None, ["scaling.workers=3", f"scaling.resources_per_worker={resources}"], resolve=False)

@@ -22,8 +22,8 @@ from tests.helpers.jobs import assert_same_params, jsonl, params, run
 from workers import replica_checkpoint
 from workers.actor import TrainWorker
 from workers.checkpoint.manifest import verify_checkpoint
-from workers.checkpoint.storage import CheckpointStorage
 from workers.checkpoint.reading import read_part
+from workers.checkpoint.storage import CheckpointStorage
 
 
 def _progress(

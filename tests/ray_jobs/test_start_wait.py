@@ -81,8 +81,8 @@ def test_a_start_waiting_for_resources_says_so_in_words(ray_cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from orchestrator.group.interface import WorkerGroupError
-    from orchestrator.job.reading import load_job
     from orchestrator.group.ray_group import RayWorkerGroup
+    from orchestrator.job.reading import load_job
 
     other = placement_group([{"CPU": 0.5}])
     ray.get(other.ready(), timeout=30)

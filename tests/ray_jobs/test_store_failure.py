@@ -15,12 +15,12 @@ from typing import Any, Callable
 import pytest
 
 import orchestrator.store.rendezvous
-from orchestrator.group.chaos_control import ChaosControl
 from orchestrator.controller import JobController
+from orchestrator.group.chaos_control import ChaosControl
 from orchestrator.job.reading import load_job
 from orchestrator.launch import run_job
-from orchestrator.store.rendezvous import RendezvousStore
 from orchestrator.output.run_dir import RunDirectory
+from orchestrator.store.rendezvous import RendezvousStore
 from tests.helpers.fake_group import FakeWorkerGroup, Faults
 from tests.helpers.jobs import jsonl
 

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from workers.checkpoint import tensor_file
-from workers.checkpoint.manifest import CheckpointCorrupt
-from workers.checkpoint.storage import CheckpointStorage
 from workers.checkpoint.file_io import RangedReader
+from workers.checkpoint.manifest import CheckpointCorrupt
 from workers.checkpoint.parts import FORMAT, part_range, residual_file
+from workers.checkpoint.storage import CheckpointStorage
 
 
 def _residual_bucket(key: str) -> tuple[int, int]:

@@ -52,9 +52,9 @@ import torch
 import torch.distributed as dist
 
 from jobspec.failures import CollectiveAborted, CollectiveTimeout
+from workers.comm.process_group import release
 from workers.runtime.abortable import poll_done, poll_until, poll_work, wait_abortable
 from workers.runtime.devices import StreamMarks, inherit_device
-from workers.comm.process_group import release
 
 # ``CommGroup.broken`` once the group is closed.
 CLOSED = "closed"

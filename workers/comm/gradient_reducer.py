@@ -38,8 +38,8 @@ import torch
 
 from workers.comm.comm_group import CommGroup
 from workers.comm.communicator import Communicator, PendingReduce
-from workers.runtime.devices import StreamMarks, stream_marks
 from workers.model.flat_parameters import FlatParameters
+from workers.runtime.devices import StreamMarks, stream_marks
 
 FIRST_BUCKET_BYTES = 1 << 20
 # Buckets of an explicitly chosen algorithm when the job sets no bucket_mb (and of a group of

@@ -26,6 +26,7 @@ import torch
 from jobspec import targets as factories
 from jobspec.recipe import OptimizerConfig
 from workers.checkpoint.parts import FlatPieces
+from workers.model.flat_parameters import FlatParameters
 from workers.optim.fused import FlatOptimizer
 from workers.optim.state_codec import (
     ParamSlot,
@@ -39,7 +40,6 @@ from workers.optim.state_codec import (
     take_apart,
     unpack,
 )
-from workers.model.flat_parameters import FlatParameters
 
 log = logging.getLogger(__name__)
 

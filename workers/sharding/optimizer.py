@@ -31,11 +31,11 @@ from jobspec.recipe import OptimizerConfig
 from policies.sharding import LostState, Move, ShardingLayout, Span, plan_moves
 from workers.comm.comm_group import CommGroup
 from workers.comm.communicator import NativeAllReduce
+from workers.model.flat_parameters import FlatParameters
 from workers.optim.fused import FlatOptimizer
 from workers.optim.generic import GenericOptimizer, make_optimizer
 from workers.optim.state_codec import decode, encode
 from workers.sharding.slice_steppers import Exported, FusedSlice, GenericSlice, check_element_wise
-from workers.model.flat_parameters import FlatParameters
 
 
 @dataclass(frozen=True)

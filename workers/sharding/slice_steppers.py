@@ -24,11 +24,18 @@ import torch
 from policies.sharding import clip_span
 from workers.checkpoint.parts import FlatPieces
 from workers.checkpoint.reading import SavedFlat, read_span
+from workers.model.flat_parameters import FlatParameters
 from workers.optim.fused import FlatOptimizer
-from workers.optim.generic import FLAT_PREFIX, SKELETON, TENSOR_PREFIX, GenericOptimizer, decay_groups, resolve_optimizer_class
+from workers.optim.generic import (
+    FLAT_PREFIX,
+    SKELETON,
+    TENSOR_PREFIX,
+    GenericOptimizer,
+    decay_groups,
+    resolve_optimizer_class,
+)
 from workers.optim.named_tensors import check_fit
 from workers.optim.state_codec import FLAT, TENSOR, encode
-from workers.model.flat_parameters import FlatParameters
 
 #: Flat state by key (each the slice's length) and the template every entry shares.
 Exported = tuple[dict[str, torch.Tensor], dict[str, Any]]

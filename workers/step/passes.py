@@ -30,19 +30,20 @@ import numpy as np
 import torch
 
 from jobspec.wire import Phase
-from workers.step.census import census_slots, write_census
-from workers.runtime.chaos import ChaosSchedule
-from workers.runtime.devices import host_batch
-from workers.model.objective import Objective
 from workers.comm.gradient_reducer import GradientReducer
+from workers.data.batches import fetch_batch, move_to
 from workers.data.prefetch import BatchPrefetch
 from workers.data.sampler import ShardSampler
-from workers.model.seeding import piece_seed, seed_forward, shard_seed
 from workers.model.buffers import StepBuffers
-from workers.step.records import PassResult, StepWork
 from workers.model.flat_parameters import FlatParameters
+from workers.model.objective import Objective
 from workers.model.precision import autocast
-from workers.data.batches import fetch_batch, move_to
+from workers.model.seeding import piece_seed, seed_forward, shard_seed
+from workers.runtime.chaos import ChaosSchedule
+from workers.runtime.devices import host_batch
+from workers.step.census import census_slots, write_census
+from workers.step.records import PassResult, StepWork
+
 
 class PassRunner:
     """Runs this worker's passes of a step into ``flat``'s gradient buffer: the passes

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from policies.work_stealing import ClaimState, StepPlan
-from workers.step.claims import ShardClaims
 from workers.comm.gradient_reducer import GradientReducer
+from workers.step.claims import ShardClaims
 
 
 def _ready() -> bool:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jobspec.wire import StepTelemetry
-from workers.step.verdict import GradientUpdate, StepCensus
 from workers.step.records import RescuePass, StepWork
+from workers.step.verdict import GradientUpdate, StepCensus
 
 
 @dataclass(frozen=True)
