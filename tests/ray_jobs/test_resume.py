@@ -61,7 +61,12 @@ def test_a_relative_run_dir_holds_every_part_when_workers_run_elsewhere(tmp_path
     job = load_job(None, ["steps=12", "eval=null", "scaling.workers=2", *elsewhere])
     first = run_job(job, run_dir=Path("relative-run"))
     assert first.summary["status"] == "finished"
-    assert [e["step"] for e in jsonl(tmp_path / "relative-run" / "events.jsonl") if e["event"] == "checkpoint"] == [5, 10, 12]
+    events = jsonl(tmp_path / "relative-run" / "events.jsonl")
+    periodic = [e["step"] for e in events if e["event"] == "checkpoint" and e["why"] == "periodic"]
+    # Every 5 steps, counted from the newest taken: one due while the last is still being written
+    # is taken later (at 10 or 11 here, as fast as the write of 5 goes), never sooner.
+    assert periodic[0] == 5 and all(b - a >= 5 for a, b in zip(periodic, periodic[1:])), periodic
+    assert [e["step"] for e in events if e["event"] == "checkpoint" and e["why"] == "final"] == [12]
     resumed = run_job(load_job(None, ["steps=25", "eval=null", "scaling.workers=2", *elsewhere]), run_dir=Path("relative-run"))
     assert resumed.summary["status"] == "finished"
     assert [e["checkpoint"] for e in _resumes(tmp_path / "relative-run")] == ["step-00000012"]
