@@ -235,3 +235,37 @@ def test_the_room_check_catches_an_import_beside_and_above():
                "workers.data.sampler": {"workers.step.claims"}, "workers.step.census": {"workers.step.records"}}
     assert room_violations("workers", imports, rooms) == [
         "workers.comm.ring -> workers.optim.fused", "workers.data.sampler -> workers.step.claims"]
+
+
+#: The packages whose every module must be tested by name (docs/architecture.md, "Where it is tested").
+MIRRORED = ("workers", "orchestrator", "policies", "jobspec")
+
+
+def _tested_names() -> tuple[set[str], set[str]]:
+    """The module names of the test files (``test_sampler.py``: ``sampler``) and every module a
+    test file imports, by its dotted name."""
+    files = sorted((ROOT / "tests").rglob("test_*.py"))
+    imported: set[str] = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+    return {path.stem.removeprefix("test_") for path in files}, imported
+
+
+def untested(modules: list[str], named: set[str], imported: set[str]) -> list[str]:
+    """The modules no test file is named after and no test file imports."""
+    return [m for m in modules if m.rpartition(".")[2] not in named and m not in imported]
+
+
+def test_every_module_has_its_test_file_or_a_test_that_imports_it():
+    modules = sorted(m for m, path in MODULES.items() if m.split(".")[0] in MIRRORED and path.name != "__init__.py")
+    assert untested(modules, *_tested_names()) == []
+
+
+def test_the_mirror_check_catches_a_module_no_test_names():
+    named, imported = {"sampler"}, {"workers.step.claims"}
+    assert untested(["workers.data.sampler", "workers.step.claims", "workers.step.census"], named, imported) == [
+        "workers.step.census"]
