@@ -81,31 +81,8 @@ class StragglerControl:
     def observe(self, step: int, record: StepRecord) -> None:
         """Account one finished step: counters, detection, rebalancing."""
         workers = record.column("worker").astype(np.int64)
-        figures = np.stack([record.column(name) for name in MITIGATION], axis=1).astype(np.int64)
-        active = np.flatnonzero(figures[:, 0] + figures[:, 1] + figures[:, 3])  # stolen, backups, races lost
-        mitigated = {int(workers[i]): tuple(int(v) for v in figures[i]) for i in active}
-        if mitigated:
-            # One event a step, whoever did what: at scale, an event per worker per step would
-            # cost the driver more than the step.
-            stolen, backups, won, lost = (sum(column) for column in zip(*mitigated.values()))
-            self.counters["stolen_shards"] += stolen
-            self.counters["speculative_shards"] += backups
-            self.counters["speculative_won"] += won
-            self.counters["races_lost"] += lost
-            self.event(
-                "mitigation", step=step, stolen=stolen, backups=backups, backups_won=won, races_lost=lost,
-                workers={w: dict(zip(MITIGATION, m)) for w, m in mitigated.items()},
-            )
-        if len(record) and record.first("rescued"):
-            # The census that starts a rescue pass is the same on every rank: count it once.
-            self.counters["rescues"] += 1
-            self.counters["rescued_shards"] += record.first("rescued")
-            stalled = record.column("stalled_s")
-            self.event(
-                "rescue", step=step, shards=record.first("rescued"),
-                gave_up={int(workers[i]): round(float(stalled[i]), 3) for i in np.flatnonzero(record.column("gave_up"))},
-                rescue_s=round(float(record.column("rescue_s").max()), 4),
-            )
+        self._count_mitigation(step, record, workers)
+        self._count_rescue(step, record, workers)
         # Lateness is judged on arrival at the all-reduce (stalls included), speed on shard_s.
         columns = StepColumns.of_arrays(
             workers, *(record.column(name) for name in ("shards_run", "shard_s", "compute_s", "stalled_s", "gave_up"))
@@ -144,3 +121,35 @@ class StragglerControl:
         # that changes (the split, the suspects) or a membership change needs the driver
         # between steps.
         self.quiet = self.suspects == suspects_before and decided.rebalance is None and not self.pending_evictions
+
+    def _count_mitigation(self, step: int, record: StepRecord, workers: np.ndarray) -> None:
+        """Count the step's steals, backups and races, in one event for the step, whoever did what:
+        at scale, an event per worker per step would cost the driver more than the step."""
+        figures = np.stack([record.column(name) for name in MITIGATION], axis=1).astype(np.int64)
+        active = np.flatnonzero(figures[:, 0] + figures[:, 1] + figures[:, 3])  # stolen, backups, races lost
+        mitigated = {int(workers[i]): tuple(int(v) for v in figures[i]) for i in active}
+        if not mitigated:
+            return
+        stolen, backups, won, lost = (sum(column) for column in zip(*mitigated.values()))
+        self.counters["stolen_shards"] += stolen
+        self.counters["speculative_shards"] += backups
+        self.counters["speculative_won"] += won
+        self.counters["races_lost"] += lost
+        self.event(
+            "mitigation", step=step, stolen=stolen, backups=backups, backups_won=won, races_lost=lost,
+            workers={w: dict(zip(MITIGATION, m)) for w, m in mitigated.items()},
+        )
+
+    def _count_rescue(self, step: int, record: StepRecord, workers: np.ndarray) -> None:
+        """Count the step's rescue pass, if it had one: the census that starts it is the same on
+        every rank, so once."""
+        if not len(record) or not record.first("rescued"):
+            return
+        self.counters["rescues"] += 1
+        self.counters["rescued_shards"] += record.first("rescued")
+        stalled = record.column("stalled_s")
+        self.event(
+            "rescue", step=step, shards=record.first("rescued"),
+            gave_up={int(workers[i]): round(float(stalled[i]), 3) for i in np.flatnonzero(record.column("gave_up"))},
+            rescue_s=round(float(record.column("rescue_s").max()), 4),
+        )
