@@ -110,8 +110,10 @@ RAY_FIXTURES = frozenset({"ray_cluster", "one_worker", "reference"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Refuse to run a test filed in ``pure/`` or ``multiprocess/`` that starts Ray: its tier is
-    what a reader (and ``pytest tests/pure``) trusts it to cost."""
+    """Refuse to run a test filed in ``pure/`` or ``multiprocess/`` that asks for a fixture that
+    starts Ray (``RAY_FIXTURES``, directly or through another fixture): its tier is what a
+    reader (and ``pytest tests/pure``) trusts it to cost. A test that starts Ray by other means
+    (``run_job`` itself) is not seen here; the review of a new test is."""
     misfiled = [
         item.nodeid for item in items
         if item.path.parent.name in ("pure", "multiprocess") and RAY_FIXTURES & set(getattr(item, "fixturenames", ()))

@@ -18,7 +18,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import Any, Callable, Iterator, TypeVar
 
-import ray
 import torch.distributed as dist
 
 from jobspec.fields import first_line
@@ -227,4 +226,6 @@ def driver_store(timeout_s: float, claim_stores: int = 1) -> RendezvousStore:
     """The job's rendezvous store, on this (the driver's) Ray node's address, served by a child
     process of the driver, shard claims spread over it and ``claim_stores - 1`` more such
     processes (``close`` it when the job ends)."""
+    import ray  # here only: the store, and the driver's modules above it, load without Ray
+
     return RendezvousStore(ray.util.get_node_ip_address(), timeout_s, own_process=True, claim_stores=claim_stores)

@@ -1,5 +1,6 @@
-"""A reduced gradient finished as a step finishes it (``TrainWorker._train_step``): measured
-on its device, judged on the host, then made the clipped mean where it is finite."""
+"""A reduced gradient finished as a step finishes it (``StepTrainer.run``,
+``workers/train_step.py``): measured on its device, judged on the host, then made the clipped
+mean where it is finite."""
 
 from __future__ import annotations
 

@@ -19,11 +19,14 @@ import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Callable
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Callable
 
 from jobspec.durable import write_atomic
 from jobspec.redaction import redact
 from workers.checkpoint.file_io import HashingWriter, RangedReader, makedirs_durable, write_direct
+
+if TYPE_CHECKING:
+    import pyarrow.fs  # noqa: F401 - annotations only: imported where a URI needs it
 
 _CHUNK = 1 << 20
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")

@@ -200,7 +200,7 @@ class StepRunner(PassRunner):
                     self._backup(step, decision.shard, decision.owner, claims, work)
                 continue
             assert isinstance(decision, RunShards)
-            claimed = self._claim(ctx, decision, work, overlap)
+            claimed = self._claim(ctx, plan, decision, work, overlap)
             if claimed is None:
                 return  # I gave my block up to the rescue pass
             if not claimed:
@@ -219,12 +219,14 @@ class StepRunner(PassRunner):
             self._own_pass(step, claimed, claims, work)
         self._write_bookkeeping(work, plan.num_shards)
 
-    def _claim(self, ctx: ClaimedStep, decision: RunShards, work: StepWork, overlap: bool) -> list[int] | None:
+    def _claim(
+        self, ctx: ClaimedStep, plan: StepPlan, decision: RunShards, work: StepWork, overlap: bool
+    ) -> list[int] | None:
         """The shards of ``decision`` I won a claim on (my whole block at once where it says to
         seal it), or None: a peer opened my block before I sealed it (it found me late), so I
         bring nothing and my shards go to the rescue pass, where everyone, me included, runs them."""
         claims = ctx.claims
-        whole = decision.seal and decision.shards == ctx.plan.shards_by_rank[claims.me]
+        whole = decision.seal and decision.shards == plan.shards_by_rank[claims.me]
         if whole and claims.claim_block():
             return list(decision.shards)
         if whole and overlap and not work.shards_run:
