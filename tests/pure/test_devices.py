@@ -14,19 +14,17 @@ import torch
 
 from jobspec.job import JobConfig
 from orchestrator.job.reading import load_job
+from tests.helpers.runners import ArmedReducer, linear_runner
 from workers.comm.comm_group import CommGroup, PendingOp
 from workers.comm.communicator import pick_backend
 from workers.comm.compression import CastCompressed
 from workers.comm.gradient_reducer import GradientReducer
 from workers.data.prefetch import BatchPrefetch
-from workers.data.sampler import ShardSampler
 from workers.model.flat_parameters import FlatParameters
 from workers.model.objective import Objective, causal_lm, cross_entropy
 from workers.runtime.abortable import call_abortable
-from workers.runtime.chaos import ChaosSchedule
 from workers.runtime.devices import choose_device, cuda_index, host_batch, inherit_device, worker_device
-from workers.step.census import LOSS_SLOT, census_slots
-from workers.step.runner import StepRunner
+from workers.step.census import LOSS_SLOT
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -162,29 +160,9 @@ def test_a_batch_for_a_gpu_is_pinned_and_one_for_the_cpu_is_not(monkeypatch):
     assert host_batch(moved, CUDA)["input_ids"] is pinned[0] and len(pinned) == 2  # pinned once
 
 
-class _Armed:
-    """A reducer that only needs arming (run_fixed's passes arm it before their last backward)."""
-
-    def arm(self) -> None:
-        pass
-
-
-def _runner(device: torch.device, objective: Objective, *, max_samples_per_pass: int | None = None, shards: int = 2):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    flat = FlatParameters(model.parameters(), extra=census_slots(shards))
-    dataset = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
-    chaos = ChaosSchedule.for_worker(JobConfig().chaos, 0, threading.Event())
-    sampler = ShardSampler(len(dataset), 8, shards, 0)
-    runner = StepRunner(
-        model, flat, sampler, dataset, objective, 0, True, chaos, device, max_samples_per_pass=max_samples_per_pass
-    )
-    return runner, flat, model
-
-
 def test_the_step_reads_batches_pinned_for_a_gpu(monkeypatch):
     pinned = _fake_pin(monkeypatch)
-    runner, _, _ = _runner(CUDA, Objective("mse"))
+    runner, _, _ = linear_runner(CUDA, Objective("mse"))
     indices = np.arange(4)
     runner.prefetch.start(indices)  # a step's first batch, read on the prefetch thread
     assert runner.prefetch.wait(lambda: False)
@@ -217,8 +195,8 @@ def counted_mse(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
 
 def test_a_step_reads_no_loss_per_piece_and_its_census_holds_the_loss_sum(monkeypatch):
     monkeypatch.setattr(_SyncCounter, "reads", [])
-    runner, flat, model = _runner(CPU, Objective(counted_mse), max_samples_per_pass=1)  # 4 pieces per shard
-    work = runner.run_fixed(0, [0, 1], 2, _Armed())
+    runner, flat, model = linear_runner(CPU, Objective(counted_mse), max_samples_per_pass=1)  # 4 pieces per shard
+    work = runner.run_fixed(0, [0, 1], 2, ArmedReducer())
     assert _SyncCounter.reads == []  # the loss was never read from the device: once, after the step, from the census
     # What the pieces' losses summed to reaches the census slot (what used to be a float per piece).
     inputs, targets = runner.dataset.tensors
