@@ -16,12 +16,13 @@ from jobspec.job import JobConfig
 from jobspec.wire import Phase, StepTelemetry
 from policies.schedule import LearningRateSchedule
 from policies.work_stealing import StepPlan
+from workers.comm.gradient_reducer import GradientReducer
 from workers.group_link import GroupLink
 from workers.model.buffers import StepBuffers
 from workers.replica import Replica
 from workers.runtime.chaos import ChaosSchedule, kill_self
 from workers.step.census import WEIGHT_SLOT, census_slots
-from workers.step.claims import ShardClaims
+from workers.step.claims import ClaimStores, ShardClaims
 from workers.step.records import ClaimedStep, RescuePass, StepWork
 from workers.step.report import StepClock, StepTraffic, step_report
 from workers.step.rescue_watch import rescue_watch
@@ -69,7 +70,7 @@ class StepTrainer:
         replica.flat.zero()
         self.buffers.begin()
         self.runner.loss_scale = replica.scaler.scale
-        work, claimed, watch = self._compute(step, plan)
+        work, claimed, watch = self._compute(step, plan, reducer, claims_store)
         computed = time.perf_counter()
         self.on_phase(step, Phase.REDUCE)
         if self.chaos.kill_due("step", step):
@@ -112,17 +113,17 @@ class StepTrainer:
             comm_s, traffic,
         )
 
-    def _compute(self, step: int, plan: StepPlan) -> tuple[StepWork, ClaimedStep | None, Watch | None]:
+    def _compute(
+        self, step: int, plan: StepPlan, reducer: GradientReducer, claims_store: ClaimStores
+    ) -> tuple[StepWork, ClaimedStep | None, Watch | None]:
         """This rank's passes of ``step``: exactly its planned shards, or (the plan's mitigations
         on) the shards it claims, steals and backs up through the driver's store, with the
         rescue watch over its peers while it waits on the all-reduce."""
-        link = self.link
-        assert link.reducer is not None and link.claims_store is not None
+        rank = self.link.rank
         if not plan.mitigating:
-            work = self.runner.run_fixed(step, list(plan.shards_by_rank[link.rank]), plan.num_shards, link.reducer)
-            return work, None, None
-        claims = ShardClaims(link.claims_store, step, plan, link.rank)
-        claimed = ClaimedStep(step, plan, claims, link.reducer, self.job.timeouts.collective_s, self.abort_flag)
+            return self.runner.run_fixed(step, list(plan.shards_by_rank[rank]), plan.num_shards, reducer), None, None
+        claims = ShardClaims(claims_store, step, plan, rank)
+        claimed = ClaimedStep(step, plan, claims, reducer, self.job.timeouts.collective_s, self.abort_flag)
         work = self.runner.run_claimed(claimed)
         return work, claimed, rescue_watch(claimed, work)
 
