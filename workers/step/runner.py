@@ -242,7 +242,9 @@ class StepRunner(PassRunner):
 
         work.slowed_s += self.chaos.slow_down(step, len(claimed), raced)
         states = claims.of(claimed)  # a backup that started while we were slow takes the shard over
-        claimed = [s for s in claimed if states[s].kind is not ClaimKind.RACE]
+        taken_over = [s for s in claimed if states[s].kind is ClaimKind.RACE]
+        work.races_lost += len(taken_over)  # lost before running them
+        claimed = [s for s in claimed if s not in taken_over]
         work.shards_run += len(claimed)
         total = PassResult()
         for group in self._groups(claimed):
