@@ -86,7 +86,7 @@ class PeerRecipe:
         torch.manual_seed(job.seed)
         self.job = job
         self.dataset = factories.build(job.dataset.factory, job.dataset.kwargs)
-        self.sampler = ShardSampler(len(self.dataset), job.batch_size, job.shards, job.seed)
+        self.sampler = ShardSampler(len(self.dataset), job.batch_size, job.shards, job.seed, shuffle=job.dataset.shuffle)
         self.module: torch.nn.Module = factories.build(job.model.factory, job.model.kwargs)
         if state is not None:
             self.module.load_state_dict(state["model"])  # before DDP wraps it

@@ -28,7 +28,7 @@ class PlainLoop:
         groups = [g for g in decay_groups(self.model.parameters(), job.optimizer.decay_biases_and_norms) if g["params"]]
         self.optimizer = torch.optim.AdamW(groups, **job.optimizer.kwargs, fused=True)
         self.dataset = build(job.dataset.factory, job.dataset.kwargs)
-        self.sampler = ShardSampler(len(self.dataset), job.batch_size, job.shards, job.seed)
+        self.sampler = ShardSampler(len(self.dataset), job.batch_size, job.shards, job.seed, shuffle=job.dataset.shuffle)
 
     def step(self, index: int) -> None:
         """Train step ``index`` (its windows: every shard's, as the sampler deals them)."""

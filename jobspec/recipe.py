@@ -23,18 +23,33 @@ class ModelSpec(FactorySpec):
     compile: bool = False
 
 
-class DatasetSpec(FactorySpec):
+class DataSource(FactorySpec):
+    """What the training and the eval data share: a dataset factory, and ``collate``, how its
+    items become a batch (see ``DatasetSpec``)."""
+
+    collate: ImportTarget | None = None
+
+
+#: Each epoch's order (``workers/data/shuffle.py``, ``DatasetSpec``).
+Shuffle = Literal["index", "permutation"]
+
+
+class DatasetSpec(DataSource):
     """A dataset factory, and ``collate`` (``module:function``, optional): turns a list of
     dataset items into a batch (default: torch's ``default_collate``, which stacks tensors,
     tuples and dicts of tensors; variable-length items need one that pads). Items may be read
     from two threads at once (a step's first batch is read ahead, and a read a worker stopped
     waiting for goes on beside the next): indexing must be safe for that (tensors, memmaps
-    and files opened per read are; one shared file handle with seek and read is not)."""
+    and files opened per read are; one shared file handle with seek and read is not).
+    ``shuffle``: how each epoch is ordered: ``index`` (the default) computes each position's
+    sample on its own, in O(1) memory at any dataset size; ``permutation`` draws the whole epoch
+    at once (8 bytes a sample on every worker), the order of runs from before ``shuffle``
+    existed. Left unset, a resumed run keeps the order its checkpoint was written in."""
 
-    collate: ImportTarget | None = None
+    shuffle: Shuffle = "index"
 
 
-class EvalSpec(DatasetSpec):
+class EvalSpec(DataSource):
     """The eval dataset (``collate`` defaults to ``dataset.collate``), and ``metrics`` (``module:function``, optional): called as
     ``fn(model, batch)`` on each eval batch under ``torch.no_grad``, returning a dict of sums
     (floats or scalar tensors); they are added up over the eval set and divided by the number

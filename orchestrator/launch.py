@@ -282,6 +282,8 @@ def run_job(
     """
     launched = time.perf_counter()
     path, resuming, resume = _run_directory(job, address, local_nodes, run_dir, source, warn)
+    if resume is not None:
+        job = resume.job  # an old run goes on in the epoch order it started in
     checked: Future[None] = Future()
     preload = _in_background(_preload, job, source, checked)
     if job.loss.name not in BUILTIN_LOSSES:

@@ -109,7 +109,7 @@ class TrainWorker:
         self.dataset = factories.build(job.dataset.factory, job.dataset.kwargs)
         num_samples = len(self.dataset)
         total = None if job.epochs is None else max(1, round(job.epochs * num_samples))
-        self.sampler = ShardSampler(num_samples, job.batch_size, job.shards, job.seed, total)
+        self.sampler = ShardSampler(num_samples, job.batch_size, job.shards, job.seed, total, job.dataset.shuffle)
         self.num_steps = job.steps if job.steps is not None else self.sampler.num_steps
         self.model, self.flat = build_model(job, self.device)
         self.objective = Objective(job.loss.name, job.loss.kwargs)

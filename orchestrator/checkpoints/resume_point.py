@@ -33,6 +33,8 @@ def trajectory_config(job: JobConfig) -> dict[str, Any]:
     del config["model"]["compile"]
     if config["dataset"]["collate"] is None:
         del config["dataset"]["collate"]
+    if config["dataset"]["shuffle"] == "permutation":  # the one order before ``shuffle`` existed
+        del config["dataset"]["shuffle"]
     if not job.loss.kwargs:
         config["loss"] = config["loss"]["name"]
     for key, default in (("decay_biases_and_norms", True), ("clip_grad_norm", None)):
@@ -54,13 +56,16 @@ def config_hash(job: JobConfig) -> str:
 @dataclass(frozen=True)
 class ResumePoint:
     """A verified checkpoint to go on from: after ``step`` steps; ``skipped`` lists the
-    messages about newer checkpoints that failed verification."""
+    messages about newer checkpoints that failed verification; ``job``: the job as it resumes
+    (the one asked, with the epoch order its checkpoint was written with where it left
+    ``dataset.shuffle`` unset)."""
 
     root: str
     name: str
     step: int
     manifest: dict[str, Any]
     skipped: list[str]
+    job: JobConfig
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -86,6 +91,7 @@ def find_resume_point(job: JobConfig, run_dir: Path, warn: Callable[[str], None]
         return None
     name, manifest = found
     saved = manifest["meta"].get("config", {})
+    job = _as_written(job, manifest["meta"].get("config_hash"), warn)
     if manifest["meta"].get("config_hash") != config_hash(job):
         mine = trajectory_config(job)
         differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
@@ -93,4 +99,18 @@ def find_resume_point(job: JobConfig, run_dir: Path, warn: Callable[[str], None]
             f"checkpoint {storage.location(name)} was written by a job that differs in {differ}; "
             "a run resumes only with the same model, data, optimizer, batch, shards and seed"
         )
-    return ResumePoint(root, name, int(manifest["step"]), manifest, skipped)
+    return ResumePoint(root, name, int(manifest["step"]), manifest, skipped, job)
+
+
+def _as_written(job: JobConfig, saved_hash: str | None, warn: Callable[[str], None]) -> JobConfig:
+    """``job``, or, where it leaves ``dataset.shuffle`` unset and its checkpoint was written by a
+    run that drew whole-epoch permutations (before ``index`` existed), ``job`` with that order:
+    an old run resumes on the trajectory it started."""
+    if "shuffle" in job.dataset.model_fields_set or saved_hash == config_hash(job):
+        return job
+    dataset = job.dataset.model_copy(update={"shuffle": "permutation"})
+    older = job.model_copy(update={"dataset": dataset})
+    if saved_hash != config_hash(older):
+        return job
+    warn("resuming with dataset.shuffle: permutation, the epoch order its checkpoint was written with")
+    return older

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from jobspec.fields import ConfigError, callable_name
 from jobspec.job import JobConfig
@@ -68,7 +68,7 @@ def load_job(path: str | Path | None, overrides: list[str] | None = None, *, res
     """
     source = job_source(path)
     raw = read_mapping(path, source) if path is not None else {}
-    raw = apply_overrides(raw, overrides or [])
+    raw = apply_overrides(_defaults_overridden(raw, overrides or []), overrides or [])
     hidden = _masked_fields(raw)
     if hidden:
         raise ConfigError(
@@ -81,6 +81,24 @@ def load_job(path: str | Path | None, overrides: list[str] | None = None, *, res
     if resolve:
         resolve_job(job, source)
     return job
+
+
+def _defaults_overridden(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``raw`` with the default of each section it leaves out (``dataset``, say) where an
+    override sets a field inside it but none of its required fields (``--set
+    dataset.shuffle=permutation`` on the built-in job changes the built-in dataset; ``--set
+    dataset.factory=...`` names another dataset, whose fields start from nothing)."""
+    keys = [item.partition("=")[0].split(".") for item in overrides]
+    result = dict(raw)
+    for section in {key[0] for key in keys if len(key) > 1} - set(raw):
+        field = JobConfig.model_fields.get(section)
+        default = field.default if field is not None else None
+        if not isinstance(default, BaseModel):
+            continue
+        required = {name for name, f in type(default).model_fields.items() if f.is_required()}
+        if not any(key[0] == section and key[1] in required for key in keys if len(key) > 1):
+            result[section] = default.model_dump(mode="json", exclude_unset=True)
+    return result
 
 
 def read_mapping(path: str | Path, source: str, kind: str = "job") -> dict[str, Any]:

@@ -245,7 +245,9 @@ def test_a_resumed_run_counts_the_interval_from_its_checkpoint_and_keeps_what_th
 ) -> None:
     taken = Taken(tmp_path, "checkpoint.every_steps=auto", "checkpoint.max_every_steps=4")
     learned = {"step_s": 0.5, "cost_s": 0.25, "failures": 2, "elapsed_s": 100.0}
-    point = ResumePoint(taken.coordinator.root, "step-00000008", 8, {"step": 8, "meta": {"policy": learned}}, [])
+    point = ResumePoint(
+        taken.coordinator.root, "step-00000008", 8, {"step": 8, "meta": {"policy": learned}}, [], taken.coordinator.job
+    )
     taken.coordinator.resumed(point)
     assert taken.coordinator.policy.state() == learned
     assert not taken.coordinator.would_be_due(8) and not taken.coordinator.would_be_due(11)

@@ -38,6 +38,16 @@ def test_overrides_set_nested_fields():
     assert job.optimizer.kwargs == {"lr": 0.5} and job.eval is None
 
 
+def test_an_override_inside_a_default_section_keeps_the_rest_of_it():
+    """``--set dataset.shuffle=...`` changes the built-in dataset; naming another factory starts
+    a dataset from nothing (the built-in's kwargs are not the new factory's)."""
+    job = load_job(None, ["dataset.shuffle=permutation", "eval.batch_size=64"])
+    assert job.dataset == JobConfig().dataset.model_copy(update={"shuffle": "permutation"})
+    assert job.eval == JobConfig().eval.model_copy(update={"batch_size": 64})
+    other = load_job(None, ["dataset.factory=tests.helpers.factories:make_broken_dataset"], resolve=False)
+    assert other.dataset.kwargs == {}
+
+
 def test_epochs_instead_of_steps():
     job = load_job(None, ["steps=null", "epochs=2.5"])
     assert job.steps is None and job.epochs == 2.5

@@ -12,7 +12,7 @@ from jobspec.fields import ConfigError
 from orchestrator.job.reading import load_job
 from orchestrator.launch import run_job
 from ringleader.cli import main
-from tests.helpers.jobs import assert_same_params, jsonl, params, run
+from tests.helpers.jobs import assert_control_differs, assert_same_params, jsonl, params, run
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -29,6 +29,20 @@ def test_resume_on_another_worker_count_continues_the_same_trajectory(tmp_path, 
     assert resume["checkpoint"] == "step-00000012" and resume["skipped"] == []
     assert resumed.summary["steps"] == 25 and resumed.summary["workers"]["start"] == 3
     assert_same_params(params(resumed.run_dir), reference, "resumed on 3 workers")
+
+
+def test_a_run_from_before_index_shuffles_resumes_in_whole_epoch_permutations(tmp_path, one_worker, reference):
+    """A run that drew whole-epoch permutations (its checkpoints hash as every checkpoint did
+    before ``dataset.shuffle`` existed: tests/pure/test_resume_point.py), resumed by a job that
+    leaves ``shuffle`` unset, goes on in them: it ends where an uninterrupted run in permutations
+    does, which is not where the index order ends."""
+    old = "dataset.shuffle=permutation"
+    clean = one_worker(old)
+    run(tmp_path, "old", "steps=12", "scaling.workers=2", "checkpoint.every_steps=5", old)
+    resumed = run(tmp_path, "old", "scaling.workers=2", "checkpoint.every_steps=5")
+    assert [e["checkpoint"] for e in _resumes(resumed.run_dir)] == ["step-00000012"]
+    assert_same_params(params(resumed.run_dir), clean, "an old run resumed with shuffle unset")
+    assert_control_differs(params(resumed.run_dir), reference, "the index order")
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference, capsys):

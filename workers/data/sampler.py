@@ -1,7 +1,8 @@
 """Deterministic shards: which samples shard ``s`` of step ``t`` holds depends only on (seed, t, s).
 
 The data is read as one endless stream: epoch ``e`` is a permutation of the dataset seeded by
-``(seed, e)``, and the epochs are laid end to end. Step ``t`` takes the next ``batch_size``
+``(seed, e)`` (``workers/data/shuffle.py``: by default computed per index, O(1) memory), and the
+epochs are laid end to end. Step ``t`` takes the next ``batch_size``
 positions of that stream (the final step of a job may take fewer, see ``total_samples``), and
 cuts them into ``num_shards`` contiguous shards whose sizes differ by at most one. Nothing here
 knows how many workers there are or who runs a shard, which is what makes any shard assignment
@@ -11,17 +12,10 @@ produce the same gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
-
-@lru_cache(maxsize=4)
-def _epoch_permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
-    rng = np.random.Generator(np.random.PCG64([seed & 0xFFFFFFFF, epoch]))
-    perm = rng.permutation(num_samples)
-    perm.setflags(write=False)
-    return perm
+from workers.data.shuffle import ORDERS
 
 
 @dataclass(frozen=True)
@@ -35,6 +29,7 @@ class ShardSampler:
         seed: the job seed.
         total_samples: samples the whole job consumes; the last step takes what is left.
             ``None`` means every step is a full batch (no end).
+        shuffle: each epoch's order, a name in ``workers.data.shuffle.ORDERS``.
     """
 
     num_samples: int
@@ -42,8 +37,11 @@ class ShardSampler:
     num_shards: int
     seed: int
     total_samples: int | None = None
+    shuffle: str = "index"
 
     def __post_init__(self) -> None:
+        if self.shuffle not in ORDERS:
+            raise ValueError(f"shuffle must be one of {sorted(ORDERS)}, got {self.shuffle!r}")
         if self.num_samples <= 0:
             raise ValueError(f"dataset is empty (num_samples={self.num_samples})")
         if not 1 <= self.num_shards <= self.batch_size:
@@ -88,7 +86,8 @@ class ShardSampler:
         positions = np.arange(lo, hi, dtype=np.int64)
         epochs, offsets = np.divmod(positions, self.num_samples)
         out = np.empty(len(positions), dtype=np.int64)
+        order = ORDERS[self.shuffle]
         for epoch in np.unique(epochs):
             mask = epochs == epoch
-            out[mask] = _epoch_permutation(self.seed, int(epoch), self.num_samples)[offsets[mask]]
+            out[mask] = order(self.num_samples, self.seed, int(epoch)).at(offsets[mask])
         return out
