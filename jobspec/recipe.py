@@ -23,11 +23,43 @@ class ModelSpec(FactorySpec):
     compile: bool = False
 
 
-class DataSource(FactorySpec):
-    """What the training and the eval data share: a dataset factory, and ``collate``, how its
-    items become a batch (see ``DatasetSpec``)."""
+#: The formats of indexed files (``workers/data/formats.py``).
+FileFormatName = Literal["tokens", "npy", "parquet", "jsonl"]
 
+
+class DataSource(StrictModel):
+    """What the training and the eval data share: where the samples come from, a dataset
+    factory (``factory``, ``kwargs``) or indexed files (``files``, ``format``, ``dtype``,
+    ``seq_len``, ``column``), and ``collate``, how samples become a batch (see ``DatasetSpec``)."""
+
+    factory: ImportTarget | None = None
+    kwargs: Kwargs = Field(default_factory=dict)
+    files: str | list[str] | None = None
+    format: FileFormatName | None = None
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    seq_len: int | None = Field(None, ge=1)
+    column: str | None = None
     collate: ImportTarget | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataSource":
+        if (self.factory is None) == (self.files is None):
+            raise ValueError(
+                "set exactly one of 'factory' (a dataset factory) and 'files' (a glob or list of paths or URIs)"
+            )
+        if self.files is None:
+            return self
+        if self.files == [] or self.files == "":
+            raise ValueError("'files' names no file: give a glob, a path or a URI, or a list of them")
+        if self.kwargs:
+            raise ValueError("'kwargs' go with a 'factory', not with 'files'")
+        if self.format is None:
+            raise ValueError("'files' need a 'format': tokens, npy, parquet or jsonl")
+        if self.format == "tokens" and self.seq_len is None:
+            raise ValueError("format 'tokens' needs 'seq_len': the tokens in one sample")
+        if self.format in ("parquet", "jsonl") and self.column is None:
+            raise ValueError(f"format '{self.format}' needs 'column': the column or field each sample is read from")
+        return self
 
 
 #: Each epoch's order (``workers/data/shuffle.py``, ``DatasetSpec``).
@@ -35,7 +67,8 @@ Shuffle = Literal["index", "permutation"]
 
 
 class DatasetSpec(DataSource):
-    """A dataset factory, and ``collate`` (``module:function``, optional): turns a list of
+    """A dataset factory (``factory``, ``kwargs``: a map-style ``torch.utils.data.Dataset``) or
+    indexed files, and ``collate`` (``module:function``, optional): turns a list of
     dataset items into a batch (default: torch's ``default_collate``, which stacks tensors,
     tuples and dicts of tensors; variable-length items need one that pads). Items may be read
     from two threads at once (a step's first batch is read ahead, and a read a worker stopped
@@ -44,7 +77,16 @@ class DatasetSpec(DataSource):
     ``shuffle``: how each epoch is ordered: ``index`` (the default) computes each position's
     sample on its own, in O(1) memory at any dataset size; ``permutation`` draws the whole epoch
     at once (8 bytes a sample on every worker), the order of runs from before ``shuffle``
-    existed. Left unset, a resumed run keeps the order its checkpoint was written in."""
+    existed. Left unset, a resumed run keeps the order its checkpoint was written in.
+
+    Indexed files: ``files``, a glob, a path or a URI (``s3://``, ``gs://``, ``hdfs://``: pyarrow's
+    filesystems), or a list of them; ``format``: ``tokens`` (a flat array of ``dtype`` token ids,
+    nanoGPT's ``.bin``, cut into samples of ``seq_len`` tokens), ``npy`` (a 1-D array cut into
+    ``seq_len`` windows, or a 2-D array, a sample per row), ``parquet`` or ``jsonl`` (a sample per
+    row or line: its ``column`` or field). An index of the files (their sizes, versions and
+    sample counts) is built once, in parallel on the cluster, and kept in the run directory; a
+    resumed run whose files changed is refused. Each worker reads only its shards' samples,
+    straight from storage."""
 
     shuffle: Shuffle = "index"
 

@@ -20,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+from jobspec.data_index import DataIndex
 from jobspec.fields import ConfigError, first_line
 from jobspec.job import JobConfig
 from jobspec.recipe import BUILTIN_LOSSES
@@ -310,7 +311,13 @@ def run_job(
             run.subscribe(listener)
         run.save_job(job.model_dump(mode="json", exclude_unset=True))
 
-        group, chaos = _worker_group(job, run, session, local_nodes, within, warn)
+        from orchestrator.data.index import run_indexes
+
+        indexes = run_indexes(
+            {"dataset": job.dataset, "eval": job.eval}, run.path, resuming, job.timeouts.start_s,
+            lambda message: run.event("data_index", message=message),
+        )
+        group, chaos = _worker_group(job, run, session, local_nodes, within, warn, indexes)
         store = driver_store(job.timeouts.rendezvous_s, job.stragglers.claim_store_count(job.scaling.max_workers))
         try:
             controller = JobController(
@@ -344,10 +351,11 @@ def _run_directory(
 
 def _worker_group(
     job: JobConfig, run: RunDirectory, session: RaySession, local_nodes: int, within: PlacementGroup | None,
-    warn: Callable[[str], None],
+    warn: Callable[[str], None], data: dict[str, DataIndex],
 ) -> tuple[RayWorkerGroup, ChaosControl]:
-    """The job's Ray worker group (in ``within``, if given) and the driver's half of its chaos,
-    both recording into ``run``; a wait for resources is also told to ``warn``."""
+    """The job's Ray worker group (in ``within``, if given; its workers reading the file sources
+    ``data`` indexes) and the driver's half of its chaos, both recording into ``run``; a wait for
+    resources is also told to ``warn``."""
     from orchestrator.group.chaos_control import ChaosControl
     from orchestrator.group.ray_group import RayWorkerGroup
 
@@ -358,7 +366,7 @@ def _worker_group(
     group = RayWorkerGroup(
         # Chaos that adds nodes makes even a local cluster grow.
         job, fixed_cluster=session.started_here and not job.chaos.add_node, on_wait=waiting, within=within,
-        on_collective=lambda choice: run.event("collective_choice", **choice.to_json()),
+        on_collective=lambda choice: run.event("collective_choice", **choice.to_json()), data=data,
     )
     node_cpus = local_node_cpus(local_nodes) if local_nodes else 0
     return group, ChaosControl(job.chaos, session.cluster, node_cpus, run.event)

@@ -22,8 +22,8 @@ from typing import Any, Callable
 import ray
 import torch
 
-from jobspec import targets as factories
 from jobspec.chaos import KillPoint
+from jobspec.data_index import DataIndex
 from jobspec.failures import CollectiveAborted, CollectiveTimeout, ShardCensusError
 from jobspec.job import JobConfig
 from jobspec.step_record import StepRecord
@@ -44,6 +44,7 @@ from workers.checkpoint.reading import load_residuals
 from workers.checkpoint.storage import CheckpointStorage
 from workers.comm.communicator import pick_backend
 from workers.data.batches import fetch_batch, move_to
+from workers.data.files import open_source
 from workers.data.sampler import ShardSampler
 from workers.group_link import GroupLink
 from workers.model.buffers import StepBuffers
@@ -94,8 +95,12 @@ class TrainWorker:
     ``orchestrator/commands/memory_probe.py``); by default the GPU Ray assigned, or the CPU.
     """
 
-    def __init__(self, job: JobConfig, worker_id: int = 0, device: torch.device | None = None) -> None:
+    def __init__(
+        self, job: JobConfig, worker_id: int = 0, device: torch.device | None = None,
+        data: dict[str, DataIndex] | None = None,
+    ) -> None:
         self.job = job
+        self.data = data or {}  # the indexes of the job's file sources, by name (orchestrator/data/index.py)
         self.worker_id = worker_id
         # The GPU Ray assigned (cuda:0 here, as Ray narrows CUDA_VISIBLE_DEVICES to it), made
         # current on this thread before any CUDA work; compute methods make it current on theirs.
@@ -106,7 +111,7 @@ class TrainWorker:
         self.device = device
         pick_backend(self.device, job.collective.backend)  # nccl without CUDA fails here, not at the first join
         torch.manual_seed(job.seed)
-        self.dataset = factories.build(job.dataset.factory, job.dataset.kwargs)
+        self.dataset = open_source(job.dataset, self.data.get("dataset"))
         num_samples = len(self.dataset)
         total = None if job.epochs is None else max(1, round(job.epochs * num_samples))
         self.sampler = ShardSampler(num_samples, job.batch_size, job.shards, job.seed, total, job.dataset.shuffle)
@@ -383,7 +388,7 @@ class TrainWorker:
     def evaluate(self) -> dict[str, float]:
         """The loss on the eval dataset (its loss sum over its weight), accuracy (built-in
         cross_entropy and causal_lm) and ``eval.metrics``; {} without an eval dataset."""
-        return evaluate_job(self.model, self.job, self.objective)
+        return evaluate_job(self.model, self.job, self.objective, self.data.get("eval"))
 
     @compute_method
     def model_state(self) -> dict[str, torch.Tensor]:

@@ -35,6 +35,9 @@ def trajectory_config(job: JobConfig) -> dict[str, Any]:
         del config["dataset"]["collate"]
     if config["dataset"]["shuffle"] == "permutation":  # the one order before ``shuffle`` existed
         del config["dataset"]["shuffle"]
+    for key, default in (("files", None), ("format", None), ("dtype", "uint16"), ("seq_len", None), ("column", None)):
+        if config["dataset"][key] == default:
+            del config["dataset"][key]
     if not job.loss.kwargs:
         config["loss"] = config["loss"]["name"]
     for key, default in (("decay_biases_and_norms", True), ("clip_grad_norm", None)):

@@ -12,6 +12,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from jobspec.data_index import DataIndex
 from jobspec.job import JobConfig
 from jobspec.runtime import ScalingConfig
 from jobspec.wire import JoinRequest, Progress, SnapshotOrder, SnapshotRequest, StepTelemetry, WorkerInfo
@@ -82,12 +83,15 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         on_wait: Callable[[str], None] = lambda message: None,
         within: PlacementGroup | None = None,
         on_collective: Callable[[CollectiveChoice], None] = lambda choice: None,
+        data: dict[str, DataIndex] | None = None,
     ) -> None:
         """``within``: a placement group reserved for the job by someone else (a Tune trial's;
         see ``SlotPlacement``). ``on_collective`` is told what ``collective.algorithm: auto``
-        chose at each group formation."""
+        chose at each group formation. ``data``: the indexes of the job's file sources, put in
+        Ray's object store once for every actor to take."""
         super().__init__(job.scaling)
         self.job = job
+        self.data = ray.put(data or {})
         self.fixed_cluster = fixed_cluster  # its resources are all it will have: refuse the impossible at once
         self._on_wait = on_wait
         self._on_collective = on_collective
@@ -175,7 +179,7 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         actor = RemoteTrainWorker.options(
             **actor_options(self.scaling),
             scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement, placement_group_bundle_index=slot.index),
-        ).remote(self.job, worker)
+        ).remote(self.job, worker, None, self.data)
         return actor, worker
 
     @ray_errors_as_group_errors

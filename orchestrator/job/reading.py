@@ -85,20 +85,21 @@ def load_job(path: str | Path | None, overrides: list[str] | None = None, *, res
 
 def _defaults_overridden(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """``raw`` with the default of each section it leaves out (``dataset``, say) where an
-    override sets a field inside it but none of its required fields (``--set
-    dataset.shuffle=permutation`` on the built-in job changes the built-in dataset; ``--set
-    dataset.factory=...`` names another dataset, whose fields start from nothing)."""
+    override sets a field inside it other than one that names a new source (``NEW_SOURCE``):
+    ``--set dataset.shuffle=permutation`` on the built-in job changes the built-in dataset;
+    ``--set dataset.factory=...`` names another dataset, whose fields start from nothing."""
     keys = [item.partition("=")[0].split(".") for item in overrides]
     result = dict(raw)
     for section in {key[0] for key in keys if len(key) > 1} - set(raw):
         field = JobConfig.model_fields.get(section)
         default = field.default if field is not None else None
-        if not isinstance(default, BaseModel):
-            continue
-        required = {name for name, f in type(default).model_fields.items() if f.is_required()}
-        if not any(key[0] == section and key[1] in required for key in keys if len(key) > 1):
+        if isinstance(default, BaseModel) and not any(key[0] == section and key[1] in NEW_SOURCE for key in keys):
             result[section] = default.model_dump(mode="json", exclude_unset=True)
     return result
+
+
+#: The fields that name where a section's model or data come from: set one, and the section is new.
+NEW_SOURCE = frozenset({"factory", "files"})
 
 
 def read_mapping(path: str | Path, source: str, kind: str = "job") -> dict[str, Any]:

@@ -3,6 +3,8 @@ dataset, the GPT model under the causal-LM loss, and examples/gpt.yaml."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,25 @@ def test_a_text_file_becomes_a_token_file_of_its_bytes(tmp_path):
     tokens = np.fromfile(tmp_path / "out" / "t.bin", dtype="<u2")
     assert bytes(tokens.astype(np.uint8)) == "héllo world\n".encode("utf-8")
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["t.bin"]  # no temp file left
+
+
+def test_a_directory_of_shards_holds_the_one_file_forms_windows_in_the_same_order(tmp_path):
+    """Shards of a multiple of ``seq_len`` tokens, read as indexed files, are the windows
+    ``make_dataset`` cuts from the one-file form, train and val alike, in the same order."""
+    from jobspec.recipe import DatasetSpec
+    from orchestrator.data.index import build_index
+    from workers.data.files import IndexedFiles
+
+    (tmp_path / "in.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    assert prepare_tokens([str(tmp_path / "in.txt"), str(tmp_path / "one.bin")]) == 0
+    assert prepare_tokens([str(tmp_path / "in.txt"), str(tmp_path / "shards"), "--shard-tokens", "96"]) == 0
+    index = json.loads((tmp_path / "shards" / "index.json").read_text())
+    assert len(index["train"]) == 17 and sum(s["tokens"] for s in index["train"] + index["val"]) == index["tokens"] == 1800
+    for split in ("train", "val"):
+        one = make_dataset(split, block_size=16, path=str(tmp_path / "one.bin"))
+        files = DatasetSpec(files=str(tmp_path / "shards" / split / "*.bin"), format="tokens", seq_len=16)
+        shards = IndexedFiles(build_index(files, "dataset", 30))
+        assert len(shards) == len(one) and all(torch.equal(shards[i], one[i]) for i in range(len(one)))
 
 
 def test_an_unreadable_input_exits_2_and_writes_nothing(tmp_path, capsys):

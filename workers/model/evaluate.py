@@ -10,7 +10,9 @@ import torch
 from torch.utils.data import Dataset
 
 from jobspec import targets as factories
+from jobspec.data_index import DataIndex
 from workers.data.batches import fetch_batch, move_to
+from workers.data.files import open_source
 from workers.model.objective import Objective
 from workers.model.precision import autocast
 
@@ -18,14 +20,17 @@ if TYPE_CHECKING:
     from jobspec.job import JobConfig
 
 
-def evaluate_job(model: torch.nn.Module, job: JobConfig, objective: Objective) -> dict[str, float]:
+def evaluate_job(
+    model: torch.nn.Module, job: JobConfig, objective: Objective, index: DataIndex | None = None
+) -> dict[str, float]:
     """``evaluate_model`` on the job's eval dataset, as its ``eval`` spec says (its collate, or
-    the training dataset's; its metrics and batch; the job's precision); {} without one."""
+    the training dataset's; its metrics and batch; the job's precision; ``index``: its files'
+    index, for files); {} without one."""
     spec = job.eval
     if spec is None:
         return {}
     return evaluate_model(
-        model, factories.build(spec.factory, spec.kwargs), objective, batch=spec.batch_size,
+        model, open_source(spec, index), objective, batch=spec.batch_size,
         collate=factories.optional_callable(spec.collate or job.dataset.collate),
         metrics=factories.optional_callable(spec.metrics), precision=job.precision,
     )

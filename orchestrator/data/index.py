@@ -1,0 +1,197 @@
+"""The index of a job's data files, built once by the driver before any worker starts.
+
+``files`` (a glob, a path or a URI, or a list of them) is expanded in order, each glob's
+matches sorted; each file is described (its size, version and samples, ``workers/data/formats.py``)
+in parallel: by Ray tasks on the cluster where Ray is up, else by threads. The index is kept in
+the run directory (``data/<source>-index.json``, written atomically); a resumed run reads it back
+and re-checks only each file's size and version, refusing a file that changed. Every problem is
+a ConfigError naming the field or the file, before training.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import pyarrow.fs
+
+from jobspec.data_index import DataIndex, IndexedFile, changes
+from jobspec.durable import write_atomic
+from jobspec.fields import ConfigError
+from jobspec.recipe import DataSource
+from workers.data.files import file_spec
+from workers.data.formats import FORMATS, DataFileError, filesystem_of
+
+GLOB_CHARS = "*?["
+#: Files described per Ray task: a task costs ~ms to schedule, a small file's description less.
+FILES_PER_TASK = 16
+
+
+def _split(entry: str) -> tuple[str, str, str]:
+    """(scheme and credentials, path, query) of a path or URI: ``s3://k:s@b/x?q`` ->
+    (``s3://k:s@``, ``b/x``, ``?q``); a local path is ("", its absolute path, ""): workers may
+    run in another directory than the driver."""
+    if "://" not in entry:
+        return "", os.path.abspath(entry), ""
+    scheme, rest = entry.split("://", 1)
+    rest, query = (rest.split("?", 1) + [""])[:2]
+    credentials = ""
+    if "@" in rest.split("/", 1)[0]:
+        credentials, rest = rest.split("@", 1)
+        credentials += "@"
+    return f"{scheme}://{credentials}", rest, f"?{query}" if query else ""
+
+
+def _stat(uri: str) -> pyarrow.fs.FileInfo:
+    fs, path = filesystem_of(uri)
+    return fs.get_file_info(path)
+
+
+def expand(files: str | Sequence[str], field: str) -> list[str]:
+    """The file URIs (or paths) ``files`` names, in order: a glob's matches sorted, a directory's
+    files sorted. Raises ConfigError naming ``field`` for an entry that matches or holds no file."""
+    uris: list[str] = []
+    for entry in [files] if isinstance(files, str) else files:
+        prefix, path, query = _split(entry)
+        try:
+            if any(c in path for c in GLOB_CHARS):
+                cut = min(path.index(c) for c in GLOB_CHARS if c in path)
+                base = path[: path.rfind("/", 0, cut) + 1] or "."
+                found = _listing(prefix + base + query)
+                pattern = path.removeprefix("./").split("/")
+                matches = sorted(p for p in found if _matches(p.removeprefix("./").split("/"), pattern))
+            else:
+                info = _stat(entry)
+                if info.type == pyarrow.fs.FileType.NotFound:
+                    raise ConfigError(f"invalid job: field '{field}': {entry} does not exist")
+                matches = sorted(_listing(entry)) if info.type == pyarrow.fs.FileType.Directory else [path]
+        except (OSError, pyarrow.ArrowException) as err:
+            raise ConfigError(f"invalid job: field '{field}': cannot list {entry} ({err})") from None
+        if not matches:
+            raise ConfigError(f"invalid job: field '{field}': {entry} matches no file")
+        uris += [prefix + match + query for match in matches]
+    return uris
+
+
+def _matches(parts: list[str], pattern: list[str]) -> bool:
+    """Whether a path (split at ``/``) matches a glob (split the same way) as a shell's does: a
+    ``*`` stays inside one name, ``**`` spans any number of directories."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_matches(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _matches(parts[1:], pattern[1:])
+
+
+def _listing(uri: str) -> list[str]:
+    """Every file under the directory ``uri``, as paths on its filesystem."""
+    fs, path = filesystem_of(uri)
+    infos = fs.get_file_info(pyarrow.fs.FileSelector(path, recursive=True, allow_not_found=True))
+    return [info.path for info in infos if info.type == pyarrow.fs.FileType.File]
+
+
+def describe(uris: list[str], format: str, spec: dict[str, Any]) -> list[IndexedFile]:
+    """Each file of ``uris`` as the index holds it. Raises DataFileError naming a bad file."""
+    described = []
+    for uri in uris:
+        try:
+            info = _stat(uri)
+        except OSError as err:
+            raise DataFileError(f"{uri}: cannot read it ({err})") from None
+        if info.type != pyarrow.fs.FileType.File:
+            raise DataFileError(f"{uri}: no longer a file")
+        samples, layout = FORMATS[format].describe(uri, info.size, spec)
+        described.append(IndexedFile(uri, info.size, info.mtime_ns or 0, samples, layout))
+    return described
+
+
+def _describe_in_parallel(uris: list[str], format: str, spec: dict[str, Any], timeout_s: float) -> list[IndexedFile]:
+    chunks = [uris[i : i + FILES_PER_TASK] for i in range(0, len(uris), FILES_PER_TASK)]
+    import ray
+
+    if ray.is_initialized() and len(chunks) > 1:
+        task = ray.remote(num_cpus=0.25, max_retries=2)(describe)
+        refs = [task.remote(chunk, format, spec) for chunk in chunks]
+        try:
+            parts = ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            for ref in refs:
+                ray.cancel(ref, force=True)
+            raise ConfigError(f"indexing {len(uris)} data files took longer than {timeout_s:.0f}s") from None
+        except ray.exceptions.RayTaskError as err:
+            raise err.as_instanceof_cause() from None
+    else:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            parts = list(pool.map(lambda chunk: describe(chunk, format, spec), chunks))
+    return [entry for part in parts for entry in part]
+
+
+def index_path(run_dir: Path, name: str) -> Path:
+    return run_dir / "data" / f"{name}-index.json"
+
+
+def build_index(source: DataSource, name: str, timeout_s: float) -> DataIndex:
+    """The index of ``source``'s files (``name``: ``dataset`` or ``eval``, for messages).
+    Raises ConfigError naming the field or the bad file."""
+    assert source.files is not None and source.format is not None
+    spec = file_spec(source)
+    uris = expand(source.files, f"{name}.files")
+    try:
+        files = _describe_in_parallel(uris, source.format, spec, timeout_s)
+    except DataFileError as err:
+        raise ConfigError(f"invalid job: field '{name}.files': {err}") from None
+    empty = next((entry for entry in files if entry.samples == 0), None)
+    if empty is not None:
+        window = f" of seq_len {source.seq_len}" if source.seq_len else ""
+        raise ConfigError(
+            f"invalid job: field '{name}.files': {empty.uri} ({empty.bytes} bytes) holds no sample{window}"
+        )
+    return DataIndex(source.format, spec, tuple(files))
+
+
+def checked_index(saved: DataIndex, name: str) -> DataIndex:
+    """``saved`` (a resumed run's index) if every file is still as it was indexed; raises
+    ConfigError naming the first file that is gone or changed, and what changed."""
+    for entry in saved.files:
+        try:
+            info = _stat(entry.uri)
+        except OSError as err:
+            raise ConfigError(f"invalid job: field '{name}.files': {entry.uri}: cannot read it ({err})") from None
+        if info.type != pyarrow.fs.FileType.File:
+            raise ConfigError(f"invalid job: field '{name}.files': {entry.uri} is gone since the run indexed it")
+        now = IndexedFile(entry.uri, info.size, info.mtime_ns or 0, entry.samples)
+        found = changes(entry, now)
+        if found:
+            raise ConfigError(
+                f"invalid job: field '{name}.files': {entry.uri} changed since the run indexed it "
+                f"({', '.join(found)}); a run resumes only on the data it started with"
+            )
+    return saved
+
+
+def run_indexes(
+    sources: dict[str, DataSource | None], run_dir: Path, resuming: bool, timeout_s: float,
+    note: Callable[[str], None] = lambda message: None,
+) -> dict[str, DataIndex]:
+    """The index of each file source of ``sources`` (by name): a resumed run's own, checked
+    (``checked_index``), else built (``build_index``) and kept in ``run_dir``. ``note`` is told
+    what was indexed."""
+    indexes = {}
+    for name, source in sources.items():
+        if source is None or source.files is None:
+            continue
+        path = index_path(run_dir, name)
+        if resuming and path.is_file():
+            index = checked_index(DataIndex.from_json(json.loads(path.read_text())), name)
+        else:
+            index = build_index(source, name, timeout_s)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(index.to_json()).encode()
+            write_atomic(path, lambda out: out.write(text))
+        note(f"{name}: {index.samples} samples in {len(index.files)} {index.format} file(s)")
+        indexes[name] = index
+    return indexes

@@ -1,0 +1,44 @@
+"""A job's data source as a map-style dataset: its factory's dataset, or its indexed files read
+sample by sample straight from storage (``workers/data/formats.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from jobspec import targets as factories
+from jobspec.data_index import DataIndex
+from jobspec.recipe import DataSource
+from workers.data.formats import FORMATS
+
+
+def file_spec(source: DataSource) -> dict[str, Any]:
+    """The fields of ``source`` its files are indexed and read under."""
+    return {"dtype": source.dtype, "seq_len": source.seq_len, "column": source.column}
+
+
+class IndexedFiles(Dataset):
+    """The samples of ``index``'s files, laid end to end (``DataIndex.locate``); each read opens
+    the file it needs, so two threads may read at once."""
+
+    def __init__(self, index: DataIndex) -> None:
+        self.index = index
+        self.format = FORMATS[index.format]
+
+    def __len__(self) -> int:
+        return self.index.samples
+
+    def __getitem__(self, sample: int) -> Any:
+        entry, row = self.index.locate(int(sample))
+        return self.format.read(entry, row, self.index.spec)
+
+
+def open_source(source: DataSource, index: DataIndex | None) -> Dataset:
+    """``source``'s dataset: its factory's, or its files' as ``index`` (built by the driver for
+    this source) lists them. Raises ValueError if a file source comes without its index."""
+    if source.files is None:
+        return factories.build(source.factory, source.kwargs)
+    if index is None:
+        raise ValueError(f"the files {source.files!r} come without their index (built by the driver)")
+    return IndexedFiles(index)
