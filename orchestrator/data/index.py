@@ -14,6 +14,7 @@ import fnmatch
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -23,6 +24,7 @@ from jobspec.data_index import DataIndex, IndexedFile, changes
 from jobspec.durable import write_atomic
 from jobspec.fields import ConfigError
 from jobspec.recipe import DataSource
+from jobspec.redaction import redact, redact_all
 from workers.data.files import file_spec
 from workers.data.formats import FORMATS, DataFileError, filesystem_of
 
@@ -67,12 +69,12 @@ def expand(files: str | Sequence[str], field: str) -> list[str]:
             else:
                 info = _stat(entry)
                 if info.type == pyarrow.fs.FileType.NotFound:
-                    raise ConfigError(f"invalid job: field '{field}': {entry} does not exist")
+                    raise ConfigError(f"invalid job: field '{field}': {redact(entry)} does not exist")
                 matches = sorted(_listing(entry)) if info.type == pyarrow.fs.FileType.Directory else [path]
         except (OSError, pyarrow.ArrowException) as err:
-            raise ConfigError(f"invalid job: field '{field}': cannot list {entry} ({err})") from None
+            raise ConfigError(f"invalid job: field '{field}': cannot list {redact(entry)} ({err})") from None
         if not matches:
-            raise ConfigError(f"invalid job: field '{field}': {entry} matches no file")
+            raise ConfigError(f"invalid job: field '{field}': {redact(entry)} matches no file")
         uris += [prefix + match + query for match in matches]
     return uris
 
@@ -101,9 +103,9 @@ def describe(uris: list[str], format: str, spec: dict[str, Any]) -> list[Indexed
         try:
             info = _stat(uri)
         except OSError as err:
-            raise DataFileError(f"{uri}: cannot read it ({err})") from None
+            raise DataFileError(f"{redact(uri)}: cannot read it ({err})") from None
         if info.type != pyarrow.fs.FileType.File:
-            raise DataFileError(f"{uri}: no longer a file")
+            raise DataFileError(f"{redact(uri)}: no longer a file")
         samples, layout = FORMATS[format].describe(uri, info.size, spec)
         described.append(IndexedFile(uri, info.size, info.mtime_ns or 0, samples, layout))
     return described
@@ -148,7 +150,7 @@ def build_index(source: DataSource, name: str, timeout_s: float) -> DataIndex:
     if empty is not None:
         window = f" of seq_len {source.seq_len}" if source.seq_len else ""
         raise ConfigError(
-            f"invalid job: field '{name}.files': {empty.uri} ({empty.bytes} bytes) holds no sample{window}"
+            f"invalid job: field '{name}.files': {redact(empty.uri)} ({empty.bytes} bytes) holds no sample{window}"
         )
     return DataIndex(source.format, spec, tuple(files))
 
@@ -160,17 +162,32 @@ def checked_index(saved: DataIndex, name: str) -> DataIndex:
         try:
             info = _stat(entry.uri)
         except OSError as err:
-            raise ConfigError(f"invalid job: field '{name}.files': {entry.uri}: cannot read it ({err})") from None
+            raise ConfigError(f"invalid job: field '{name}.files': {redact(entry.uri)}: cannot read it ({err})") from None
         if info.type != pyarrow.fs.FileType.File:
-            raise ConfigError(f"invalid job: field '{name}.files': {entry.uri} is gone since the run indexed it")
+            raise ConfigError(f"invalid job: field '{name}.files': {redact(entry.uri)} is gone since the run indexed it")
         now = IndexedFile(entry.uri, info.size, info.mtime_ns or 0, entry.samples)
         found = changes(entry, now)
         if found:
             raise ConfigError(
-                f"invalid job: field '{name}.files': {entry.uri} changed since the run indexed it "
+                f"invalid job: field '{name}.files': {redact(entry.uri)} changed since the run indexed it "
                 f"({', '.join(found)}); a run resumes only on the data it started with"
             )
     return saved
+
+
+def _with_credentials(saved: DataIndex, source: DataSource, name: str) -> DataIndex:
+    """``saved`` (its URIs' credentials masked) with the URIs ``source.files`` names now, which
+    carry them. Raises ConfigError naming a file the run indexed that they no longer name."""
+    assert source.files is not None
+    now = {redact(uri): uri for uri in expand(source.files, f"{name}.files")}
+    files = []
+    for entry in saved.files:
+        if entry.uri not in now:
+            raise ConfigError(
+                f"invalid job: field '{name}.files': {entry.uri} is gone since the run indexed it (or no longer listed)"
+            )
+        files.append(replace(entry, uri=now[entry.uri]))
+    return replace(saved, files=tuple(files))
 
 
 def run_indexes(
@@ -186,11 +203,13 @@ def run_indexes(
             continue
         path = index_path(run_dir, name)
         if resuming and path.is_file():
-            index = checked_index(DataIndex.from_json(json.loads(path.read_text())), name)
+            saved = DataIndex.from_json(json.loads(path.read_text()))
+            index = checked_index(_with_credentials(saved, source, name), name)
         else:
             index = build_index(source, name, timeout_s)
             path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps(index.to_json()).encode()
+            # Credentials in a URI stay out of the run directory (they come again with the job).
+            text = json.dumps(redact_all(index.to_json())).encode()
             write_atomic(path, lambda out: out.write(text))
         note(f"{name}: {index.samples} samples in {len(index.files)} {index.format} file(s)")
         indexes[name] = index

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow.fs
 import pytest
 
 from jobspec.fields import ConfigError
@@ -17,6 +18,7 @@ from orchestrator.launch import run_job
 from ringleader_examples.gpt import TOKENS
 from ringleader_examples.prepare_tokens import main as prepare_tokens
 from tests.helpers.jobs import assert_control_differs, assert_same_params, jsonl, params, run
+from tests.helpers.s3_endpoint import s3_endpoint
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -55,6 +57,29 @@ def test_token_shards_train_as_the_one_file_dataset_does_through_a_kill(tmp_path
     reversed_list = sorted((str(p) for p in (shards / "train").glob("*.bin")), reverse=True)
     other = run(tmp_path, "reversed", *TINY_GPT, f"dataset={{files: {reversed_list}, format: tokens, seq_len: {SEQ}}}")
     assert_control_differs(params(other.run_dir), one_file, "the shards in reverse order")
+
+
+def test_token_shards_on_s3_train_and_checkpoint_there_and_resume(tmp_path, shards, one_worker):
+    """The shards in a bucket of a real S3 endpoint on localhost, checkpoints in another: a run
+    stopped after 4 steps resumes from its S3 checkpoint to the one-file trajectory; no secret of
+    the URIs reaches the run directory."""
+    one_file = one_worker(*TINY_GPT, f"dataset={{factory: ringleader_examples.gpt:make_dataset, kwargs: {{block_size: {SEQ}}}}}")
+    with s3_endpoint() as s3:
+        for p in sorted((shards / "train").glob("*.bin")):
+            s3.upload(p, f"data/train/{p.name}")
+        s3.filesystem().create_dir("checkpoints")
+        job = (
+            *TINY_GPT, "scaling.workers=2", f"dataset={{files: '{s3.uri('data/train/*.bin')}', format: tokens, seq_len: {SEQ}}}",
+            f"checkpoint.path='{s3.uri('checkpoints/gpt')}'", "checkpoint.every_steps=2",
+        )
+        run(tmp_path, "s3", *job, "steps=4")
+        resumed = run(tmp_path, "s3", *job)
+        assert [e["checkpoint"] for e in jsonl(resumed.run_dir / "events.jsonl") if e["event"] == "resume"] == ["step-00000004"]
+        written = s3.filesystem().get_file_info(pyarrow.fs.FileSelector("checkpoints/gpt", recursive=True))
+        assert any(info.path.endswith("step-00000008/manifest.json") for info in written)
+    assert_same_params(params(resumed.run_dir), one_file, "token shards on S3, resumed from an S3 checkpoint")
+    for path in resumed.run_dir.rglob("*"):
+        assert not path.is_file() or b"secret" not in path.read_bytes(), path
 
 
 def test_a_resumed_run_whose_files_changed_is_refused_naming_the_file(tmp_path, shards):

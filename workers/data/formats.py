@@ -11,8 +11,8 @@ Every format reads through a pyarrow filesystem (a local path, or ``s3://``, ``g
 * ``jsonl``: a sample per line, its field ``column``.
 
 Numbers and lists of numbers come back as tensors (int64 for integers, float32 else), other
-values as they are (a collate must handle them). Errors name the file (and the offset of a
-record that does not decode).
+values as they are (a collate must handle them). Errors name the file (its URI's credentials
+masked) and the offset of a record that does not decode.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 import torch
 
 from jobspec.data_index import IndexedFile
+from jobspec.redaction import redact
 
 TOKEN_DTYPES = {"uint16": "<u2", "uint32": "<u4"}
 
@@ -56,7 +57,7 @@ def read_range(uri: str, offset: int, length: int) -> bytes:
     with fs.open_input_file(path) as handle:
         data = handle.read_at(length, offset)
     if len(data) != length:
-        raise DataFileError(f"{uri}: {length} bytes at offset {offset} asked, {len(data)} there (truncated?)")
+        raise DataFileError(f"{redact(uri)}: {length} bytes at offset {offset} asked, {len(data)} there (truncated?)")
     return data
 
 
@@ -87,7 +88,7 @@ class Tokens:
     def describe(self, uri: str, size: int, spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         itemsize = np.dtype(TOKEN_DTYPES[spec["dtype"]]).itemsize
         if size % itemsize:
-            raise DataFileError(f"{uri}: {size} bytes is not a whole number of {spec['dtype']} tokens")
+            raise DataFileError(f"{redact(uri)}: {size} bytes is not a whole number of {spec['dtype']} tokens")
         return size // itemsize // spec["seq_len"], {}
 
     def read(self, entry: IndexedFile, row: int, spec: dict[str, Any]) -> Any:
@@ -112,16 +113,16 @@ class Npy:
             header = ast.literal_eval(head[8 + length_bytes : offset].decode("latin1"))
             dtype, shape, fortran = np.dtype(header["descr"]), tuple(header["shape"]), header["fortran_order"]
         except (ValueError, SyntaxError, KeyError, IndexError, TypeError) as err:
-            raise DataFileError(f"{uri}: not a .npy file ({err})") from None
+            raise DataFileError(f"{redact(uri)}: not a .npy file ({err})") from None
         if fortran or len(shape) not in (1, 2) or dtype.hasobject:
-            raise DataFileError(f"{uri}: need a C-ordered 1-D or 2-D array of numbers, got shape {shape} {dtype}")
+            raise DataFileError(f"{redact(uri)}: need a C-ordered 1-D or 2-D array of numbers, got shape {shape} {dtype}")
         if offset + int(np.prod(shape)) * dtype.itemsize > size:
-            raise DataFileError(f"{uri}: {size} bytes hold less than its header's {shape} {dtype} (truncated?)")
+            raise DataFileError(f"{redact(uri)}: {size} bytes hold less than its header's {shape} {dtype} (truncated?)")
         row_items = spec["seq_len"] if len(shape) == 1 else shape[1]
         if len(shape) == 1 and row_items is None:
-            raise DataFileError(f"{uri}: a 1-D array needs 'seq_len' to cut it into samples")
+            raise DataFileError(f"{redact(uri)}: a 1-D array needs 'seq_len' to cut it into samples")
         if len(shape) == 2 and spec["seq_len"] not in (None, shape[1]):
-            raise DataFileError(f"{uri}: rows of {shape[1]} items, but seq_len is {spec['seq_len']}")
+            raise DataFileError(f"{redact(uri)}: rows of {shape[1]} items, but seq_len is {spec['seq_len']}")
         samples = shape[0] // row_items if len(shape) == 1 else shape[0]
         return samples, {"offset": offset, "dtype": dtype.str, "row_items": row_items}
 
@@ -138,10 +139,10 @@ class Parquet:
         try:
             meta = _parquet_file(uri).metadata
         except Exception as err:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
-            raise DataFileError(f"{uri}: not a parquet file ({err})") from None
+            raise DataFileError(f"{redact(uri)}: not a parquet file ({err})") from None
         names = meta.schema.to_arrow_schema().names
         if spec["column"] not in names:
-            raise DataFileError(f"{uri}: no column {spec['column']!r} (columns: {', '.join(names)})")
+            raise DataFileError(f"{redact(uri)}: no column {spec['column']!r} (columns: {', '.join(names)})")
         groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         return sum(groups), {"row_groups": groups}
 
@@ -196,7 +197,7 @@ class Jsonl:
             record = json.loads(line)
             return as_sample(record[spec["column"]])
         except (ValueError, KeyError, TypeError) as err:
-            raise DataFileError(f"{entry.uri}: the record at byte offset {start} does not decode ({err!r})") from None
+            raise DataFileError(f"{redact(entry.uri)}: the record at byte offset {start} does not decode ({err!r})") from None
 
 
 #: ``dataset.format``'s names.
