@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 from functools import lru_cache
 from typing import Any, Protocol
 
@@ -50,15 +51,29 @@ def filesystem_of(uri: str) -> tuple[pyarrow.fs.FileSystem, str]:
     return _filesystem(uri)
 
 
-def read_range(uri: str, offset: int, length: int) -> bytes:
-    """``length`` bytes of ``uri`` from ``offset``. Raises DataFileError naming the file if
-    fewer are there (a file cut short since it was indexed)."""
-    fs, path = filesystem_of(uri)
-    with fs.open_input_file(path) as handle:
-        data = handle.read_at(length, offset)
+def read_range(uri: str, offset: int, length: int) -> bytes | memoryview:
+    """``length`` bytes of ``uri`` from ``offset``: a local file's from its memory map (a copy
+    of pages, no system call), a remote one's by a ranged read. Raises DataFileError naming the
+    file if fewer are there (a file cut short since it was indexed)."""
+    if "://" in uri:
+        fs, path = filesystem_of(uri)
+        with fs.open_input_file(path) as handle:
+            data: bytes | memoryview = handle.read_at(length, offset)
+    else:
+        data = memoryview(_mapped(uri))[offset : offset + length]
     if len(data) != length:
         raise DataFileError(f"{redact(uri)}: {length} bytes at offset {offset} asked, {len(data)} there (truncated?)")
     return data
+
+
+@lru_cache(maxsize=128)
+def _mapped(path: str) -> np.ndarray:
+    """The local file ``path`` mapped read-only (bytes), kept for the next reads: mapping costs
+    system calls, reading a mapped page does not. Maps of a file changed since stay on the
+    version they mapped (the index refused files changed before the run)."""
+    if os.path.getsize(path) == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r")
 
 
 class FileFormat(Protocol):
@@ -169,35 +184,42 @@ def _row_group(uri: str, group: int, column: str) -> Any:
 
 
 class Jsonl:
+    """Each line's offset is indexed, and each line decoded once then (the index reads the whole
+    file anyway), so a record that does not decode is refused before training."""
+
     def describe(self, uri: str, size: int, spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         fs, path = filesystem_of(uri)
-        offsets, at = [], 0
+        offsets, at, tail = [], 0, b""
         with fs.open_input_stream(path) as stream:
-            tail = b""
             while chunk := stream.read(1 << 22):
-                block = tail + chunk
+                lines = (tail + chunk).split(b"\n")
                 start = at - len(tail)
-                lines = block.split(b"\n")
                 tail = lines.pop()
                 for line in lines:
                     if line.strip():
+                        _field(uri, start, line, spec["column"])
                         offsets.append(start)
                     start += len(line) + 1
                 at += len(chunk)
-            if tail.strip():
-                offsets.append(at - len(tail))
+        if tail.strip():
+            _field(uri, at - len(tail), tail, spec["column"])
+            offsets.append(at - len(tail))
         return len(offsets), {"offsets": offsets}
 
     def read(self, entry: IndexedFile, row: int, spec: dict[str, Any]) -> Any:
         offsets = entry.layout["offsets"]
         start = offsets[row]
         end = offsets[row + 1] if row + 1 < len(offsets) else entry.bytes
-        line = read_range(entry.uri, start, end - start)
-        try:
-            record = json.loads(line)
-            return as_sample(record[spec["column"]])
-        except (ValueError, KeyError, TypeError) as err:
-            raise DataFileError(f"{redact(entry.uri)}: the record at byte offset {start} does not decode ({err!r})") from None
+        return as_sample(_field(entry.uri, start, read_range(entry.uri, start, end - start), spec["column"]))
+
+
+def _field(uri: str, offset: int, line: bytes | memoryview, column: str) -> Any:
+    """Field ``column`` of the JSON record ``line`` (at byte ``offset`` of ``uri``). Raises
+    DataFileError naming the file and the offset if it does not decode or lacks the field."""
+    try:
+        return json.loads(bytes(line))[column]
+    except (ValueError, KeyError, TypeError) as err:
+        raise DataFileError(f"{redact(uri)}: the record at byte offset {offset} does not decode ({err!r})") from None
 
 
 #: ``dataset.format``'s names.
