@@ -92,3 +92,38 @@ def test_a_slowdown_with_a_given_compute_per_shard_sleeps_by_it():
     schedule.record(0, 0.050, 1)
     assert schedule.base_shard_s(2) == 0.004 and schedule.base_shard_s(1) == pytest.approx(0.050)
     assert schedule.slow_down(2, shards=2, interrupted=lambda: False) == pytest.approx(2 * 0.004 * 2, abs=0.008)
+
+
+def test_a_read_ahead_is_taken_by_a_start_of_its_indices_after_the_starts_own_before():
+    """The next step's batch read ahead is taken (read once) by a start of exactly its indices,
+    whose ``before`` (an injected stall) still runs first; a start of other indices drops it."""
+    from workers.data.prefetch import BatchPrefetch
+
+    reads = []
+    prefetch = BatchPrefetch(lambda indices: reads.append(indices.tolist()) or indices * 10)
+    prefetch.start(np.arange(2))
+    prefetch.read_ahead(np.arange(2, 4))
+    assert prefetch.wait(lambda: False) and list(prefetch.take(np.arange(2))) == [0, 10]
+    stalled = []
+    prefetch.start(np.arange(2, 4), before=lambda: stalled.append(True))
+    assert prefetch.wait(lambda: False) and list(prefetch.take(np.arange(2, 4))) == [20, 30] and stalled == [True]
+    prefetch.read_ahead(np.arange(4, 6))
+    prefetch.start(np.arange(6, 8))  # the plan changed: other indices
+    assert prefetch.wait(lambda: False) and list(prefetch.take(np.arange(6, 8))) == [60, 70]
+    assert sorted(reads[:2]) == [[0, 1], [2, 3]] and reads.count([2, 3]) == 1 and [6, 7] in reads  # read once
+
+
+def test_a_read_ahead_does_not_queue_behind_a_stalled_read():
+    """The current read stalls (its ``before``); the next step's batch, read ahead, is in
+    meanwhile, and a start of its indices takes it without waiting for the stalled one."""
+    from workers.data.prefetch import BatchPrefetch
+
+    release = threading.Event()
+    prefetch = BatchPrefetch(lambda indices: indices * 10)
+    prefetch.start(np.arange(2), before=lambda: release.wait(10))
+    prefetch.read_ahead(np.arange(2, 4))
+    prefetch.start(np.arange(2, 4))  # the stalled step was given up: the next one starts
+    started = time.perf_counter()
+    assert prefetch.wait(lambda: False) and list(prefetch.take(np.arange(2, 4))) == [20, 30]
+    assert time.perf_counter() - started < 5
+    release.set()

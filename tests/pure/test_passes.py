@@ -63,3 +63,38 @@ def test_a_rank_with_no_shards_this_step_writes_an_empty_census_and_arms_no_pass
     work = runner.run_fixed(0, [], SHARDS, reducer)
     assert reducer.armed == 0 and work.shards_run == 0
     assert not flat.grads.any() and flat.extra[:SHARDS].tolist() == [0.0] * SHARDS
+
+
+class _CountingReads(torch.utils.data.Dataset):
+    """A dataset that records each index read, on whichever thread reads it."""
+
+    def __init__(self, inner: torch.utils.data.Dataset) -> None:
+        self.inner, self.read = inner, []
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int):
+        self.read.append(int(index))
+        return self.inner[index]
+
+
+def test_each_steps_first_batch_is_read_once_ahead_during_the_step_before():
+    """The fixed way over steps 0-3 with the same shards: step t's batch is read while step t-1
+    runs (``BatchPrefetch.read_ahead``) and taken, never read twice; step 4's is read ahead too.
+    A step whose shards changed reads its own, dropping the read ahead."""
+    runner, flat, _ = _runner(fuse=True)
+    counting = runner.dataset = _CountingReads(runner.dataset)
+    mine = [0, 2]
+    for step in range(4):
+        flat.zero()
+        work = runner.run_fixed(step, mine, SHARDS, ArmedReducer())
+        assert work.committed == mine
+    runner.prefetch.wait(lambda: False)
+    runner.prefetch._ahead.result(timeout=5)  # noqa: SLF001 - the read ahead of step 4, done
+    wanted = [int(i) for step in range(5) for i in runner._indices(step, mine)]  # noqa: SLF001
+    assert sorted(counting.read) == sorted(wanted)  # steps 0-4, each sample once per step it is in
+    counting.read.clear()
+    runner.run_fixed(5, [1], SHARDS, ArmedReducer())  # other shards: read for this step, not taken ahead
+    runner.prefetch._ahead.result(timeout=5)  # noqa: SLF001
+    assert sorted(counting.read) == sorted(int(i) for s in (5, 6) for i in runner._indices(s, [1]))  # noqa: SLF001

@@ -1,4 +1,5 @@
-"""A step's first batch, read ahead of the worker sealing its shards, on threads of its own.
+"""A step's first batch, read ahead of the worker sealing its shards, on threads of its own; and
+the next step's, read beside it, so a step's data is usually in memory before the step starts.
 
 Why: a slow read (a cold object store, a stuck disk, a busy data pipeline) is the most common
 stall that strikes a worker without warning. Read inside the pass, after the worker sealed its
@@ -37,17 +38,29 @@ class BatchPrefetch:
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="ringleader-fetch", initializer=inherit_device())
         self._indices: np.ndarray | None = None
         self._future: Future[Any] | None = None
+        self._ahead_indices: np.ndarray | None = None
+        self._ahead: Future[Any] | None = None
 
     def start(self, indices: np.ndarray, before: Callable[[], object] = lambda: None) -> None:
         """Begin reading ``indices`` (after ``before()``, e.g. an injected stall, on the same
-        thread); a batch read earlier and not taken is dropped."""
+        thread), or take the read ahead of exactly these (``read_ahead``); a batch read earlier
+        and not taken is dropped."""
         self._indices = indices
+        ahead = self._ahead if self._ahead_indices is not None and np.array_equal(self._ahead_indices, indices) else None
+        self._ahead = self._ahead_indices = None
 
         def read() -> Any:
             before()
-            return self.read(indices)
+            return ahead.result() if ahead is not None else self.read(indices)
 
         self._future = self._pool.submit(read)
+
+    def read_ahead(self, indices: np.ndarray) -> None:
+        """Read ``indices`` (the next step's first batch, as far as this step's plan tells) now,
+        beside the batch started last, for a ``start`` of exactly these to take: at most one
+        batch is held ahead. Not queued behind the current read: a stalled read must not hold
+        the next step's. A plan that changed starts other indices, and this read is dropped."""
+        self._ahead_indices, self._ahead = indices, self._pool.submit(self.read, indices)
 
     def ready(self) -> bool:
         """Whether the batch started last is read (or its read failed); True if none is."""

@@ -92,6 +92,20 @@ class PassRunner:
         (pinned for a GPU, so the copy there overlaps: ``workers/runtime/devices.py``)."""
         return host_batch(fetch_batch(self.dataset, indices, self.collate), self.device)
 
+    def start_reading(self, step: int, shards: list[int], before: Callable[[], object] = lambda: None) -> None:
+        """Start reading the first batch of a pass over ``shards`` at ``step`` (after ``before()``),
+        then the same shards' first batch at the next step, ahead (``BatchPrefetch``)."""
+        if not shards:
+            return
+        self.prefetch.start(self._first_batch(step, shards), before)
+        last = self.sampler.num_steps
+        if last is None or step + 1 < last:
+            self.prefetch.read_ahead(self._first_batch(step + 1, shards))
+
+    def _first_batch(self, step: int, shards: list[int]) -> np.ndarray:
+        first = self._indices(step, self._groups(shards)[0])
+        return first[: self.max_samples_per_pass or len(first)]
+
     def _groups(self, shards: list[int]) -> list[list[int]]:
         """Shards run together in one pass (``fuse_shards``), or one at a time (always for a
         model with batch-dependent layers: a forward never spans two shards)."""
@@ -151,8 +165,15 @@ class PassRunner:
         self.buffers.write(self.flat.extra[census_slots(num_shards) :], work.committed)
 
     def run_fixed(self, step: int, shards: list[int], num_shards: int, reducer: GradientReducer) -> StepWork:
-        """Exactly ``shards``, after sitting out any stall; the final pass overlaps with the all-reduce."""
+        """Exactly ``shards``, after sitting out any stall and waiting for the first batch (read
+        ahead during the last step where the plan kept these shards); the final pass overlaps
+        with the all-reduce."""
         work = StepWork(stalled_s=self.chaos.stall(step))
+        if shards:
+            started = time.monotonic()
+            self.start_reading(step, shards)
+            self.prefetch.wait(lambda: False)  # a stuck read holds the step, as a read in the pass would
+            work.stalled_s += time.monotonic() - started
         self.on_phase(Phase.COMPUTE)
         work.slowed_s += self.chaos.slow_down(step, len(shards), lambda: False)
         self._final_passes(step, shards, num_shards, reducer, work)

@@ -74,9 +74,8 @@ class StepRunner(PassRunner):
             # What its first pass will run: pick_work's decision with every shard still free.
             opening = pick_work(claims.me, ctx.plan, dict.fromkeys(range(ctx.plan.num_shards), FREE), {})
             first_pass = list(opening.shards) if isinstance(opening, RunShards) else mine
-            first = self._indices(step, self._groups(first_pass)[0])
             started = time.monotonic()
-            self.prefetch.start(first[: self.max_samples_per_pass or len(first)], lambda: self.chaos.stall(step, "fetch"))
+            self.start_reading(step, first_pass, lambda: self.chaos.stall(step, "fetch"))
             look_from = started + _first_look_s(ctx.plan)
             work.gave_up = not self.prefetch.wait(
                 lambda: ctx.abort.is_set() or (time.monotonic() >= look_from and claims.block_taken())
