@@ -1,8 +1,8 @@
 """``ringleader bench data``: input from a directory of token files, all figures from one run.
 
-* **Reader**: samples/s of one process reading a step's shards the way a worker does (the
-  index, the per-index shuffle, each sample's window read from its file, batched by the default
-  collate), against a plain sequential reader (``np.memmap`` windows in file order, stacked):
+* **Reader**: samples/s of one process reading steps the way 2 workers do (each its block of
+  shards: the per-index shuffle, the windows gathered from the files' memory maps, batched by
+  the default collate), against a plain sequential reader (``np.memmap`` windows in file order, stacked):
   alternating rounds, medians.
 * **Data wait**: the GPT recipe trained from the directory (``ringleader run``, fresh process):
   the share of each worker's step time spent waiting for its data (``stalled_s``), steps 3 on.
@@ -26,6 +26,7 @@ import torch
 from benchmarks.throughput import read_run, run_ringleader
 from benchmarks.workloads import workload_job
 from jobspec.recipe import DatasetSpec
+from jobspec.step_record import read_telemetry
 from orchestrator.data.index import build_index, checked_index
 from workers.data.batches import fetch_batch
 from workers.data.files import IndexedFiles
@@ -62,13 +63,15 @@ def plain_reader_rate(paths: list[Path], seq_len: int, batch: int, samples: int)
     return read / (time.perf_counter() - started)
 
 
-def ringleader_reader_rate(data: IndexedFiles, batch: int, shards: int, samples: int) -> float:
-    """Samples/s of reading whole steps shard by shard as workers do (``fetch_batch``)."""
+def ringleader_reader_rate(data: IndexedFiles, batch: int, shards: int, samples: int, workers: int = 2) -> float:
+    """Samples/s of reading whole steps as ``workers`` workers do, each its block of shards in one
+    fused pass (``ShardSampler.indices``, ``fetch_batch``)."""
     sampler = ShardSampler(len(data), batch, shards, seed=0)
+    blocks = [list(block) for block in np.array_split(np.arange(shards), workers)]
     started, read, step = time.perf_counter(), 0, 0
     while read < samples:
-        for shard in range(shards):
-            indices = sampler.shard_indices(step, shard)
+        for block in blocks:
+            indices = sampler.indices(step, block)
             fetch_batch(data, indices, None)
             read += len(indices)
         step += 1
@@ -111,7 +114,7 @@ def data_wait_figures(directory: Path, workers: int, steps: int, scratch: Path) 
     )
     run_dir, wall_s = run_ringleader(job, scratch / "gpt-files", 900, "gpt from token files")
     summary, _ = read_run(run_dir)
-    telemetry = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    telemetry = read_telemetry(run_dir / "telemetry.jsonl")
     warm = [r for r in telemetry if r["step"] >= 3]
     waited, total = sum(r["stalled_s"] for r in warm), sum(r["step_s"] for r in warm)
     return {"workers": workers, "steps": steps, "status": summary["status"], "wall_s": wall_s,

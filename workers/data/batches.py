@@ -14,13 +14,17 @@ from workers.runtime.devices import map_tensors
 
 def fetch_batch(dataset: Dataset, indices: np.ndarray, collate: Callable[[list[Any]], Any] | None = None) -> Any:
     """Gather samples by index: one indexing op for a TensorDataset (without a ``collate``),
-    else item by item through ``collate`` (default: torch's ``default_collate``, which stacks
-    tensors, tuples and dicts of tensors)."""
+    else through ``collate`` (default: torch's ``default_collate``, which stacks tensors, tuples
+    and dicts of tensors) the samples of ``dataset.__getitems__`` (torch's batched fetch, where
+    the dataset has one) or item by item."""
     tensors = getattr(dataset, "tensors", None)
     if tensors is not None and collate is None:
         idx = torch.from_numpy(indices)
         return tuple(t[idx] for t in tensors)
-    return (collate or default_collate)([dataset[int(i)] for i in indices])
+    wanted = [int(i) for i in indices]
+    getitems = getattr(dataset, "__getitems__", None)
+    samples = getitems(wanted) if getitems is not None else [dataset[i] for i in wanted]
+    return (collate or default_collate)(samples)
 
 
 def move_to(batch: Any, device: torch.device) -> Any:

@@ -76,6 +76,17 @@ def _mapped(path: str) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
+@lru_cache(maxsize=128)
+def _rows(path: str, offset: int, dtype: str, samples: int, row_items: int) -> np.ndarray:
+    """The local file ``path`` from byte ``offset`` as ``[samples, row_items]`` items of
+    ``dtype`` (a view of its memory map). Raises DataFileError if the file is shorter than
+    that (cut short since it was indexed)."""
+    mapped, size = _mapped(path), samples * row_items * np.dtype(dtype).itemsize
+    if len(mapped) < offset + size:
+        raise DataFileError(f"{path}: {len(mapped)} bytes, {offset + size} indexed (truncated?)")
+    return np.frombuffer(mapped, dtype=dtype, count=samples * row_items, offset=offset).reshape(samples, row_items)
+
+
 class FileFormat(Protocol):
     def describe(self, uri: str, size: int, spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """(samples in the file, its layout) for a file of ``size`` bytes, under the source's
@@ -85,6 +96,19 @@ class FileFormat(Protocol):
     def read(self, entry: IndexedFile, row: int, spec: dict[str, Any]) -> Any:
         """Sample ``row`` of the file ``entry``."""
         ...
+
+    def rows_view(self, entry: IndexedFile, spec: dict[str, Any]) -> np.ndarray | None:
+        """The file ``entry`` as an array whose row ``r`` is sample ``r`` (a view of a local
+        file's memory map: many samples are then gathered at numpy's speed), or None where its
+        samples are read one by one (``read``)."""
+        ...
+
+
+class OneByOne:
+    """Formats whose samples are read one by one."""
+
+    def rows_view(self, entry: IndexedFile, spec: dict[str, Any]) -> np.ndarray | None:
+        return None
 
 
 def as_sample(value: Any) -> Any:
@@ -99,7 +123,19 @@ def as_sample(value: Any) -> Any:
     return value
 
 
+def as_samples(rows: np.ndarray) -> list[torch.Tensor]:
+    """Rows gathered from ``rows_view``s as samples, typed as ``as_sample`` types one."""
+    kind = rows.dtype.kind
+    batch = torch.from_numpy(rows.astype(np.int64 if kind in "iu" else np.float32))
+    return list(batch.unbind(0))
+
+
 class Tokens:
+    def rows_view(self, entry: IndexedFile, spec: dict[str, Any]) -> np.ndarray | None:
+        if "://" in entry.uri:
+            return None
+        return _rows(entry.uri, 0, TOKEN_DTYPES[spec["dtype"]], entry.samples, spec["seq_len"])
+
     def describe(self, uri: str, size: int, spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         itemsize = np.dtype(TOKEN_DTYPES[spec["dtype"]]).itemsize
         if size % itemsize:
@@ -141,6 +177,12 @@ class Npy:
         samples = shape[0] // row_items if len(shape) == 1 else shape[0]
         return samples, {"offset": offset, "dtype": dtype.str, "row_items": row_items}
 
+    def rows_view(self, entry: IndexedFile, spec: dict[str, Any]) -> np.ndarray | None:
+        if "://" in entry.uri:
+            return None
+        layout = entry.layout
+        return _rows(entry.uri, layout["offset"], layout["dtype"], entry.samples, layout["row_items"])
+
     def read(self, entry: IndexedFile, row: int, spec: dict[str, Any]) -> Any:
         layout = entry.layout
         dtype = np.dtype(layout["dtype"])
@@ -149,7 +191,7 @@ class Npy:
         return as_sample(np.frombuffer(data, dtype=dtype))
 
 
-class Parquet:
+class Parquet(OneByOne):
     def describe(self, uri: str, size: int, spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         try:
             meta = _parquet_file(uri).metadata
@@ -183,7 +225,7 @@ def _row_group(uri: str, group: int, column: str) -> Any:
     return _parquet_file(uri).read_row_group(group, columns=[column]).column(0)
 
 
-class Jsonl:
+class Jsonl(OneByOne):
     """Each line's offset is indexed, and each line decoded once then (the index reads the whole
     file anyway), so a record that does not decode is refused before training."""
 

@@ -11,11 +11,12 @@ produce the same gradient.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from workers.data.shuffle import ORDERS
+from workers.data.shuffle import ORDERS, epoch_order
 
 
 @dataclass(frozen=True)
@@ -82,12 +83,18 @@ class ShardSampler:
 
     def shard_indices(self, step: int, shard: int) -> np.ndarray:
         """Dataset indices of shard ``shard`` of step ``step`` (int64, in stream order)."""
-        lo, hi = self.shard_bounds(step, shard)
-        positions = np.arange(lo, hi, dtype=np.int64)
+        return self.indices(step, [shard])
+
+    def indices(self, step: int, shards: Sequence[int]) -> np.ndarray:
+        """The dataset indices of ``shards`` of step ``step`` one after the other: what a pass
+        over them reads (one computation for them all)."""
+        bounds = [self.shard_bounds(step, shard) for shard in shards]
+        positions = np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi in bounds]) if bounds else np.zeros(0, np.int64)
         epochs, offsets = np.divmod(positions, self.num_samples)
         out = np.empty(len(positions), dtype=np.int64)
-        order = ORDERS[self.shuffle]
+        if len(positions) and epochs[0] == epochs[-1]:  # the common case: one epoch
+            return epoch_order(self.shuffle, self.num_samples, self.seed, int(epochs[0])).at(offsets)
         for epoch in np.unique(epochs):
             mask = epochs == epoch
-            out[mask] = order(self.num_samples, self.seed, int(epoch)).at(offsets[mask])
+            out[mask] = epoch_order(self.shuffle, self.num_samples, self.seed, int(epoch)).at(offsets[mask])
         return out

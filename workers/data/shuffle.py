@@ -42,13 +42,6 @@ def _splitmix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer on uint64 arrays (multiplication wraps modulo 2**64)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 class IndexShuffle:
     """``index``: a keyed bijection of ``[0, n)`` evaluated per position (see the module's
     docstring). Raises ValueError unless ``1 <= n < 2**62``."""
@@ -59,19 +52,25 @@ class IndexShuffle:
         self.n = n
         self.half_bits = ((n - 1).bit_length() + 1) // 2  # the domain 2**(2 * half_bits) >= n
         self.half_mask = np.uint64((1 << self.half_bits) - 1)
-        key = _splitmix((seed & _MASK64) ^ _splitmix(epoch & _MASK64))
-        keys = []
+        # The round function: (right ^ key) times an odd 64-bit multiplier, its top half_bits bits
+        # (multiply-shift hashing: every input bit reaches the top bits). Keys and multipliers
+        # are drawn per round from (seed, epoch).
+        self.top = np.uint64(64 - self.half_bits) if self.half_bits else np.uint64(63)
+        state = _splitmix((seed & _MASK64) ^ _splitmix(epoch & _MASK64))
+        rounds = []
         for _ in range(ROUNDS):
-            key = _splitmix(key)
-            keys.append(np.uint64(key))
-        self.round_keys = tuple(keys)
+            state = _splitmix(state)
+            key = state
+            state = _splitmix(state)
+            rounds.append((np.uint64(key), np.uint64(state | 1)))
+        self.rounds = tuple(rounds)
 
     def _permute_domain(self, x: np.ndarray) -> np.ndarray:
         """One pass of the Feistel network: a bijection of ``[0, 2**(2 * half_bits))``."""
         shift = np.uint64(self.half_bits)
         left, right = x >> shift, x & self.half_mask
-        for key in self.round_keys:
-            left, right = right, left ^ (_mix(right ^ key) & self.half_mask)
+        for key, multiplier in self.rounds:
+            left, right = right, left ^ (((right ^ key) * multiplier) >> self.top & self.half_mask)
         return (left << shift) | right
 
     def at(self, positions: np.ndarray) -> np.ndarray:
@@ -106,3 +105,9 @@ class EpochPermutation:
 
 #: ``dataset.shuffle``'s names.
 ORDERS: dict[str, type[EpochOrder]] = {"index": IndexShuffle, "permutation": EpochPermutation}
+
+
+@lru_cache(maxsize=4)  # a step spans at most two epochs; a permutation's array is held by its order
+def epoch_order(name: str, n: int, seed: int, epoch: int) -> EpochOrder:
+    """``ORDERS[name]``'s order of ``epoch``, made once for the steps of that epoch."""
+    return ORDERS[name](n, seed, epoch)

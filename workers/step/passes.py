@@ -113,7 +113,7 @@ class PassRunner:
         return [list(shards)] if fuse and shards else [[s] for s in shards]
 
     def _indices(self, step: int, shards: list[int]) -> np.ndarray:
-        return np.concatenate([self.sampler.shard_indices(step, s) for s in shards])
+        return self.sampler.indices(step, shards)
 
     def _pass(
         self,
