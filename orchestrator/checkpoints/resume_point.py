@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from jobspec.fields import ConfigError
 from jobspec.job import JobConfig
+from jobspec.redaction import redact_all
 from orchestrator.checkpoints.namespace import run_namespace
 from workers.checkpoint.manifest import latest_valid
 from workers.checkpoint.storage import CheckpointStorage
@@ -38,6 +39,8 @@ def trajectory_config(job: JobConfig) -> dict[str, Any]:
     for key, default in (("files", None), ("format", None), ("dtype", "uint16"), ("seq_len", None), ("column", None)):
         if config["dataset"][key] == default:
             del config["dataset"][key]
+    if "files" in config["dataset"]:  # credentials may rotate; the data itself is guarded by its index
+        config["dataset"]["files"] = redact_all(config["dataset"]["files"])
     if not job.loss.kwargs:
         config["loss"] = config["loss"]["name"]
     for key, default in (("decay_biases_and_norms", True), ("clip_grad_norm", None)):

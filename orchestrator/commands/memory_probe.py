@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from jobspec.runtime import ShardingConfig
 from jobspec.wire import JoinRequest
+from orchestrator.data.index import build_index
 from policies.memory_plan import ModelFigures, OptimizerBytes, optimizer_bytes
 from policies.work_stealing import StepPlan
 from workers.actor import TrainWorker
@@ -158,7 +159,8 @@ class ProbeWorker:
     def __init__(self, job: JobConfig, device: torch.device = torch.device("cpu")) -> None:
         # Unsharded whatever the job says: the plan lays out the state itself, for every setting.
         job = job.model_copy(update={"sharding": ShardingConfig()})
-        self.worker = TrainWorker(job, device=device)
+        data = {"dataset": build_index(job.dataset, "dataset", job.timeouts.start_s)} if job.dataset.files else None
+        self.worker = TrainWorker(job, device=device, data=data)
         self._store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
         request = JoinRequest("127.0.0.1", self._store.port, "probe/", 1, 0, ("probe",), JOIN_TIMEOUT_S)
         self.worker.join_group(request)

@@ -14,6 +14,7 @@ import fnmatch
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -22,7 +23,7 @@ import pyarrow.fs
 
 from jobspec.data_index import DataIndex, IndexedFile, changes
 from jobspec.durable import write_atomic
-from jobspec.fields import ConfigError
+from jobspec.fields import ConfigError, first_line
 from jobspec.recipe import DataSource
 from jobspec.redaction import redact, redact_all
 from workers.data.files import file_spec
@@ -70,9 +71,10 @@ def expand(files: str | Sequence[str], field: str) -> list[str]:
                 info = _stat(entry)
                 if info.type == pyarrow.fs.FileType.NotFound:
                     raise ConfigError(f"invalid job: field '{field}': {redact(entry)} does not exist")
-                matches = sorted(_listing(entry)) if info.type == pyarrow.fs.FileType.Directory else [path]
-        except (OSError, pyarrow.ArrowException) as err:
-            raise ConfigError(f"invalid job: field '{field}': cannot list {redact(entry)} ({err})") from None
+                directory = info.type == pyarrow.fs.FileType.Directory
+                matches = sorted(_listing(prefix + path + query)) if directory else [path]
+        except (OSError, pyarrow.ArrowException) as err:  # pyarrow's text may repeat the URI: masked
+            raise ConfigError(f"invalid job: field '{field}': cannot list {redact(entry)} ({redact(str(err))})") from None
         if not matches:
             raise ConfigError(f"invalid job: field '{field}': {redact(entry)} matches no file")
         uris += [prefix + match + query for match in matches]
@@ -102,16 +104,19 @@ def describe(uris: list[str], format: str, spec: dict[str, Any]) -> list[Indexed
     for uri in uris:
         try:
             info = _stat(uri)
-        except OSError as err:
-            raise DataFileError(f"{redact(uri)}: cannot read it ({err})") from None
-        if info.type != pyarrow.fs.FileType.File:
-            raise DataFileError(f"{redact(uri)}: no longer a file")
-        samples, layout = FORMATS[format].describe(uri, info.size, spec)
+            if info.type != pyarrow.fs.FileType.File:
+                raise DataFileError(f"{redact(uri)}: no longer a file")
+            samples, layout = FORMATS[format].describe(uri, info.size, spec)
+        except (OSError, pyarrow.ArrowException) as err:
+            raise DataFileError(f"{redact(uri)}: cannot read it ({redact(first_line(err))})") from None
         described.append(IndexedFile(uri, info.size, info.mtime_ns or 0, samples, layout))
     return described
 
 
 def _describe_in_parallel(uris: list[str], format: str, spec: dict[str, Any], timeout_s: float) -> list[IndexedFile]:
+    """``describe`` over ``uris``: as Ray tasks of FILES_PER_TASK files where Ray is up and
+    there are more, else on threads, a file each. Raises DataFileError for a bad file and
+    ConfigError past ``timeout_s`` (a storage that does not answer)."""
     chunks = [uris[i : i + FILES_PER_TASK] for i in range(0, len(uris), FILES_PER_TASK)]
     import ray
 
@@ -125,11 +130,18 @@ def _describe_in_parallel(uris: list[str], format: str, spec: dict[str, Any], ti
                 ray.cancel(ref, force=True)
             raise ConfigError(f"indexing {len(uris)} data files took longer than {timeout_s:.0f}s") from None
         except ray.exceptions.RayTaskError as err:
-            raise err.as_instanceof_cause() from None
-    else:
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            parts = list(pool.map(lambda chunk: describe(chunk, format, spec), chunks))
-    return [entry for part in parts for entry in part]
+            cause = err.as_instanceof_cause()
+            if isinstance(cause, DataFileError):
+                raise DataFileError(first_line(cause)) from None
+            raise DataFileError(f"indexing failed: {redact(first_line(cause))}") from None
+        return [entry for part in parts for entry in part]
+    pool = ThreadPoolExecutor(max_workers=8)
+    futures = [pool.submit(describe, [uri], format, spec) for uri in uris]
+    done, pending = wait_futures(futures, timeout=timeout_s)
+    pool.shutdown(wait=False, cancel_futures=True)  # a read stuck for good is left behind
+    if pending:
+        raise ConfigError(f"indexing {len(uris)} data files took longer than {timeout_s:.0f}s")
+    return [entry for future in futures for entry in future.result()]
 
 
 def index_path(run_dir: Path, name: str) -> Path:
@@ -152,6 +164,14 @@ def build_index(source: DataSource, name: str, timeout_s: float) -> DataIndex:
         raise ConfigError(
             f"invalid job: field '{name}.files': {redact(empty.uri)} ({empty.bytes} bytes) holds no sample{window}"
         )
+    # Samples of every file are batched together: .npy rows of one dtype and width only.
+    shape = [(entry.layout.get("dtype"), entry.layout.get("row_items")) for entry in files]
+    odd = next((entry for entry, found in zip(files, shape) if found != shape[0]), None)
+    if odd is not None:
+        raise ConfigError(
+            f"invalid job: field '{name}.files': {redact(odd.uri)} holds rows of {odd.layout.get('row_items')} "
+            f"{odd.layout.get('dtype')} items, other files another shape or type: samples of one source must stack"
+        )
     return DataIndex(source.format, spec, tuple(files))
 
 
@@ -162,7 +182,9 @@ def checked_index(saved: DataIndex, name: str) -> DataIndex:
         try:
             info = _stat(entry.uri)
         except OSError as err:
-            raise ConfigError(f"invalid job: field '{name}.files': {redact(entry.uri)}: cannot read it ({err})") from None
+            raise ConfigError(
+                f"invalid job: field '{name}.files': {redact(entry.uri)}: cannot read it ({redact(first_line(err))})"
+            ) from None
         if info.type != pyarrow.fs.FileType.File:
             raise ConfigError(f"invalid job: field '{name}.files': {redact(entry.uri)} is gone since the run indexed it")
         now = IndexedFile(entry.uri, info.size, info.mtime_ns or 0, entry.samples)

@@ -127,3 +127,20 @@ def test_a_read_ahead_does_not_queue_behind_a_stalled_read():
     assert prefetch.wait(lambda: False) and list(prefetch.take(np.arange(2, 4))) == [20, 30]
     assert time.perf_counter() - started < 5
     release.set()
+
+
+def test_a_stuck_read_ahead_that_was_taken_holds_one_fetch_thread_not_two():
+    """Three steps in a row take a read ahead that never ends and give up on it: each holds one
+    of the FETCH_THREADS (its read), so a fourth step's read still finds a thread."""
+    from workers.data.prefetch import FETCH_THREADS, BatchPrefetch
+
+    stuck = threading.Event()
+    prefetch = BatchPrefetch(lambda indices: stuck.wait(30) if indices[0] >= 100 else indices * 10)
+    for step in range(FETCH_THREADS - 1):
+        prefetch.read_ahead(np.array([100 + step]))
+        prefetch.start(np.array([100 + step]))
+        assert not prefetch.wait(lambda: True)  # given up: the read goes on
+    prefetch.start(np.arange(2))
+    started = time.perf_counter()
+    assert prefetch.wait(lambda: time.perf_counter() - started > 5) and list(prefetch.take(np.arange(2))) == [0, 10]
+    stuck.set()

@@ -98,3 +98,16 @@ def test_a_run_keeps_its_index_and_a_resumed_run_refuses_files_that_changed(tmp_
     (data / "b.bin").unlink()
     with pytest.raises(ConfigError, match=r"b.bin is gone since the run indexed it"):
         run_indexes(sources, run_dir, True, 30)
+
+
+def test_a_uri_pyarrow_cannot_parse_is_refused_without_its_secret():
+    with pytest.raises(ConfigError) as err:
+        expand(["s3://key:secret@bu cket/x.bin"], "dataset.files")
+    assert "Cannot parse URI" in str(err.value) and "secret" not in str(err.value)
+
+
+def test_npy_files_of_other_row_shapes_are_refused_naming_one(tmp_path: Path):
+    np.save(tmp_path / "a.npy", np.zeros((4, 8), dtype=np.int32))
+    np.save(tmp_path / "b.npy", np.zeros((4, 6), dtype=np.int32))
+    with pytest.raises(ConfigError, match=r"b.npy holds rows of 6 <i4 items, other files another shape"):
+        build_index(DatasetSpec(files=str(tmp_path / "*.npy"), format="npy"), "dataset", 30)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -236,3 +237,17 @@ def test_ringleader_plan_refuses_bad_options_in_one_line(capsys):
 def test_ringleader_plan_of_a_gpu_job_without_cuda_says_where_to_run_it(capsys):
     assert main(["plan", "--set", "scaling.resources_per_worker={CPU: 1, GPU: 1}"]) == 2
     assert "--device cuda: torch here sees no CUDA device" in capsys.readouterr().err
+
+
+def test_a_job_reading_files_is_probed_on_its_own_samples(tmp_path):
+    """``ringleader plan`` on a job whose data are token files: the probe's worker gets the
+    files' index (it has no run directory) and steps through them."""
+    (np.arange(4096) % 256).astype("<u2").tofile(tmp_path / "t.bin")
+    file, sized = WORKLOADS["gpt"]
+    job = load_job(EXAMPLES / file, [
+        *sized, f"dataset={{files: '{tmp_path}/*.bin', format: tokens, seq_len: 128}}", "eval=null",
+        "model.kwargs={vocab_size: 256, block_size: 128, n_layer: 1, n_head: 2, n_embd: 32}", "precision=fp32",
+    ])
+    with ProbeWorker(job) as worker:
+        assert len(worker.worker.dataset) == 32
+        worker.step(4)

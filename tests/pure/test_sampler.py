@@ -93,3 +93,13 @@ def test_shard_out_of_range():
     sampler = ShardSampler(num_samples=10, batch_size=4, num_shards=2, seed=0)
     with pytest.raises(ValueError, match="shard must be"):
         sampler.shard_indices(0, 2)
+
+
+def test_shards_in_any_order_across_an_epoch_boundary_keep_their_samples(shuffle):
+    """A pass over shards in shuffled order (``chaos.shuffle_shards``) whose first and last
+    shards are in one epoch and a middle one in the next still reads each shard's own samples."""
+    sampler = ShardSampler(num_samples=100, batch_size=24, num_shards=12, seed=5, shuffle=shuffle)
+    step = 4  # positions 96-119: shards 0-1 in epoch 0, 2-11 in epoch 1
+    together = sampler.indices(step, [0, 7, 1])
+    alone = np.concatenate([sampler.shard_indices(step, s) for s in (0, 7, 1)])
+    np.testing.assert_array_equal(together, alone)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import threading
 from functools import lru_cache
 from typing import Any, Protocol
 
@@ -38,17 +39,39 @@ class DataFileError(ValueError):
     """A data file that cannot be read as its format says; the message names the file."""
 
 
-@lru_cache(maxsize=32)
-def _filesystem(uri: str) -> tuple[pyarrow.fs.FileSystem, str]:
-    if "://" not in uri:
-        return pyarrow.fs.LocalFileSystem(), uri
-    return pyarrow.fs.FileSystem.from_uri(uri)
+_LOCAL = pyarrow.fs.LocalFileSystem()
+#: Schemes whose URI names its server (``hdfs://namenode:port/path``): part of the filesystem.
+_WITH_AUTHORITY = ("hdfs", "viewfs")
+
+
+_FILESYSTEMS: dict[tuple[str, str, str, str], pyarrow.fs.FileSystem] = {}
+_FILESYSTEMS_LOCK = threading.Lock()
+
+
+def _filesystem(key: tuple[str, str, str, str], uri: str) -> pyarrow.fs.FileSystem:
+    """The filesystem of ``key`` (scheme, credentials, server, query), made from ``uri`` once."""
+    with _FILESYSTEMS_LOCK:
+        if key not in _FILESYSTEMS:
+            _FILESYSTEMS[key] = pyarrow.fs.FileSystem.from_uri(uri)[0]
+        return _FILESYSTEMS[key]
 
 
 def filesystem_of(uri: str) -> tuple[pyarrow.fs.FileSystem, str]:
     """The filesystem holding ``uri`` (a local path or a URI pyarrow understands) and the path
-    on it; filesystems are cached (they hold connections) and safe to share between threads."""
-    return _filesystem(uri)
+    on it. One filesystem per scheme, credentials, server and query (they hold connections, and
+    are safe to share between threads), whatever the bucket and key."""
+    if "://" not in uri:
+        return _LOCAL, uri
+    scheme, rest = uri.split("://", 1)
+    rest, _, query = rest.partition("?")
+    credentials = ""
+    if "@" in rest.split("/", 1)[0]:
+        credentials, rest = rest.split("@", 1)
+    authority = ""
+    if scheme in _WITH_AUTHORITY:
+        authority, _, rest = rest.partition("/")
+        rest = "/" + rest
+    return _filesystem((scheme, credentials, authority, query), uri), rest
 
 
 def read_range(uri: str, offset: int, length: int) -> bytes | memoryview:

@@ -47,13 +47,32 @@ class BatchPrefetch:
         and not taken is dropped."""
         self._indices = indices
         ahead = self._ahead if self._ahead_indices is not None and np.array_equal(self._ahead_indices, indices) else None
+        if ahead is None and self._ahead is not None:
+            self._ahead.cancel()  # the plan changed: a read not yet begun is not begun
         self._ahead = self._ahead_indices = None
+        if ahead is None:
+            self._future = self._pool.submit(lambda: (before(), self.read(indices))[1])
+            return
+        # The batch read ahead, after ``before()`` (on a pool thread, as for a read): no thread
+        # waits on the read itself, so a stuck one holds one thread, not two.
+        taken: Future[Any] = Future()
+        self._future = taken
 
-        def read() -> Any:
-            before()
-            return ahead.result() if ahead is not None else self.read(indices)
+        def hand_over(done: Future[Any]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                taken.set_exception(done.exception() if not done.cancelled() else RuntimeError("read cancelled"))
+            else:
+                taken.set_result(done.result())
 
-        self._future = self._pool.submit(read)
+        def after_before() -> None:
+            try:
+                before()
+            except BaseException as err:  # noqa: BLE001 - the read's error, as a read's would be
+                taken.set_exception(err)
+                return
+            ahead.add_done_callback(hand_over)
+
+        self._pool.submit(after_before)
 
     def read_ahead(self, indices: np.ndarray) -> None:
         """Read ``indices`` (the next step's first batch, as far as this step's plan tells) now,

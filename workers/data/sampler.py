@@ -92,7 +92,8 @@ class ShardSampler:
         positions = np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi in bounds]) if bounds else np.zeros(0, np.int64)
         epochs, offsets = np.divmod(positions, self.num_samples)
         out = np.empty(len(positions), dtype=np.int64)
-        if len(positions) and epochs[0] == epochs[-1]:  # the common case: one epoch
+        # The common case: one epoch (shards may come in any order, so not first against last).
+        if len(positions) and epochs.min() == epochs.max():
             return epoch_order(self.shuffle, self.num_samples, self.seed, int(epochs[0])).at(offsets)
         for epoch in np.unique(epochs):
             mask = epochs == epoch
