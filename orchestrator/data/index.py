@@ -27,7 +27,7 @@ from jobspec.fields import ConfigError, first_line
 from jobspec.recipe import DataSource
 from jobspec.redaction import redact, redact_all
 from workers.data.files import file_spec
-from workers.data.formats import FORMATS, DataFileError, filesystem_of
+from workers.data.formats import FORMATS, WITH_AUTHORITY, DataFileError, filesystem_of
 
 GLOB_CHARS = "*?["
 #: Files described per Ray task: a task costs ~ms to schedule, a small file's description less.
@@ -35,8 +35,8 @@ FILES_PER_TASK = 16
 
 
 def _split(entry: str) -> tuple[str, str, str]:
-    """(scheme and credentials, path, query) of a path or URI: ``s3://k:s@b/x?q`` ->
-    (``s3://k:s@``, ``b/x``, ``?q``); a local path is ("", its absolute path, ""): workers may
+    """(scheme, credentials and server, path, query) of a path or URI: ``s3://k:s@b/x?q`` ->
+    (``s3://k:s@``, ``b/x``, ``?q``), ``hdfs://nn:8020/x`` -> (``hdfs://nn:8020``, ``/x``, ""); a local path is ("", its absolute path, ""): workers may
     run in another directory than the driver."""
     if "://" not in entry:
         return "", os.path.abspath(entry), ""
@@ -46,7 +46,11 @@ def _split(entry: str) -> tuple[str, str, str]:
     if "@" in rest.split("/", 1)[0]:
         credentials, rest = rest.split("@", 1)
         credentials += "@"
-    return f"{scheme}://{credentials}", rest, f"?{query}" if query else ""
+    authority = ""
+    if scheme in WITH_AUTHORITY:  # hdfs://namenode:port/path: listings give /path
+        authority, _, rest = rest.partition("/")
+        rest = "/" + rest
+    return f"{scheme}://{credentials}{authority}", rest, f"?{query}" if query else ""
 
 
 def _stat(uri: str) -> pyarrow.fs.FileInfo:

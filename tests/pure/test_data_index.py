@@ -111,3 +111,13 @@ def test_npy_files_of_other_row_shapes_are_refused_naming_one(tmp_path: Path):
     np.save(tmp_path / "b.npy", np.zeros((4, 6), dtype=np.int32))
     with pytest.raises(ConfigError, match=r"b.npy holds rows of 6 <i4 items, other files another shape"):
         build_index(DatasetSpec(files=str(tmp_path / "*.npy"), format="npy"), "dataset", 30)
+
+
+def test_uris_split_into_their_filesystem_and_the_path_listings_give():
+    """The part of a URI its filesystem's listings leave out (scheme, credentials, an HDFS
+    namenode), the path they give, and the query, put back on each file found."""
+    from orchestrator.data.index import _split
+
+    assert _split("s3://k:s@bucket/t/*.bin?endpoint_override=h:1") == ("s3://k:s@", "bucket/t/*.bin", "?endpoint_override=h:1")
+    assert _split("hdfs://namenode:8020/corpus/*.bin") == ("hdfs://namenode:8020", "/corpus/*.bin", "")
+    assert _split("gs://bucket/x.npy") == ("gs://", "bucket/x.npy", "")

@@ -41,7 +41,7 @@ class DataFileError(ValueError):
 
 _LOCAL = pyarrow.fs.LocalFileSystem()
 #: Schemes whose URI names its server (``hdfs://namenode:port/path``): part of the filesystem.
-_WITH_AUTHORITY = ("hdfs", "viewfs")
+WITH_AUTHORITY = ("hdfs", "viewfs")
 
 
 _FILESYSTEMS: dict[tuple[str, str, str, str], pyarrow.fs.FileSystem] = {}
@@ -68,7 +68,7 @@ def filesystem_of(uri: str) -> tuple[pyarrow.fs.FileSystem, str]:
     if "@" in rest.split("/", 1)[0]:
         credentials, rest = rest.split("@", 1)
     authority = ""
-    if scheme in _WITH_AUTHORITY:
+    if scheme in WITH_AUTHORITY:
         authority, _, rest = rest.partition("/")
         rest = "/" + rest
     return _filesystem((scheme, credentials, authority, query), uri), rest
