@@ -93,7 +93,9 @@ def _defaults_overridden(raw: dict[str, Any], overrides: list[str]) -> dict[str,
     for section in {key[0] for key in keys if len(key) > 1} - set(raw):
         field = JobConfig.model_fields.get(section)
         default = field.default if field is not None else None
-        if isinstance(default, BaseModel) and not any(key[0] == section and key[1] in NEW_SOURCE for key in keys):
+        # A section set whole (``--set dataset={...}``) or given a new source starts from nothing.
+        fresh = any(key[0] == section and (len(key) == 1 or key[1] in NEW_SOURCE) for key in keys)
+        if isinstance(default, BaseModel) and not fresh:
             result[section] = default.model_dump(mode="json", exclude_unset=True)
     return result
 

@@ -46,6 +46,8 @@ def test_an_override_inside_a_default_section_keeps_the_rest_of_it():
     assert job.eval == JobConfig().eval.model_copy(update={"batch_size": 64})
     other = load_job(None, ["dataset.factory=tests.helpers.factories:make_broken_dataset"], resolve=False)
     assert other.dataset.kwargs == {}
+    whole = load_job(None, ["dataset={factory: tests.helpers.factories:make_broken_dataset}", "dataset.shuffle=permutation"])
+    assert whole.dataset.kwargs == {} and whole.dataset.shuffle == "permutation"
 
 
 def test_epochs_instead_of_steps():

@@ -112,8 +112,8 @@ def _assert_close_in_half_precision(got: dict, want: dict, name: str) -> None:
         torch.testing.assert_close(got[key], want[key], rtol=2e-2, atol=2e-3, msg=f"{name}: {key}")
 
 
-def _overflow_steps(job_steps: int, batch: int, shards: int, hot: int) -> list[int]:
-    sampler = ShardSampler(256, batch, shards, 0)
+def _overflow_steps(job_steps: int, batch: int, shards: int, hot: int, shuffle: str = "index") -> list[int]:
+    sampler = ShardSampler(256, batch, shards, 0, shuffle=shuffle)
     return [s for s in range(job_steps) if any(hot in sampler.shard_indices(s, k) for k in range(shards))]
 
 
@@ -136,22 +136,23 @@ def test_fp16_skips_an_overflowing_step_on_every_replica_alike(tmp_path):
 
 
 def test_fp16_loss_scale_and_trajectory_survive_a_sigkill_and_a_resume(tmp_path):
-    """Sample 0 (in steps 3, 9, 16 and 24) overflows at a loss scale of 2048 or more: from 8192
-    the scale backs off in steps 3, 9 and 16, and step 24 (at 1024) is applied. The kills (steps
-    5 and 18) and the resume (12) each come after another back-off. Only if the loss scale goes
-    with the state, to a replacement at its join and into the checkpoint and back, do the killed
-    and resumed run skip those same steps and end where one worker does."""
+    """Sample 0 (in steps 0, 10, 20 and 24) overflows at a loss scale of 2048 or more: from 8192
+    the scale backs off in steps 0, 10 and 20, and step 24 (at 1024) is applied. Only if the
+    loss scale goes with the state, to a replacement at its join and into the checkpoint and
+    back, do the killed and resumed run skip those same steps and end where one worker does.
+    The epochs are whole permutations (``dataset.shuffle: permutation``, a fixed order) so that
+    sample 0 stays in the steps the kills (5, 18) and the resume (12) are placed around."""
     job = (
         f"model={{factory: '{H}:make_regressor'}}", f"dataset={{factory: '{H}:make_overflow_dataset', kwargs: {{hot: null, warm: 0}}}}",
         "loss=mse", "precision=fp16", "loss_scaling={init: 8192, growth_interval: 1000}",
-        "batch_size=32", "shards=4", "checkpoint.every_steps=6",
+        "batch_size=32", "shards=4", "checkpoint.every_steps=6", "dataset.shuffle=permutation",
     )
-    assert _overflow_steps(25, 32, 4, hot=0) == [3, 9, 16, 24]
+    assert _overflow_steps(25, 32, 4, hot=0, shuffle="permutation") == [0, 10, 20, 24]
     reference = run(tmp_path, "one", "scaling.workers=1", *job)
     split = _split_run_with_kills(tmp_path, "split", *job)
     for result in (reference, split):
-        assert [s for s, e in _steps(result.run_dir).items() if e.get("skipped")] == [3, 9, 16]
-        assert all(r["skipped"] == (r["step"] in (3, 9, 16)) for r in read_telemetry(result.run_dir / "telemetry.jsonl"))
+        assert [s for s, e in _steps(result.run_dir).items() if e.get("skipped")] == [0, 10, 20]
+        assert all(r["skipped"] == (r["step"] in (0, 10, 20)) for r in read_telemetry(result.run_dir / "telemetry.jsonl"))
     _assert_close_in_half_precision(params(split.run_dir), params(reference.run_dir), "fp16 through a kill and a resume")
 
 
