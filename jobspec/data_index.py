@@ -7,9 +7,11 @@ files' samples laid end to end, in the order the files were listed (a glob's mat
 
 from __future__ import annotations
 
-import bisect
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -36,24 +38,27 @@ class DataIndex:
     files: tuple[IndexedFile, ...]
 
     def __post_init__(self) -> None:
-        starts, total = [], 0
-        for entry in self.files:
-            starts.append(total)
-            total += entry.samples
-        object.__setattr__(self, "_starts", starts)
-        object.__setattr__(self, "_total", total)
+        counts = np.array([entry.samples for entry in self.files], dtype=np.int64)
+        object.__setattr__(self, "_starts", np.cumsum(counts) - counts)  # where each file's samples start
+        object.__setattr__(self, "_total", int(counts.sum()))
 
     @property
     def samples(self) -> int:
         return self._total  # type: ignore[attr-defined]
 
+    def locate_all(self, samples: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(the number of the file holding each of ``samples``, its row there), int64 arrays.
+        Raises IndexError if one is outside ``[0, samples)``."""
+        wanted = np.asarray(samples, dtype=np.int64)
+        if len(wanted) and (wanted.min() < 0 or wanted.max() >= self.samples):
+            raise IndexError(f"samples {list(samples)} of {self.samples}")
+        files = np.searchsorted(self._starts, wanted, side="right") - 1  # type: ignore[attr-defined]
+        return files, wanted - self._starts[files]  # type: ignore[attr-defined]
+
     def locate(self, sample: int) -> tuple[IndexedFile, int]:
-        """The file holding ``sample`` and its row there. Raises IndexError outside
-        ``[0, samples)``."""
-        if not 0 <= sample < self.samples:
-            raise IndexError(f"sample {sample} of {self.samples}")
-        at = bisect.bisect_right(self._starts, sample) - 1  # type: ignore[attr-defined]
-        return self.files[at], sample - self._starts[at]  # type: ignore[attr-defined]
+        """The file holding ``sample`` and its row there (``locate_all`` of one)."""
+        files, rows = self.locate_all([sample])
+        return self.files[int(files[0])], int(rows[0])
 
     def to_json(self) -> dict[str, Any]:
         return {"format": self.format, "spec": self.spec, "files": [asdict(f) for f in self.files]}

@@ -26,7 +26,6 @@ class IndexedFiles(Dataset):
     def __init__(self, index: DataIndex) -> None:
         self.index = index
         self.format = FORMATS[index.format]
-        self.starts = np.cumsum([0] + [entry.samples for entry in index.files[:-1]], dtype=np.int64)
 
     def __len__(self) -> int:
         return self.index.samples
@@ -39,15 +38,11 @@ class IndexedFiles(Dataset):
         """``samples`` read together (torch's batched fetch): where every file they are in has
         a rows view (local token and .npy files), gathered from the views at numpy's speed;
         else one by one."""
-        wanted = np.asarray(samples, dtype=np.int64)
-        if len(wanted) and (wanted.min() < 0 or wanted.max() >= self.index.samples):
-            raise IndexError(f"samples {samples} of {self.index.samples}")
-        files = np.searchsorted(self.starts, wanted, side="right") - 1
-        rows = (wanted - self.starts[files]).tolist()
-        views = {number: self.format.rows_view(self.index.files[number], self.index.spec) for number in set(files.tolist())}
+        numbers, rows = (found.tolist() for found in self.index.locate_all(samples))
+        views = {number: self.format.rows_view(self.index.files[number], self.index.spec) for number in set(numbers)}
         if all(view is not None for view in views.values()):
-            return as_samples(np.stack([views[f][r] for f, r in zip(files.tolist(), rows)]))  # type: ignore[index]
-        return [self.format.read(self.index.files[f], r, self.index.spec) for f, r in zip(files.tolist(), rows)]
+            return as_samples(np.stack([views[f][r] for f, r in zip(numbers, rows)]))  # type: ignore[index]
+        return [self.format.read(self.index.files[f], r, self.index.spec) for f, r in zip(numbers, rows)]
 
 
 def open_source(source: DataSource, index: DataIndex | None) -> Dataset:
