@@ -27,7 +27,7 @@ from jobspec.fields import ConfigError, first_line
 from jobspec.recipe import DataSource
 from jobspec.redaction import redact, redact_all
 from workers.data.files import file_spec
-from workers.data.formats import FORMATS, WITH_AUTHORITY, DataFileError, filesystem_of
+from workers.data.formats import FORMATS, DataFileError, filesystem_of, split_uri
 
 GLOB_CHARS = "*?["
 #: Files described per Ray task: a task costs ~ms to schedule, a small file's description less.
@@ -35,22 +35,10 @@ FILES_PER_TASK = 16
 
 
 def _split(entry: str) -> tuple[str, str, str]:
-    """(scheme, credentials and server, path, query) of a path or URI: ``s3://k:s@b/x?q`` ->
-    (``s3://k:s@``, ``b/x``, ``?q``), ``hdfs://nn:8020/x`` -> (``hdfs://nn:8020``, ``/x``, ""); a local path is ("", its absolute path, ""): workers may
-    run in another directory than the driver."""
-    if "://" not in entry:
-        return "", os.path.abspath(entry), ""
-    scheme, rest = entry.split("://", 1)
-    rest, query = (rest.split("?", 1) + [""])[:2]
-    credentials = ""
-    if "@" in rest.split("/", 1)[0]:
-        credentials, rest = rest.split("@", 1)
-        credentials += "@"
-    authority = ""
-    if scheme in WITH_AUTHORITY:  # hdfs://namenode:port/path: listings give /path
-        authority, _, rest = rest.partition("/")
-        rest = "/" + rest
-    return f"{scheme}://{credentials}{authority}", rest, f"?{query}" if query else ""
+    """``split_uri`` of ``entry``, a local path made absolute: workers may run in another
+    directory than the driver."""
+    prefix, path, query = split_uri(entry)
+    return (prefix, path, query) if prefix else ("", os.path.abspath(entry), "")
 
 
 def _stat(uri: str) -> pyarrow.fs.FileInfo:

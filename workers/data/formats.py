@@ -44,34 +44,41 @@ _LOCAL = pyarrow.fs.LocalFileSystem()
 WITH_AUTHORITY = ("hdfs", "viewfs")
 
 
-_FILESYSTEMS: dict[tuple[str, str, str, str], pyarrow.fs.FileSystem] = {}
+_FILESYSTEMS: dict[tuple[str, str], pyarrow.fs.FileSystem] = {}
 _FILESYSTEMS_LOCK = threading.Lock()
 
 
-def _filesystem(key: tuple[str, str, str, str], uri: str) -> pyarrow.fs.FileSystem:
-    """The filesystem of ``key`` (scheme, credentials, server, query), made from ``uri`` once."""
-    with _FILESYSTEMS_LOCK:
-        if key not in _FILESYSTEMS:
-            _FILESYSTEMS[key] = pyarrow.fs.FileSystem.from_uri(uri)[0]
-        return _FILESYSTEMS[key]
+def split_uri(uri: str) -> tuple[str, str, str]:
+    """(the part naming the filesystem: scheme, credentials and, for hdfs, the server; the path
+    on it, as its listings give it; the query) of a URI: ``s3://k:s@b/x?q`` -> (``s3://k:s@``,
+    ``b/x``, ``?q``), ``hdfs://nn:8020/x`` -> (``hdfs://nn:8020``, ``/x``, ""); a local path is
+    ("", the path, "")."""
+    if "://" not in uri:
+        return "", uri, ""
+    scheme, rest = uri.split("://", 1)
+    rest, _, query = rest.partition("?")
+    credentials = ""
+    if "@" in rest.split("/", 1)[0]:
+        credentials, rest = rest.split("@", 1)
+        credentials += "@"
+    authority = ""
+    if scheme in WITH_AUTHORITY:  # hdfs://namenode:port/path: listings give /path
+        authority, _, rest = rest.partition("/")
+        rest = "/" + rest
+    return f"{scheme}://{credentials}{authority}", rest, f"?{query}" if query else ""
 
 
 def filesystem_of(uri: str) -> tuple[pyarrow.fs.FileSystem, str]:
     """The filesystem holding ``uri`` (a local path or a URI pyarrow understands) and the path
     on it. One filesystem per scheme, credentials, server and query (they hold connections, and
     are safe to share between threads), whatever the bucket and key."""
-    if "://" not in uri:
+    prefix, path, query = split_uri(uri)
+    if not prefix:
         return _LOCAL, uri
-    scheme, rest = uri.split("://", 1)
-    rest, _, query = rest.partition("?")
-    credentials = ""
-    if "@" in rest.split("/", 1)[0]:
-        credentials, rest = rest.split("@", 1)
-    authority = ""
-    if scheme in WITH_AUTHORITY:
-        authority, _, rest = rest.partition("/")
-        rest = "/" + rest
-    return _filesystem((scheme, credentials, authority, query), uri), rest
+    with _FILESYSTEMS_LOCK:
+        if (prefix, query) not in _FILESYSTEMS:
+            _FILESYSTEMS[prefix, query] = pyarrow.fs.FileSystem.from_uri(uri)[0]
+        return _FILESYSTEMS[prefix, query], path
 
 
 def read_range(uri: str, offset: int, length: int) -> bytes | memoryview:
