@@ -25,6 +25,7 @@ import torch
 
 from benchmarks.throughput import read_run, run_ringleader
 from benchmarks.workloads import workload_job
+from jobspec.data_index import DataIndex
 from jobspec.recipe import DatasetSpec
 from jobspec.step_record import read_telemetry
 from orchestrator.data.index import build_index, checked_index
@@ -78,9 +79,13 @@ def ringleader_reader_rate(data: IndexedFiles, batch: int, shards: int, samples:
     return read / (time.perf_counter() - started)
 
 
-def reader_figures(directory: Path, seq_len: int, batch: int, shards: int, samples: int, rounds: int) -> dict[str, Any]:
-    paths = sorted(directory.glob("*.bin"))
-    index = build_index(DatasetSpec(files=str(directory / "*.bin"), format="tokens", seq_len=seq_len), "dataset", 300)
+def token_index(directory: Path, seq_len: int) -> DataIndex:
+    """The index a job reading ``directory``'s token files in samples of ``seq_len`` builds."""
+    return build_index(DatasetSpec(files=str(directory / "*.bin"), format="tokens", seq_len=seq_len), "dataset", 300)
+
+
+def reader_figures(index: DataIndex, batch: int, shards: int, samples: int, rounds: int) -> dict[str, Any]:
+    paths, seq_len = [Path(entry.uri) for entry in index.files], index.spec["seq_len"]
     data = IndexedFiles(index)
     plain, ours = [], []
     for _ in range(rounds):
@@ -93,8 +98,7 @@ def reader_figures(directory: Path, seq_len: int, batch: int, shards: int, sampl
     }
 
 
-def resume_figures(directory: Path, seq_len: int, batch: int, shards: int) -> dict[str, Any]:
-    index = build_index(DatasetSpec(files=str(directory / "*.bin"), format="tokens", seq_len=seq_len), "dataset", 300)
+def resume_figures(index: DataIndex, batch: int, shards: int) -> dict[str, Any]:
     started = time.perf_counter()
     checked_index(index, "dataset")
     check_s = time.perf_counter() - started
@@ -141,9 +145,10 @@ def main(tokens: int, shard_tokens: int, seq_len: int, samples: int, rounds: int
     with tempfile.TemporaryDirectory(prefix="rl-data-bench-") as scratch:
         directory = Path(scratch) / "tokens"
         write_token_dir(directory, tokens, shard_tokens)
+        index = token_index(directory, seq_len)
         figures = {
-            "reader": reader_figures(directory, seq_len, batch=32, shards=8, samples=samples, rounds=rounds),
-            "resume": resume_figures(directory, seq_len, batch=32, shards=8),
+            "reader": reader_figures(index, batch=32, shards=8, samples=samples, rounds=rounds),
+            "resume": resume_figures(index, batch=32, shards=8),
             "data_wait": data_wait_figures(directory, workers, steps, Path(scratch)),
         }
     print(format_figures(figures))

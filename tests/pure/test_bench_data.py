@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.data import RESUME_SAMPLES, format_figures, reader_figures, resume_figures, write_token_dir
+from benchmarks.data import RESUME_SAMPLES, format_figures, reader_figures, resume_figures, token_index, write_token_dir
 from ringleader.cli_bench import add_bench_commands
 
 
@@ -13,10 +13,11 @@ def test_the_reader_and_resume_figures_are_measured_on_real_files(tmp_path):
     paths = write_token_dir(tmp_path / "tokens", tokens=50_000, shard_tokens=16_384)
     assert [p.stat().st_size for p in paths] == [32_768, 32_768, 32_768, 2 * (50_000 - 3 * 16_384)]
     assert np.fromfile(paths[0], dtype="<u2").max() < 256
-    reader = reader_figures(tmp_path / "tokens", seq_len=64, batch=8, shards=4, samples=200, rounds=1)
+    index = token_index(tmp_path / "tokens", seq_len=64)
+    reader = reader_figures(index, batch=8, shards=4, samples=200, rounds=1)
     assert reader["samples"] == sum(p.stat().st_size // 2 // 64 for p in paths) and reader["files"] == 4
     assert reader["plain_samples_per_s"] > 0 and reader["ringleader_samples_per_s"] > 0
-    resume = resume_figures(tmp_path / "tokens", seq_len=64, batch=8, shards=4)
+    resume = resume_figures(index, batch=8, shards=4)
     assert resume["files"] == 4 and resume["index_check_s"] > 0
     assert set(resume["first_shard_indices_s"]) == {"step_0", "after_1e6_samples"} and RESUME_SAMPLES == 10**6
     wait = {"workers": 2, "steps": 10, "status": "finished", "data_wait_fraction": 0.004}
