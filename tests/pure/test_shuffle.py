@@ -68,7 +68,7 @@ def test_a_dataset_of_ten_billion_samples_costs_no_more_memory_than_one_of_a_tho
     assert huge <= max(2 * small, small + 4096), (small, huge)
     # The control: whole-epoch permutations grow with the dataset (8 bytes a sample; 80 GB at
     # 10^10, so measured at 10^6).
-    shuffle._epoch_permutation.cache_clear()
+    shuffle.epoch_order.cache_clear()
     whole = _peak_bytes(ShardSampler(10**6, 256, 8, seed=1, shuffle="permutation"))
     assert whole > 8 * 10**6, whole
 

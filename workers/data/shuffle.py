@@ -84,20 +84,14 @@ class IndexShuffle:
         return out.astype(np.int64)
 
 
-@lru_cache(maxsize=4)
-def _epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-    rng = np.random.Generator(np.random.PCG64([seed & 0xFFFFFFFF, epoch]))
-    perm = rng.permutation(n)
-    perm.setflags(write=False)
-    return perm
-
-
 class EpochPermutation:
-    """``permutation``: the whole epoch's order drawn at once (8 bytes per sample, cached for
-    the last 4 epochs asked)."""
+    """``permutation``: the whole epoch's order drawn at once (8 bytes per sample; kept while
+    ``epoch_order`` keeps this order)."""
 
     def __init__(self, n: int, seed: int, epoch: int) -> None:
-        self.permutation = _epoch_permutation(seed, epoch, n)
+        rng = np.random.Generator(np.random.PCG64([seed & 0xFFFFFFFF, epoch]))
+        self.permutation = rng.permutation(n)
+        self.permutation.setflags(write=False)
 
     def at(self, positions: np.ndarray) -> np.ndarray:
         return self.permutation[positions]
