@@ -30,7 +30,8 @@ FileFormatName = Literal["tokens", "npy", "parquet", "jsonl"]
 class DataSource(StrictModel):
     """What the training and the eval data share: where the samples come from, a dataset
     factory (``factory``, ``kwargs``) or indexed files (``files``, ``format``, ``dtype``,
-    ``seq_len``, ``column``), and ``collate``, how samples become a batch (see ``DatasetSpec``)."""
+    ``seq_len``, ``column``) or a Ray Data stream (``ray_data``, ``kwargs``, ``column``,
+    ``ahead_steps``), and ``collate``, how samples become a batch (see ``DatasetSpec``)."""
 
     factory: ImportTarget | None = None
     kwargs: Kwargs = Field(default_factory=dict)
@@ -39,14 +40,19 @@ class DataSource(StrictModel):
     dtype: Literal["uint16", "uint32"] = "uint16"
     seq_len: int | None = Field(None, ge=1)
     column: str | None = None
+    ray_data: ImportTarget | None = None
+    ahead_steps: int = Field(4, ge=1, le=64, description="a ray_data stream's steps held in the object store at most")
     collate: ImportTarget | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> "DataSource":
-        if (self.factory is None) == (self.files is None):
+        if sum(source is not None for source in (self.factory, self.files, self.ray_data)) != 1:
             raise ValueError(
-                "set exactly one of 'factory' (a dataset factory) and 'files' (a glob or list of paths or URIs)"
+                "set exactly one of 'factory' (a dataset factory), 'files' (a glob or list of paths or URIs) "
+                "and 'ray_data' (a function returning a ray.data.Dataset)"
             )
+        if self.ray_data is not None and self.format is not None:
+            raise ValueError("'format' goes with 'files'; a 'ray_data' stream's rows are what its dataset yields")
         if self.files is None:
             return self
         if self.files == [] or self.files == "":
@@ -63,7 +69,7 @@ class DataSource(StrictModel):
 
 
 #: Each epoch's order (``workers/data/shuffle.py``, ``DatasetSpec``).
-Shuffle = Literal["index", "permutation"]
+Shuffle = Literal["index", "permutation", "none"]
 
 
 class DatasetSpec(DataSource):
@@ -86,9 +92,33 @@ class DatasetSpec(DataSource):
     row or line: its ``column`` or field). An index of the files (their sizes, versions and
     sample counts) is built once, in parallel on the cluster, and kept in the run directory; a
     resumed run whose files changed is refused. Each worker reads only its shards' samples,
-    straight from storage."""
+    straight from storage.
+
+    A Ray Data stream: ``ray_data``, a function (``module:function`` or a callable, called with
+    ``kwargs``) returning a ``ray.data.Dataset``. It runs in a feeder actor, in a deterministic
+    order (``preserve_order`` is set; a shuffle without a seed is refused), every epoch the same
+    rows in the same order (shuffle in the pipeline, with a seed; ``shuffle`` is ``none``).
+    A sample is a row: its ``column`` as a tensor, or without one a dict of its columns. Rows
+    are cut into chunks held in Ray's object store, at most about ``ahead_steps`` steps' worth at
+    once; workers take theirs by reference (``docs/data.md``, "Ray Data")."""
 
     shuffle: Shuffle = "index"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_order(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("ray_data") is not None and "shuffle" not in data:
+            return {**data, "shuffle": "none"}
+        return data
+
+    @model_validator(mode="after")
+    def _stream_unshuffled(self) -> "DatasetSpec":
+        if self.ray_data is not None and self.shuffle != "none":
+            raise ValueError(
+                f"'shuffle: {self.shuffle}' needs samples read by index; a 'ray_data' stream is read in its own "
+                "order: shuffle in its pipeline (with a seed) and leave 'shuffle' unset"
+            )
+        return self
 
 
 class EvalSpec(DataSource):

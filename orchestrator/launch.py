@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from jobspec.data_index import DataIndex
+from jobspec.stream import DataFeed
 from jobspec.fields import ConfigError, first_line
 from jobspec.job import JobConfig
 from jobspec.recipe import BUILTIN_LOSSES
@@ -312,12 +312,21 @@ def run_job(
         run.save_job(job.model_dump(mode="json", exclude_unset=True))
 
         from orchestrator.data.index import run_indexes
+        from orchestrator.data.streams import fed_streams
 
-        indexes = run_indexes(
-            {"dataset": job.dataset, "eval": job.eval}, run.path, resuming, job.timeouts.start_s,
-            lambda message: run.event("data_index", message=message),
-        )
-        group, chaos = _worker_group(job, run, session, local_nodes, within, warn, indexes)
+        def noted(message: str) -> None:
+            run.event("data_index", message=message)
+
+        data: dict[str, DataFeed] = {
+            **run_indexes({"dataset": job.dataset, "eval": job.eval}, run.path, resuming, job.timeouts.start_s, noted)
+        }
+        # A stream's chunk is a shard's rows (a step's for eval, which reads a batch at a time).
+        streams = {
+            "dataset": (job.dataset, job.batch_size, max(1, job.batch_size // job.shards)),
+            "eval": (job.eval, job.eval.batch_size, job.eval.batch_size) if job.eval is not None else (None, 1, 1),
+        }
+        data.update(held.enter_context(fed_streams(streams, run.path, resuming, job.timeouts.start_s, noted)))
+        group, chaos = _worker_group(job, run, session, local_nodes, within, warn, data)
         store = driver_store(job.timeouts.rendezvous_s, job.stragglers.claim_store_count(job.scaling.max_workers))
         try:
             controller = JobController(
@@ -351,7 +360,7 @@ def _run_directory(
 
 def _worker_group(
     job: JobConfig, run: RunDirectory, session: RaySession, local_nodes: int, within: PlacementGroup | None,
-    warn: Callable[[str], None], data: dict[str, DataIndex],
+    warn: Callable[[str], None], data: dict[str, DataFeed],
 ) -> tuple[RayWorkerGroup, ChaosControl]:
     """The job's Ray worker group (in ``within``, if given; its workers reading the file sources
     ``data`` indexes) and the driver's half of its chaos, both recording into ``run``; a wait for

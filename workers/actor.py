@@ -23,10 +23,10 @@ import ray
 import torch
 
 from jobspec.chaos import KillPoint
-from jobspec.data_index import DataIndex
 from jobspec.failures import CollectiveAborted, CollectiveTimeout, ShardCensusError
 from jobspec.job import JobConfig
 from jobspec.step_record import StepRecord
+from jobspec.stream import DataFeed
 from jobspec.targets import optional_callable
 from jobspec.wire import (
     Joined,
@@ -97,10 +97,10 @@ class TrainWorker:
 
     def __init__(
         self, job: JobConfig, worker_id: int = 0, device: torch.device | None = None,
-        data: dict[str, DataIndex] | None = None,
+        data: dict[str, DataFeed] | None = None,
     ) -> None:
         self.job = job
-        self.data = data or {}  # the indexes of the job's file sources, by name (orchestrator/data/index.py)
+        self.data = data or {}  # by source name: file indexes, stream feeders (orchestrator/data/)
         self.worker_id = worker_id
         # The GPU Ray assigned (cuda:0 here, as Ray narrows CUDA_VISIBLE_DEVICES to it), made
         # current on this thread before any CUDA work; compute methods make it current on theirs.

@@ -36,7 +36,11 @@ def trajectory_config(job: JobConfig) -> dict[str, Any]:
         del config["dataset"]["collate"]
     if config["dataset"]["shuffle"] == "permutation":  # the one order before ``shuffle`` existed
         del config["dataset"]["shuffle"]
-    for key, default in (("files", None), ("format", None), ("dtype", "uint16"), ("seq_len", None), ("column", None)):
+    # How far ahead a stream's feeder holds rows moves no sample.
+    del config["dataset"]["ahead_steps"]
+    for key, default in (
+        ("files", None), ("format", None), ("dtype", "uint16"), ("seq_len", None), ("column", None), ("ray_data", None),
+    ):
         if config["dataset"][key] == default:
             del config["dataset"][key]
     if "files" in config["dataset"]:  # credentials may rotate; the data itself is guarded by its index

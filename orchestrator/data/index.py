@@ -34,7 +34,7 @@ GLOB_CHARS = "*?["
 FILES_PER_TASK = 16
 
 
-def _refused(field: str, problem: str) -> ConfigError:
+def refused(field: str, problem: str) -> ConfigError:
     """The one line a bad data source is refused with, naming its field."""
     return ConfigError(f"invalid job: field '{field}': {problem}")
 
@@ -67,13 +67,13 @@ def expand(files: str | Sequence[str], field: str) -> list[str]:
             else:
                 info = _stat(entry)
                 if info.type == pyarrow.fs.FileType.NotFound:
-                    raise _refused(field, f"{redact(entry)} does not exist")
+                    raise refused(field, f"{redact(entry)} does not exist")
                 directory = info.type == pyarrow.fs.FileType.Directory
                 matches = sorted(_listing(prefix + path + query)) if directory else [path]
         except (OSError, pyarrow.ArrowException) as err:  # pyarrow's text may repeat the URI: masked
-            raise _refused(field, f"cannot list {redact(entry)} ({redact(str(err))})") from None
+            raise refused(field, f"cannot list {redact(entry)} ({redact(str(err))})") from None
         if not matches:
-            raise _refused(field, f"{redact(entry)} matches no file")
+            raise refused(field, f"{redact(entry)} matches no file")
         uris += [prefix + match + query for match in matches]
     return uris
 
@@ -154,16 +154,16 @@ def build_index(source: DataSource, name: str, timeout_s: float) -> DataIndex:
     try:
         files = _describe_in_parallel(uris, source.format, spec, timeout_s)
     except DataFileError as err:
-        raise _refused(f"{name}.files", str(err)) from None
+        raise refused(f"{name}.files", str(err)) from None
     empty = next((entry for entry in files if entry.samples == 0), None)
     if empty is not None:
         window = f" of seq_len {source.seq_len}" if source.seq_len else ""
-        raise _refused(f"{name}.files", f"{redact(empty.uri)} ({empty.bytes} bytes) holds no sample{window}")
+        raise refused(f"{name}.files", f"{redact(empty.uri)} ({empty.bytes} bytes) holds no sample{window}")
     # Samples of every file are batched together: .npy rows of one dtype and width only.
     shape = [(entry.layout.get("dtype"), entry.layout.get("row_items")) for entry in files]
     odd = next((entry for entry, found in zip(files, shape) if found != shape[0]), None)
     if odd is not None:
-        raise _refused(
+        raise refused(
             f"{name}.files", f"{redact(odd.uri)} holds rows of {odd.layout.get('row_items')} "
             f"{odd.layout.get('dtype')} items, other files another shape or type: samples of one source must stack"
         )
@@ -178,13 +178,13 @@ def checked_index(saved: DataIndex, name: str) -> DataIndex:
             info = _stat(entry.uri)
         except OSError as err:
             problem = f"{redact(entry.uri)}: cannot read it ({redact(first_line(err))})"
-            raise _refused(f"{name}.files", problem) from None
+            raise refused(f"{name}.files", problem) from None
         if info.type != pyarrow.fs.FileType.File:
-            raise _refused(f"{name}.files", f"{redact(entry.uri)} is gone since the run indexed it")
+            raise refused(f"{name}.files", f"{redact(entry.uri)} is gone since the run indexed it")
         now = IndexedFile(entry.uri, info.size, info.mtime_ns or 0, entry.samples)
         found = changes(entry, now)
         if found:
-            raise _refused(
+            raise refused(
                 f"{name}.files", f"{redact(entry.uri)} changed since the run indexed it "
                 f"({', '.join(found)}); a run resumes only on the data it started with"
             )
@@ -199,7 +199,7 @@ def _with_credentials(saved: DataIndex, source: DataSource, name: str) -> DataIn
     files = []
     for entry in saved.files:
         if entry.uri not in now:
-            raise _refused(f"{name}.files", f"{entry.uri} is gone since the run indexed it (or no longer listed)")
+            raise refused(f"{name}.files", f"{entry.uri} is gone since the run indexed it (or no longer listed)")
         files.append(replace(entry, uri=now[entry.uri]))
     return replace(saved, files=tuple(files))
 

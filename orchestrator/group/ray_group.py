@@ -12,9 +12,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from jobspec.data_index import DataIndex
 from jobspec.job import JobConfig
 from jobspec.runtime import ScalingConfig
+from jobspec.stream import DataFeed
 from jobspec.wire import JoinRequest, Progress, SnapshotOrder, SnapshotRequest, StepTelemetry, WorkerInfo
 from orchestrator.group.interface import Call, Submitted, WorkerGroupError
 from orchestrator.group.membership import Membership
@@ -83,11 +83,11 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         on_wait: Callable[[str], None] = lambda message: None,
         within: PlacementGroup | None = None,
         on_collective: Callable[[CollectiveChoice], None] = lambda choice: None,
-        data: dict[str, DataIndex] | None = None,
+        data: dict[str, DataFeed] | None = None,
     ) -> None:
         """``within``: a placement group reserved for the job by someone else (a Tune trial's;
         see ``SlotPlacement``). ``on_collective`` is told what ``collective.algorithm: auto``
-        chose at each group formation. ``data``: the indexes of the job's file sources, put in
+        chose at each group formation. ``data``: the indexes of the job's file sources and the feeders of its streams, put in
         Ray's object store once for every actor to take."""
         super().__init__(job.scaling)
         self.job = job

@@ -78,15 +78,17 @@ def consumed(params: Mapping[str, torch.Tensor]) -> np.ndarray:
     return ledger
 
 
-def expected(steps: int, seed: int = 0, shuffle: str = "index") -> np.ndarray:
+def expected(steps: int, seed: int = 0, shuffle: str = "index", stream: np.ndarray | None = None) -> np.ndarray:
     """The ledger of a run of ``steps`` full steps that read every sample exactly as the source
-    orders them."""
+    orders them: files in the epoch order ``shuffle`` names; a stream (the ids a pass yields,
+    in order) the same in every epoch."""
     ledger = np.zeros(SAMPLES, np.int64)
     for step in range(steps):
         positions = np.arange(step * BATCH, (step + 1) * BATCH)
         for epoch in np.unique(positions // SAMPLES):
             offsets = positions[positions // SAMPLES == epoch] % SAMPLES
-            np.add.at(ledger, epoch_order(shuffle, SAMPLES, seed, int(epoch)).at(offsets), 2**step)
+            ids = stream[offsets] if stream is not None else epoch_order(shuffle, SAMPLES, seed, int(epoch)).at(offsets)
+            np.add.at(ledger, ids, 2**step)
     return ledger
 
 

@@ -11,7 +11,9 @@ from torch.utils.data import Dataset
 from jobspec import targets as factories
 from jobspec.data_index import DataIndex
 from jobspec.recipe import DataSource
+from jobspec.stream import DataFeed, FedStream
 from workers.data.formats import FORMATS, as_samples
+from workers.data.stream import StreamRows
 
 
 def file_spec(source: DataSource) -> dict[str, Any]:
@@ -45,11 +47,16 @@ class IndexedFiles(Dataset):
         return [self.format.read(self.index.files[f], r, self.index.spec) for f, r in zip(numbers, rows)]
 
 
-def open_source(source: DataSource, index: DataIndex | None) -> Dataset:
-    """``source``'s dataset: its factory's, or its files' as ``index`` (built by the driver for
-    this source) lists them. Raises ValueError if a file source comes without its index."""
-    if source.files is None:
+def open_source(source: DataSource, fed: DataFeed | None) -> Dataset:
+    """``source``'s dataset: its factory's, its files' as ``fed`` (their index, built by the
+    driver for this source) lists them, or its Ray Data stream's rows as ``fed`` (its feeder)
+    serves them. Raises ValueError if a file or stream source comes without what feeds it."""
+    if source.factory is not None:
         return factories.build(source.factory, source.kwargs)
-    if index is None:
+    if source.files is not None and isinstance(fed, DataIndex):
+        return IndexedFiles(fed)
+    if source.ray_data is not None and isinstance(fed, FedStream):
+        return StreamRows(fed)
+    if source.files is not None:
         raise ValueError(f"the files {source.files!r} come without their index (built by the driver)")
-    return IndexedFiles(index)
+    raise ValueError(f"the stream {source.ray_data!r} comes without its feeder (started by the driver)")

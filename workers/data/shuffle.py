@@ -97,8 +97,19 @@ class EpochPermutation:
         return self.permutation[positions]
 
 
+class SourceOrder:
+    """``none``: every epoch in the source's own order (a Ray Data stream's, which shuffles in
+    its pipeline if at all)."""
+
+    def __init__(self, n: int, seed: int, epoch: int) -> None:
+        pass
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        return np.asarray(positions, dtype=np.int64)
+
+
 #: ``dataset.shuffle``'s names.
-ORDERS: dict[str, type[EpochOrder]] = {"index": IndexShuffle, "permutation": EpochPermutation}
+ORDERS: dict[str, type[EpochOrder]] = {"index": IndexShuffle, "permutation": EpochPermutation, "none": SourceOrder}
 
 
 @lru_cache(maxsize=4)  # a step spans at most two epochs; a permutation's array is held by its order

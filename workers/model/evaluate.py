@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from jobspec import targets as factories
-from jobspec.data_index import DataIndex
+from jobspec.stream import DataFeed
 from workers.data.batches import fetch_batch, move_to
 from workers.data.files import open_source
 from workers.model.objective import Objective
@@ -21,16 +21,16 @@ if TYPE_CHECKING:
 
 
 def evaluate_job(
-    model: torch.nn.Module, job: JobConfig, objective: Objective, index: DataIndex | None = None
+    model: torch.nn.Module, job: JobConfig, objective: Objective, fed: DataFeed | None = None
 ) -> dict[str, float]:
     """``evaluate_model`` on the job's eval dataset, as its ``eval`` spec says (its collate, or
-    the training dataset's; its metrics and batch; the job's precision; ``index``: its files'
-    index, for files); {} without one."""
+    the training dataset's; its metrics and batch; the job's precision; ``fed``: its files'
+    index or its stream's feeder); {} without one."""
     spec = job.eval
     if spec is None:
         return {}
     return evaluate_model(
-        model, open_source(spec, index), objective, batch=spec.batch_size,
+        model, open_source(spec, fed), objective, batch=spec.batch_size,
         collate=factories.optional_callable(spec.collate or job.dataset.collate),
         metrics=factories.optional_callable(spec.metrics), precision=job.precision,
     )

@@ -1,0 +1,102 @@
+"""A job's Ray Data streams on the driver's side: each ``ray_data`` source built (a lazy plan,
+checked for a deterministic order), its feeder actor started and its rows counted, the count
+kept in the run directory (a resumed run whose stream changed length is refused), and at the
+end the feeders' figures recorded and the feeders stopped. The driver never touches a row."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from jobspec import targets as factories
+from jobspec.durable import write_atomic
+from jobspec.recipe import DataSource
+from jobspec.stream import FedStream
+from orchestrator.data.feeder import StreamFeeder, unseeded_shuffles
+from orchestrator.data.index import refused
+
+
+def stream_path(run_dir: Path, name: str) -> Path:
+    return run_dir / "data" / f"{name}-stream.json"
+
+
+def feeder_path(run_dir: Path, name: str) -> Path:
+    return run_dir / "data" / f"{name}-feeder.json"
+
+
+def build_stream(source: DataSource, name: str) -> Any:
+    """``source.ray_data`` called with its ``kwargs``: a ``ray.data.Dataset`` whose plan runs in
+    the same order every pass. Raises ConfigError naming the field otherwise."""
+    import ray.data  # heavy: only for jobs that stream
+
+    assert source.ray_data is not None
+    dataset = factories.build(source.ray_data, source.kwargs)
+    if not isinstance(dataset, ray.data.Dataset):
+        raise refused(f"{name}.ray_data", f"{source.ray_data!r} returned a {type(dataset).__name__}, expected a ray.data.Dataset")
+    unseeded = unseeded_shuffles(dataset)
+    if unseeded:
+        raise refused(
+            f"{name}.ray_data", f"the dataset shuffles without a seed ({', '.join(unseeded)}): every pass would read another "
+            "order, and a redone shard other samples; give the shuffle a seed",
+        )
+    return dataset
+
+
+@contextmanager
+def fed_streams(
+    sources: dict[str, tuple[DataSource | None, int, int]], run_dir: Path, resuming: bool, timeout_s: float,
+    note: Callable[[str], None],
+) -> Iterator[dict[str, FedStream]]:
+    """A feeder for each ``ray_data`` source of ``sources`` (name -> (source, rows a step reads,
+    rows a chunk holds)),
+    running while the block runs; on the way out each feeder is stopped, its ``stats`` kept in
+    ``feeder_path``. Raises ConfigError for a bad source,
+    or one whose row count differs from the count the run recorded when it began."""
+    feeders: dict[str, Any] = {}
+    try:
+        yield {name: _start(name, source, step_rows, chunk_rows, run_dir, resuming, timeout_s, feeders, note)
+               for name, (source, step_rows, chunk_rows) in sources.items()
+               if source is not None and source.ray_data is not None}
+    finally:
+        for name, feeder in feeders.items():
+            try:
+                figures = ray.get(feeder.stats.remote(), timeout=timeout_s)
+            except Exception as err:  # noqa: BLE001 - the figures are a report; the feeder is stopped whatever happened
+                figures = {"error": f"{type(err).__name__}: {err}"}
+            ray.kill(feeder)
+            text = json.dumps(figures).encode()
+            write_atomic(feeder_path(run_dir, name), lambda out: out.write(text))
+
+
+def _start(
+    name: str, source: DataSource, step_rows: int, chunk_rows: int, run_dir: Path, resuming: bool, timeout_s: float,
+    feeders: dict[str, Any], note: Callable[[str], None],
+) -> FedStream:
+    dataset = build_stream(source, name)
+    # A step's chunks, one more for a step that starts mid-chunk, for each step held ahead.
+    held = source.ahead_steps * (math.ceil(step_rows / chunk_rows) + 1)
+    feeder = ray.remote(StreamFeeder).options(num_cpus=0, max_restarts=-1, max_task_retries=-1).remote(
+        dataset, chunk_rows, held, timeout_s
+    )
+    feeders[name] = feeder
+    samples = ray.get(feeder.samples.remote(), timeout=timeout_s)
+    if samples == 0:
+        raise refused(f"{name}.ray_data", "the dataset yields no rows")
+    path = stream_path(run_dir, name)
+    if resuming and path.is_file():
+        recorded = json.loads(path.read_text())["samples"]
+        if recorded != samples:
+            raise refused(f"{name}.ray_data", f"the stream changed since the run began: {samples} rows a pass, it had {recorded}")
+    else:
+        text = json.dumps({"samples": samples}).encode()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda out: out.write(text))
+    note(f"{name}: {samples} rows a pass from {source.ray_data!r}, {held} chunks of {chunk_rows} held at most")
+    return FedStream(feeder, samples, chunk_rows, source.column, timeout_s)
+

@@ -1,0 +1,47 @@
+"""Ray Data streams for the tests: a few parquet files of numbered text rows, read by Ray Data
+and tokenized by ``map_batches`` into rows whose ``tokens`` carry the row's id (``ledger.SEQ``
+copies), the source ``tests/helpers/ledger.py`` counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tests.helpers.ledger import SAMPLES, SEQ
+
+
+def write_numbered_text(directory: Path, files: int = 3) -> Path:
+    """``files`` parquet files whose rows, in file order, are ids 0..SAMPLES-1 and their text."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for number, ids in enumerate(np.array_split(np.arange(SAMPLES), files)):
+        pq.write_table(pa.table({"id": ids, "text": [f"sample {i}" for i in ids]}), directory / f"part-{number:02d}.parquet")
+    return directory
+
+
+def tokenize(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A toy tokenizer: the number in each text, ``SEQ`` times."""
+    numbers = np.array([int(text.split()[-1]) for text in batch["text"]], dtype=np.int64)
+    return {"tokens": np.repeat(numbers[:, None], SEQ, axis=1)}
+
+
+def make_stream(directory: str, blocks_seed: int | None = None, unseeded: bool = False) -> Any:
+    """The tokenized rows of the parquet files in ``directory``; blocks in a seeded random order
+    with ``blocks_seed``; ``unseeded``: shuffled without a seed (to be refused)."""
+    import ray.data
+
+    # Ray Data reads small files into one block: 8 blocks of 5 rows, for block order and skips.
+    dataset = ray.data.read_parquet(directory).repartition(8).map_batches(tokenize, batch_format="numpy")
+    if blocks_seed is not None:
+        dataset = dataset.randomize_block_order(seed=blocks_seed)
+    return dataset.random_shuffle() if unseeded else dataset
+
+
+def stream_ids(directory: str, **kwargs: Any) -> np.ndarray:
+    """The ids of ``make_stream``'s rows in the order a pass yields them."""
+    dataset = make_stream(directory, **kwargs)
+    dataset.context.execution_options.preserve_order = True
+    return np.array([row["tokens"][0] for row in dataset.take_all()])

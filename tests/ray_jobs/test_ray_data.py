@@ -1,0 +1,70 @@
+"""Ray Data streams (``dataset.ray_data``) in whole jobs on a real cluster: parquet files read
+and tokenized by Ray Data, fed through a feeder actor; every sample once by the ledger through
+a SIGKILL with stragglers and across a resume on another worker count mid-epoch; a shuffle
+without a seed refused before training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobspec.fields import ConfigError
+from orchestrator.job.reading import load_job
+from orchestrator.data.streams import feeder_path
+from orchestrator.launch import run_job
+from tests.helpers.jobs import jsonl, params, run
+from tests.helpers.ledger import LEDGER_JOB, assert_exactly_once, consumed, expected
+from tests.helpers.streams import stream_ids, write_numbered_text
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+BLOCKS_SEED = 3
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> str:
+    return str(write_numbered_text(tmp_path_factory.mktemp("text")))
+
+
+def _stream(directory: str, **kwargs: object) -> str:
+    extra = "".join(f", {k}: {v}" for k, v in kwargs.items())
+    return f"dataset={{ray_data: tests.helpers.streams:make_stream, kwargs: {{directory: '{directory}'{extra}}}, column: tokens}}"
+
+
+def _feeder(run_dir) -> dict:
+    return json.loads(feeder_path(run_dir, "dataset").read_text())
+
+
+def test_a_stream_trains_every_sample_once_through_a_kill_and_stragglers(tmp_path, text):
+    order = stream_ids(text, blocks_seed=BLOCKS_SEED)
+    assert sorted(order) == list(range(40)) and list(order) != sorted(order)  # the pipeline's own order
+    result = run(
+        tmp_path, "kill", *LEDGER_JOB, _stream(text, blocks_seed=BLOCKS_SEED), "steps=12", "scaling.workers=3",
+        "collective.algorithm=ring", "chaos.kill=[{at_step: 3, worker: 1, how: sigkill}]",
+        "chaos.slow=[{worker: 0, factor: 8, from_step: 5, to_step: 7}, {worker: 2, factor: 8, from_step: 6, to_step: 9}]",
+        "stragglers.late_factor=1.2", "stragglers.min_ratio=1.2", "stragglers.persistent_steps=1",
+        "stragglers.window=2", "stragglers.evict=false",
+    )
+    assert result.summary["events"]["failures"] == 1
+    assert_exactly_once(consumed(params(result.run_dir)), expected(12, stream=order), "a stream through a kill")
+    feeder = _feeder(result.run_dir)
+    # The bound held: never more chunks than it allows (each chunk 2 rows of 2 int64 tokens).
+    assert 0 < feeder["max_held_bytes"] <= feeder["held_chunks_bound"] * 2 * 2 * 8, feeder
+
+
+def test_a_stream_resumes_mid_epoch_on_another_worker_count(tmp_path, text):
+    order = stream_ids(text)
+    run(tmp_path, "run", *LEDGER_JOB, _stream(text), "steps=4", "scaling.workers=2", "checkpoint.every_steps=4")
+    resumed = run(tmp_path, "run", *LEDGER_JOB, _stream(text), "steps=12", "scaling.workers=3")
+    assert [e["checkpoint"] for e in jsonl(resumed.run_dir / "events.jsonl") if e["event"] == "resume"] == ["step-00000004"]
+    assert_exactly_once(consumed(params(resumed.run_dir)), expected(12, stream=order), "a stream resumed on 3 workers")
+    # The resumed feeder started its first pass 24 rows in: the blocks before were skipped unread.
+    assert _feeder(resumed.run_dir)["blocks_skipped"] > 0
+
+
+def test_a_stream_shuffled_without_a_seed_is_refused_before_training(tmp_path, text):
+    job = load_job(None, ["eval=null", *LEDGER_JOB, _stream(text, unseeded="true"), "steps=2", "scaling.workers=1"])
+    with pytest.raises(ConfigError, match=r"field 'dataset.ray_data': the dataset shuffles without a seed \(RandomShuffle\)"):
+        run_job(job, run_dir=tmp_path / "run")
+    assert not [e for e in jsonl(tmp_path / "run" / "events.jsonl") if e["event"] in ("workers_ready", "step")]
