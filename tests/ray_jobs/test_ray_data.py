@@ -68,3 +68,17 @@ def test_a_stream_shuffled_without_a_seed_is_refused_before_training(tmp_path, t
     with pytest.raises(ConfigError, match=r"field 'dataset.ray_data': the dataset shuffles without a seed \(RandomShuffle\)"):
         run_job(job, run_dir=tmp_path / "run")
     assert not [e for e in jsonl(tmp_path / "run" / "events.jsonl") if e["event"] in ("workers_ready", "step")]
+
+
+def test_the_text_stream_example_feeds_the_gpt_recipe(tmp_path):
+    """README's Ray Data example: the shipped text read, tokenized and packed by Ray Data."""
+    seq = 32
+    result = run(
+        tmp_path, "gpt", f"model={{factory: ringleader_examples.gpt:make_model, kwargs: {{block_size: {seq}, n_layer: 1, n_head: 2, n_embd: 32}}}}",
+        "loss=causal_lm", "batch_size=16", "shards=4", "steps=3", "scaling.workers=2",
+        f"dataset={{ray_data: ringleader_examples.text_stream:make_dataset, kwargs: {{block_size: {seq}}}, column: tokens}}",
+    )
+    losses = [e["loss"] for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "step"]
+    assert len(losses) == 3 and all(0 < loss < 7 for loss in losses), losses  # ln(256) = 5.5 at the start
+    stream = json.loads((result.run_dir / "data" / "dataset-stream.json").read_text())
+    assert stream["samples"] > 1000  # ~40k windows of 32 bytes
