@@ -91,7 +91,9 @@ class LaunchOptions(TypedDict, total=False):
 
     ``overrides``: CLI-style changes to the job (``["steps=600"]``; None: none). ``local_nodes``:
     simulated Ray nodes on this machine (0: none). ``progress``: a progress bar on stderr.
-    ``warn``: called with each warning for the user. A bad value of any is a ConfigError,
+    ``warn``: called with each warning for the user. ``dataset``: a ``ray.data.Dataset`` to
+    train on, in place of the job's ``dataset`` source (its ``column``, ``collate`` and
+    ``ahead_steps`` stay); pass it again to ``resume``. A bad value of any is a ConfigError,
     raised before Ray starts.
     """
 
@@ -99,6 +101,7 @@ class LaunchOptions(TypedDict, total=False):
     local_nodes: int
     progress: bool
     warn: Callable[[str], None]
+    dataset: Any
 
 
 def _check_options(function: str, options: Mapping[str, Any]) -> None:
@@ -126,6 +129,8 @@ def run(
 
     _check_options("run", options)
     config = as_job(job, options.get("overrides", ()))
+    if options.get("dataset") is not None:
+        config = _streaming(config, options["dataset"])
     path = Path(run_dir) if run_dir is not None else default_run_dir(config)
     result = run_job(
         config, address=address, local_nodes=options.get("local_nodes", 0), run_dir=path,
@@ -133,6 +138,15 @@ def run(
         warn=options.get("warn", lambda message: None),
     )
     return RunResult(result.run_dir, result.summary)
+
+
+def _streaming(job: JobConfig, dataset: Any) -> JobConfig:
+    """``job`` with ``dataset`` (a ``ray.data.Dataset``) as its training data: ``dataset.ray_data``."""
+    def given_dataset() -> Any:
+        return dataset
+
+    kept = job.dataset.model_dump(include={"column", "collate", "ahead_steps"}, exclude_unset=True)
+    return job_from_mapping({**job.model_dump(exclude_unset=True), "dataset": {**kept, "ray_data": given_dataset}}, "Python job")
 
 
 def resume(

@@ -9,13 +9,15 @@ import json
 
 import pytest
 
+import ringleader
+
 from jobspec.fields import ConfigError
 from orchestrator.job.reading import load_job
 from orchestrator.data.streams import feeder_path
 from orchestrator.launch import run_job
 from tests.helpers.jobs import jsonl, params, run
 from tests.helpers.ledger import LEDGER_JOB, assert_exactly_once, consumed, expected
-from tests.helpers.streams import stream_ids, write_numbered_text
+from tests.helpers.streams import make_stream, stream_ids, write_numbered_text
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -39,14 +41,15 @@ def _feeder(run_dir) -> dict:
 def test_a_stream_trains_every_sample_once_through_a_kill_and_stragglers(tmp_path, text):
     order = stream_ids(text, blocks_seed=BLOCKS_SEED)
     assert sorted(order) == list(range(40)) and list(order) != sorted(order)  # the pipeline's own order
-    result = run(
-        tmp_path, "kill", *LEDGER_JOB, _stream(text, blocks_seed=BLOCKS_SEED), "steps=12", "scaling.workers=3",
+    # Through the Python API: ringleader.run(..., dataset=ds).
+    result = ringleader.run(None, tmp_path / "kill", dataset=make_stream(text, blocks_seed=BLOCKS_SEED), overrides=[
+        *LEDGER_JOB, "dataset.column=tokens", "steps=12", "scaling.workers=3",
         "collective.algorithm=ring", "chaos.kill=[{at_step: 3, worker: 1, how: sigkill}]",
         "chaos.slow=[{worker: 0, factor: 8, from_step: 5, to_step: 7}, {worker: 2, factor: 8, from_step: 6, to_step: 9}]",
         "stragglers.late_factor=1.2", "stragglers.min_ratio=1.2", "stragglers.persistent_steps=1",
         "stragglers.window=2", "stragglers.evict=false",
-    )
-    assert result.summary["events"]["failures"] == 1
+    ])
+    assert result.status == "finished" and result.summary["events"]["failures"] == 1, result.error
     assert_exactly_once(consumed(params(result.run_dir)), expected(12, stream=order), "a stream through a kill")
     feeder = _feeder(result.run_dir)
     # The bound held: never more chunks than it allows (each chunk 2 rows of 2 int64 tokens).
@@ -63,10 +66,14 @@ def test_a_stream_resumes_mid_epoch_on_another_worker_count(tmp_path, text):
     assert _feeder(resumed.run_dir)["blocks_skipped"] > 0
 
 
-def test_a_stream_shuffled_without_a_seed_is_refused_before_training(tmp_path, text):
-    job = load_job(None, ["eval=null", *LEDGER_JOB, _stream(text, unseeded="true"), "steps=2", "scaling.workers=1"])
-    with pytest.raises(ConfigError, match=r"field 'dataset.ray_data': the dataset shuffles without a seed \(RandomShuffle\)"):
-        run_job(job, run_dir=tmp_path / "run")
+@pytest.mark.parametrize("how", ["job", "api"])
+def test_a_stream_shuffled_without_a_seed_is_refused_before_training(tmp_path, text, how):
+    match = r"field 'dataset.ray_data': the dataset shuffles without a seed \(RandomShuffle\)"
+    with pytest.raises(ConfigError, match=match):
+        if how == "job":  # the job names the function
+            run_job(load_job(None, [*LEDGER_JOB, _stream(text, unseeded="true"), "steps=2"]), run_dir=tmp_path / "run")
+        else:  # ringleader.run(..., dataset=ds)
+            ringleader.run(None, tmp_path / "run", overrides=[*LEDGER_JOB, "steps=2"], dataset=make_stream(text, unseeded=True))
     assert not [e for e in jsonl(tmp_path / "run" / "events.jsonl") if e["event"] in ("workers_ready", "step")]
 
 
