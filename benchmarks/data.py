@@ -4,8 +4,10 @@
   shards: the per-index shuffle, the windows gathered from the files' memory maps, batched by
   the default collate), against a plain sequential reader (``np.memmap`` windows in file order, stacked):
   alternating rounds, medians.
-* **Data wait**: the GPT recipe trained from the directory (``ringleader run``, fresh process):
-  the share of each worker's step time spent waiting for its data (``stalled_s``), steps 3 on.
+* **Data wait**: the GPT recipe trained from the directory, and from the Ray Data example
+  (``ringleader_examples/text_stream.py``) (``ringleader run``, fresh processes): the share of
+  each worker's step time spent waiting for its data (``stalled_s``), steps 3 on.
+* **Ray Data**: ``benchmarks/data_stream.py``'s figures.
 * **Resume at 10^6 samples**: what a resumed run pays for its data before its first step: the
   index re-checked (a stat a file) and the first shard's indices at the step after 10^6
   samples, against the same at step 0 (the sampler is a pure function of the step: O(1)).
@@ -112,11 +114,18 @@ def resume_figures(index: DataIndex, batch: int, shards: int) -> dict[str, Any]:
     return {"index_check_s": check_s, "files": len(index.files), "first_shard_indices_s": timed}
 
 
-def data_wait_figures(directory: Path, workers: int, steps: int, scratch: Path) -> dict[str, Any]:
-    job = workload_job(
-        "gpt", workers, steps, f"dataset={{files: '{directory}/*.bin', format: tokens, seq_len: 128}}", "eval=null",
-    )
-    run_dir, wall_s = run_ringleader(job, scratch / "gpt-files", 900, "gpt from token files")
+#: The GPT recipe's data, as each data-wait figure feeds it (``{directory}``: the token files).
+FED_FROM = {
+    "files": "dataset={{files: '{directory}/*.bin', format: tokens, seq_len: 128}}",
+    "ray_data": "dataset={{ray_data: ringleader_examples.text_stream:make_dataset, column: tokens}}",
+}
+
+
+def data_wait_figures(source: str, directory: Path, workers: int, steps: int, scratch: Path) -> dict[str, Any]:
+    """The GPT recipe trained from ``FED_FROM[source]``: the share of step time its workers
+    waited for their data."""
+    job = workload_job("gpt", workers, steps, FED_FROM[source].format(directory=directory), "eval=null")
+    run_dir, wall_s = run_ringleader(job, scratch / f"gpt-{source}", 900, f"gpt from {source}")
     summary, _ = read_run(run_dir)
     telemetry = read_telemetry(run_dir / "telemetry.jsonl")
     warm = [r for r in telemetry if r["step"] >= 3]
@@ -126,22 +135,28 @@ def data_wait_figures(directory: Path, workers: int, steps: int, scratch: Path) 
 
 
 def format_figures(figures: dict[str, Any]) -> str:
-    reader, wait, resume = figures["reader"], figures["data_wait"], figures["resume"]
+    reader, resume = figures["reader"], figures["resume"]
     timed = resume["first_shard_indices_s"]
+    waits = [
+        f"data wait (GPT recipe from {source}, {wait['workers']} workers, {wait['steps']} steps, {wait['status']}): "
+        f"{100 * wait['data_wait_fraction']:.2f}% of step time"
+        for source, wait in figures["data_wait"].items()
+    ]
     return "\n".join([
         f"reader ({reader['samples']} samples of {reader['seq_len']} tokens in {reader['files']} files):",
         f"  plain np.memmap, sequential  {reader['plain_samples_per_s']:>10.0f} samples/s",
         f"  ringleader, shuffled shards  {reader['ringleader_samples_per_s']:>10.0f} samples/s  "
         f"({reader['ratio']:.2f}x plain)",
-        f"data wait (GPT recipe from the files, {wait['workers']} workers, {wait['steps']} steps, {wait['status']}): "
-        f"{100 * wait['data_wait_fraction']:.2f}% of step time",
+        *waits,
         f"resume at 10^6 samples: index re-check {1000 * resume['index_check_s']:.1f} ms ({resume['files']} files); "
         f"first shard's indices {1e6 * timed['after_1e6_samples']:.0f} us (at step 0: {1e6 * timed['step_0']:.0f} us)",
     ])
 
 
 def main(tokens: int, shard_tokens: int, seq_len: int, samples: int, rounds: int, workers: int, steps: int,
-         json_path: str | None) -> int:
+         stream_rows: int, json_path: str | None) -> int:
+    from benchmarks.data_stream import format_stream_figures, stream_figures
+
     with tempfile.TemporaryDirectory(prefix="rl-data-bench-") as scratch:
         directory = Path(scratch) / "tokens"
         write_token_dir(directory, tokens, shard_tokens)
@@ -149,9 +164,11 @@ def main(tokens: int, shard_tokens: int, seq_len: int, samples: int, rounds: int
         figures = {
             "reader": reader_figures(index, batch=32, shards=8, samples=samples, rounds=rounds),
             "resume": resume_figures(index, batch=32, shards=8),
-            "data_wait": data_wait_figures(directory, workers, steps, Path(scratch)),
+            "data_wait": {source: data_wait_figures(source, directory, workers, steps, Path(scratch)) for source in FED_FROM},
+            "stream": stream_figures(stream_rows, seq_len, rounds),
         }
     print(format_figures(figures))
+    print(format_stream_figures(figures["stream"]))
     if json_path:
         Path(json_path).write_text(json.dumps(figures, indent=2))
-    return 0 if figures["data_wait"]["status"] == "finished" else 1
+    return 0 if all(wait["status"] == "finished" for wait in figures["data_wait"].values()) else 1

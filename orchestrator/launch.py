@@ -320,9 +320,11 @@ def run_job(
         data: dict[str, DataFeed] = {
             **run_indexes({"dataset": job.dataset, "eval": job.eval}, run.path, resuming, job.timeouts.start_s, noted)
         }
-        # A stream's chunk is a shard's rows (a step's for eval, which reads a batch at a time).
+        # A stream's chunk is a step's rows (an eval batch's): a worker takes its shards' rows
+        # from one or two chunks a step, one call to the feeder; rows from several calls
+        # cost more than a worker's share of a step moved (measured: docs/benchmarks.md#data).
         streams = {
-            "dataset": (job.dataset, job.batch_size, max(1, job.batch_size // job.shards)),
+            "dataset": (job.dataset, job.batch_size, job.batch_size),
             "eval": (job.eval, job.eval.batch_size, job.eval.batch_size) if job.eval is not None else (None, 1, 1),
         }
         data.update(held.enter_context(fed_streams(streams, run.path, resuming, job.timeouts.start_s, noted)))

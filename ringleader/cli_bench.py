@@ -123,8 +123,8 @@ def add_bench_commands(commands: Any) -> None:
     overhead.add_argument("--json", dest="json_path", metavar="FILE", help="write the figures as JSON")
 
     data = benches.add_parser(
-        "data", help="input from token files: reader samples/s vs a plain np.memmap reader, a job's data wait, "
-        "resume at 10^6 samples"
+        "data", help="input from token files and a Ray Data pipeline: reader samples/s vs plain readers, "
+        "jobs' data wait, resume at 10^6 samples"
     )
     data.add_argument("--tokens", type=int, default=1 << 24, help="random tokens written (default 16M)")
     data.add_argument("--shard-tokens", type=int, default=1 << 21, help="tokens per file (default 2M)")
@@ -132,7 +132,8 @@ def add_bench_commands(commands: Any) -> None:
     data.add_argument("--samples", type=int, default=20000, help="samples each reader reads per round")
     data.add_argument("--rounds", type=int, default=5, help="alternating reader rounds (medians)")
     data.add_argument("--workers", type=int, default=2, help="workers of the GPT job")
-    data.add_argument("--steps", type=int, default=40, help="steps of the GPT job")
+    data.add_argument("--steps", type=int, default=40, help="steps of the GPT jobs")
+    data.add_argument("--stream-rows", type=int, default=20000, help="rows of the Ray Data pipeline read (default 20000)")
     data.add_argument("--json", dest="json_path", metavar="FILE", help="write the figures as JSON")
 
 
@@ -190,6 +191,6 @@ def run_bench(args: argparse.Namespace) -> int:
 
         return data.main(
             args.tokens, args.shard_tokens, args.seq_len, args.samples, args.rounds, args.workers, args.steps,
-            args.json_path,
+            args.stream_rows, args.json_path,
         )
     raise AssertionError(f"unhandled bench {args.bench}")

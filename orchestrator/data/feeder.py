@@ -16,8 +16,10 @@ produces them (Ray Data cannot start a pass in the middle of its inputs).
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,12 @@ import ray
 
 #: A chunk: the chunk's rows of each column.
 Chunk = dict[str, np.ndarray]
+#: A pass's rows a block at a time, from a row on.
+Pass = Generator[Chunk, None, None]
+# Blocks a pass reads ahead of the chunks being made, on a thread of its own: Ray Data hands
+# out a block only when asked (polling its executor meanwhile), so a pass read on demand sat
+# idle between chunks (0.3x Ray Data's own prefetching iterator, measured).
+PREFETCH_BLOCKS = 4
 
 
 def unseeded_shuffles(dataset: Any) -> list[str]:
@@ -62,14 +70,14 @@ class ChunkCutter:
     keeps a chunk and returns what ``chunks`` hands out for it (an object ref, in the actor)."""
 
     def __init__(
-        self, chunk_rows: int, held_chunks: int, start_pass: Callable[[int], Iterator[Chunk]], store: Callable[[Chunk], Any],
+        self, chunk_rows: int, held_chunks: int, start_pass: Callable[[int], Pass], store: Callable[[Chunk], Any],
     ) -> None:
         self.chunk_rows = chunk_rows
         self.held_chunks = held_chunks
         self._start = start_pass
         self._store = store
         self.held: OrderedDict[int, tuple[Any, int]] = OrderedDict()  # chunk -> (stored, bytes)
-        self._blocks: Iterator[Chunk] | None = None
+        self._blocks: Pass | None = None
         self._left: Chunk | None = None  # rows the pass has read and no chunk holds yet
         self._next = 0  # the chunk the pass makes next
         self.counts = {"passes": 0, "chunks_made": 0, "blocks_skipped": 0, "rows_skipped": 0, "max_held_bytes": 0}
@@ -92,6 +100,8 @@ class ChunkCutter:
     def _make_through(self, chunk: int, keep: set[int]) -> None:
         # Behind the pass, or further ahead than is held: a new pass that starts at the chunk.
         if self._blocks is None or not self._next <= chunk <= self._next + self.held_chunks:
+            if self._blocks is not None:
+                self._blocks.close()  # the old pass stops reading
             self._blocks = self._start(chunk * self.chunk_rows)
             self._left = None
             self._next = chunk
@@ -148,7 +158,11 @@ class StreamFeeder(ChunkCutter):
         """Rows in one pass (this runs the whole pipeline once)."""
         return self.dataset.count()
 
-    def _pass_from(self, first_row: int) -> Iterator[Chunk]:
+    def _pass_from(self, first_row: int) -> Pass:
+        """A pass's rows from ``first_row`` on (``_blocks_from``), read ahead."""
+        return read_ahead(self._blocks_from(first_row), PREFETCH_BLOCKS, self.timeout_s)
+
+    def _blocks_from(self, first_row: int) -> Iterator[Chunk]:
         """A pass's rows from ``first_row`` on, a block at a time; blocks wholly before it are
         skipped by their row counts, never fetched."""
         from ray.data.block import BlockAccessor
@@ -169,3 +183,47 @@ class StreamFeeder(ChunkCutter):
                 row += rows
                 if skip < rows:
                     yield {name: values[skip:] for name, values in columns.items()}
+
+
+_END = object()
+
+
+def read_ahead(blocks: Iterator[Chunk], depth: int, timeout_s: float) -> Pass:
+    """``blocks`` read by a thread of their own, at most ``depth`` ahead of the consumer. An
+    error reading them is raised to the consumer; closing the generator stops the thread at
+    its next block; a block not come within ``timeout_s`` is a TimeoutError."""
+    ready: queue.Queue[Any] = queue.Queue(depth)
+    stop = threading.Event()
+
+    def offer(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def fill() -> None:
+        try:
+            for block in blocks:
+                if not offer(block):
+                    return
+            offer(_END)
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer, who raises it
+            offer(err)
+
+    threading.Thread(target=fill, name="feeder-read-ahead", daemon=True).start()
+    try:
+        while True:
+            try:
+                item = ready.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"no block of the stream came within {timeout_s:.0f}s") from None
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

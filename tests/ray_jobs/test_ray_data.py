@@ -11,12 +11,13 @@ import pytest
 
 import ringleader
 
+from benchmarks.data_stream import format_stream_figures, reader_figures, resume_figures
 from jobspec.fields import ConfigError
 from orchestrator.job.reading import load_job
 from orchestrator.data.streams import feeder_path
 from orchestrator.launch import run_job
 from tests.helpers.jobs import jsonl, params, run
-from tests.helpers.ledger import LEDGER_JOB, assert_exactly_once, consumed, expected
+from tests.helpers.ledger import BATCH, LEDGER_JOB, SEQ, assert_exactly_once, consumed, expected
 from tests.helpers.streams import make_stream, stream_ids, write_numbered_text
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -52,8 +53,8 @@ def test_a_stream_trains_every_sample_once_through_a_kill_and_stragglers(tmp_pat
     assert result.status == "finished" and result.summary["events"]["failures"] == 1, result.error
     assert_exactly_once(consumed(params(result.run_dir)), expected(12, stream=order), "a stream through a kill")
     feeder = _feeder(result.run_dir)
-    # The bound held: never more chunks than it allows (each chunk 2 rows of 2 int64 tokens).
-    assert 0 < feeder["max_held_bytes"] <= feeder["held_chunks_bound"] * 2 * 2 * 8, feeder
+    # The bound held: never more chunks than it allows (a chunk is a step's rows of int64 tokens).
+    assert feeder["chunk_rows"] == BATCH and 0 < feeder["max_held_bytes"] <= feeder["held_chunks_bound"] * BATCH * SEQ * 8, feeder
 
 
 def test_a_stream_resumes_mid_epoch_on_another_worker_count(tmp_path, text):
@@ -89,3 +90,15 @@ def test_the_text_stream_example_feeds_the_gpt_recipe(tmp_path):
     assert len(losses) == 3 and all(0 < loss < 7 for loss in losses), losses  # ln(256) = 5.5 at the start
     stream = json.loads((result.run_dir / "data" / "dataset-stream.json").read_text())
     assert stream["samples"] > 1000  # ~40k windows of 32 bytes
+
+
+def test_bench_data_measures_the_stream_reader_its_bound_and_a_resume():
+    """``ringleader bench data``'s Ray Data figures, small (the bench runs them in a Ray of its own)."""
+    reader = reader_figures(rows=640, seq_len=16, batch=32, shards=8, rounds=1)
+    assert min(reader[f"{name}_samples_per_s"] for name in ("ringleader", "iter_batches", "iter_torch_batches")) > 0
+    # Each pass whole (one untimed, one timed), never more than the bound's 8 chunks of 32 rows held.
+    assert reader["feeder"]["chunks_made"] == 2 * 640 // 32 and reader["feeder"]["max_held_bytes"] == 8 * 32 * 16 * 8
+    resume = resume_figures(at_row=640, seq_len=8, chunk_rows=32)
+    assert resume["blocks_skipped"]["row_0"] == 0 < resume["blocks_skipped"]["row_1e6"]
+    text = format_stream_figures({"reader": reader, "resume": resume})
+    assert "x iter_batches" in text and "blocks skipped unread" in text

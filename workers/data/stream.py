@@ -5,6 +5,7 @@ row: the samplers, stealing, backups and redone steps work on it as on any datas
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -17,11 +18,27 @@ from jobspec.stream import FedStream
 # A chunk whose owner (the feeder) died with it is asked for again, once: Ray restarts the
 # feeder, which makes the chunk again from the stream.
 _ATTEMPTS = 2
+# Chunks asked for in one call to the feeder: the one needed and those after it. A call costs
+# the feeder's whole round trip (milliseconds while its pipeline runs beside it, measured), a
+# reference held here nothing but the chunk's place in the store until it is dropped.
+REFS_PER_CALL = 4
+# Chunks kept here once fetched: a step's shards and the next step's read-ahead read the same
+# chunk or two, and a chunk small enough to live in its owner's memory (under 100 KiB) is
+# fetched from the feeder again on every get.
+VALUES_KEPT = 2
 
 
 class StreamRows(Dataset):
+    """Rows of ``stream``. The references to the chunks asked for last are kept (at most
+    ``2 * REFS_PER_CALL``), so the next steps' rows need no call to the feeder, and the
+    ``VALUES_KEPT`` chunks fetched last."""
+
     def __init__(self, stream: FedStream) -> None:
         self.stream = stream
+        self._chunks = -(-stream.samples // stream.chunk_rows)
+        self._refs: dict[int, Any] = {}
+        self._values: dict[int, dict[str, np.ndarray]] = {}
+        self._lock = threading.Lock()  # a step's read-ahead and its own reads share them
 
     def __len__(self) -> int:
         return self.stream.samples
@@ -41,15 +58,39 @@ class StreamRows(Dataset):
         return out
 
     def _fetch(self, chunks: list[int]) -> list[dict[str, np.ndarray]]:
-        timeout = self.stream.timeout_s
         for attempt in range(_ATTEMPTS):
             try:
-                refs = ray.get(self.stream.feeder.chunks.remote(chunks), timeout=timeout)
-                return ray.get(refs, timeout=timeout)
+                return self._values_of(chunks)
             except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
+                with self._lock:
+                    self._refs.clear()
                 if attempt == _ATTEMPTS - 1:
                     raise
         raise AssertionError("unreachable")
+
+    def _values_of(self, chunks: list[int]) -> list[dict[str, np.ndarray]]:
+        with self._lock:
+            missing = [chunk for chunk in chunks if chunk not in self._values]
+        if missing:
+            fetched = ray.get(self._refs_of(missing), timeout=self.stream.timeout_s)
+            with self._lock:
+                self._values.update(zip(missing, fetched))
+                for old in [chunk for chunk in self._values if chunk not in chunks][: max(0, len(self._values) - VALUES_KEPT)]:
+                    del self._values[old]
+        with self._lock:
+            return [self._values[chunk] for chunk in chunks]
+
+    def _refs_of(self, chunks: list[int]) -> list[Any]:
+        with self._lock:
+            missing = [chunk for chunk in chunks if chunk not in self._refs]
+            if missing:
+                # Not past the pass's end: the next pass starts when its rows are needed.
+                asked = sorted({c for chunk in missing for c in range(chunk, min(chunk + REFS_PER_CALL, self._chunks))})
+                refs = ray.get(self.stream.feeder.chunks.remote(asked), timeout=self.stream.timeout_s)
+                if len(self._refs) + len(asked) > 2 * REFS_PER_CALL:
+                    self._refs = {c: self._refs[c] for c in chunks if c in self._refs}
+                self._refs.update(zip(asked, refs))
+            return [self._refs[chunk] for chunk in chunks]
 
     def _samples(self, columns: dict[str, np.ndarray], rows: np.ndarray) -> list[Any]:
         if self.stream.column is not None:
