@@ -114,17 +114,20 @@ def resume_figures(index: DataIndex, batch: int, shards: int) -> dict[str, Any]:
     return {"index_check_s": check_s, "files": len(index.files), "first_shard_indices_s": timed}
 
 
-#: The GPT recipe's data, as each data-wait figure feeds it (``{directory}``: the token files).
+#: The GPT recipe's data, as each data-wait figure feeds it (``{directory}``: the token files),
+#: and what else the job needs for it.
 FED_FROM = {
-    "files": "dataset={{files: '{directory}/*.bin', format: tokens, seq_len: 128}}",
-    "ray_data": "dataset={{ray_data: ringleader_examples.text_stream:make_dataset, column: tokens}}",
+    "files": ("dataset={{files: '{directory}/*.bin', format: tokens, seq_len: 128}}",),
+    # Half a CPU a worker: Ray Data's tasks need one the workers leave free (of 2 here).
+    "ray_data": ("dataset={{ray_data: ringleader_examples.text_stream:make_dataset, column: tokens}}",
+                 "scaling.resources_per_worker={{CPU: 0.5}}"),
 }
 
 
 def data_wait_figures(source: str, directory: Path, workers: int, steps: int, scratch: Path) -> dict[str, Any]:
     """The GPT recipe trained from ``FED_FROM[source]``: the share of step time its workers
     waited for their data."""
-    job = workload_job("gpt", workers, steps, FED_FROM[source].format(directory=directory), "eval=null")
+    job = workload_job("gpt", workers, steps, *(item.format(directory=directory) for item in FED_FROM[source]), "eval=null")
     run_dir, wall_s = run_ringleader(job, scratch / f"gpt-{source}", 900, f"gpt from {source}")
     summary, _ = read_run(run_dir)
     telemetry = read_telemetry(run_dir / "telemetry.jsonl")

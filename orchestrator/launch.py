@@ -312,7 +312,9 @@ def run_job(
         run.save_job(job.model_dump(mode="json", exclude_unset=True))
 
         from orchestrator.data.index import run_indexes
-        from orchestrator.data.streams import fed_streams
+        from orchestrator.data.streams import fed_streams, leave_room_for_streams
+
+        leave_room_for_streams(job, session.started_here and not job.chaos.add_node, warn)
 
         def noted(message: str) -> None:
             run.event("data_index", message=message)

@@ -2,7 +2,10 @@
 ``read_text``, byte-tokenized and packed into windows of ``block_size`` tokens by
 ``map_batches``, the blocks in a seeded order. Try it:
 
-    ringleader run examples/gpt.yaml --set "dataset={ray_data: ringleader_examples.text_stream:make_dataset, column: tokens}"
+    ringleader run examples/gpt.yaml --set "dataset={ray_data: ringleader_examples.text_stream:make_dataset, column: tokens}" \
+        --set "scaling.resources_per_worker={CPU: 0.5}"
+
+(Ray Data runs the pipeline in tasks of a CPU each: the workers must leave one free.)
 """
 
 from __future__ import annotations

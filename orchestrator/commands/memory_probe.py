@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from jobspec.fields import ConfigError
 from jobspec.runtime import ShardingConfig
 from jobspec.wire import JoinRequest
 from orchestrator.data.index import build_index
@@ -159,6 +160,11 @@ class ProbeWorker:
     def __init__(self, job: JobConfig, device: torch.device = torch.device("cpu")) -> None:
         # Unsharded whatever the job says: the plan lays out the state itself, for every setting.
         job = job.model_copy(update={"sharding": ShardingConfig()})
+        if job.dataset.ray_data is not None:
+            raise ConfigError(
+                "invalid job: field 'dataset.ray_data': the probe steps real samples in this process, without the "
+                "stream's feeder; probe with a files or factory source of samples shaped alike (--set 'dataset={...}')"
+            )
         data = {"dataset": build_index(job.dataset, "dataset", job.timeouts.start_s)} if job.dataset.files else None
         self.worker = TrainWorker(job, device=device, data=data)
         self._store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)

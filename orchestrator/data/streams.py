@@ -16,6 +16,7 @@ import ray
 
 from jobspec import targets as factories
 from jobspec.durable import write_atomic
+from jobspec.job import JobConfig
 from jobspec.recipe import DataSource
 from jobspec.stream import FedStream
 from orchestrator.data.feeder import StreamFeeder, unseeded_shuffles
@@ -24,6 +25,28 @@ from orchestrator.data.index import refused
 
 def stream_path(run_dir: Path, name: str) -> Path:
     return run_dir / "data" / f"{name}-stream.json"
+
+
+def leave_room_for_streams(job: JobConfig, fixed_cluster: bool, warn: Callable[[str], None]) -> None:
+    """A job with a Ray Data stream needs a CPU its workers leave free: Ray Data runs the
+    pipeline in tasks that take one each, and with every CPU held by a worker its first read
+    waits until it times out. On a ``fixed_cluster`` (its resources are all it will have) that
+    is a ConfigError naming the field; elsewhere (an autoscaler may add a node) a warning."""
+    if all(source is None or source.ray_data is None for source in (job.dataset, job.eval)):
+        return
+    total = ray.cluster_resources().get("CPU", 0.0)
+    per_worker = job.scaling.resources_per_worker.get("CPU", 0.0)
+    left = total - (job.scaling.max_workers or job.scaling.workers) * per_worker
+    if left >= 1:
+        return
+    problem = (
+        f"a ray_data stream runs its pipeline in Ray tasks of a CPU each, and {job.scaling.max_workers} workers x "
+        f"{per_worker:g} CPU leave {max(left, 0):g} of the cluster's {total:g}: give the workers fewer "
+        "(resources_per_worker.CPU) or the cluster more"
+    )
+    if fixed_cluster:
+        raise refused("scaling.resources_per_worker", problem)
+    warn(f"scaling.resources_per_worker: {problem}")
 
 
 def feeder_path(run_dir: Path, name: str) -> Path:

@@ -251,3 +251,10 @@ def test_a_job_reading_files_is_probed_on_its_own_samples(tmp_path):
     with ProbeWorker(job) as worker:
         assert len(worker.worker.dataset) == 32
         worker.step(4)
+
+
+def test_ringleader_plan_of_a_ray_data_job_says_how_to_probe_it(capsys):
+    """The probe runs in this process, without Ray: a stream's feeder is not there to read from."""
+    stream = "dataset={ray_data: ringleader_examples.text_stream:make_dataset, column: tokens}"
+    assert main(["plan", str(EXAMPLES / "gpt.yaml"), "--set", stream]) == 2
+    assert "field 'dataset.ray_data': the probe steps real samples in this process" in capsys.readouterr().err

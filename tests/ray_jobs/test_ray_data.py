@@ -14,7 +14,7 @@ import ringleader
 from benchmarks.data_stream import format_stream_figures, reader_figures, resume_figures
 from jobspec.fields import ConfigError
 from orchestrator.job.reading import load_job
-from orchestrator.data.streams import feeder_path
+from orchestrator.data.streams import feeder_path, leave_room_for_streams
 from orchestrator.launch import run_job
 from tests.helpers.jobs import jsonl, params, run
 from tests.helpers.ledger import BATCH, LEDGER_JOB, SEQ, assert_exactly_once, consumed, expected
@@ -78,16 +78,23 @@ def test_a_stream_shuffled_without_a_seed_is_refused_before_training(tmp_path, t
     assert not [e for e in jsonl(tmp_path / "run" / "events.jsonl") if e["event"] in ("workers_ready", "step")]
 
 
-def test_the_text_stream_example_feeds_the_gpt_recipe(tmp_path):
-    """README's Ray Data example: the shipped text read, tokenized and packed by Ray Data."""
+def test_the_text_stream_example_feeds_the_gpt_recipe_and_its_eval(tmp_path):
+    """README's Ray Data example: the shipped text read, tokenized and packed by Ray Data; an
+    eval set streamed the same way (a small text: eval reads it whole)."""
     seq = 32
+    val = tmp_path / "val.txt"
+    val.write_text("".join(f"line {i} of the held-out text\n" for i in range(100)))
     result = run(
         tmp_path, "gpt", f"model={{factory: ringleader_examples.gpt:make_model, kwargs: {{block_size: {seq}, n_layer: 1, n_head: 2, n_embd: 32}}}}",
         "loss=causal_lm", "batch_size=16", "shards=4", "steps=3", "scaling.workers=2",
         f"dataset={{ray_data: ringleader_examples.text_stream:make_dataset, kwargs: {{block_size: {seq}}}, column: tokens}}",
+        f"eval={{ray_data: ringleader_examples.text_stream:make_dataset, kwargs: {{path: '{val}', block_size: {seq}}}, "
+        "column: tokens, batch_size: 16}",
     )
     losses = [e["loss"] for e in jsonl(result.run_dir / "events.jsonl") if e["event"] == "step"]
     assert len(losses) == 3 and all(0 < loss < 7 for loss in losses), losses  # ln(256) = 5.5 at the start
+    assert 0 < result.summary["eval"]["loss"] < 7, result.summary["eval"]
+    assert json.loads((result.run_dir / "data" / "eval-stream.json").read_text())["samples"] == len(val.read_bytes()) // seq
     stream = json.loads((result.run_dir / "data" / "dataset-stream.json").read_text())
     assert stream["samples"] > 1000  # ~40k windows of 32 bytes
 
@@ -102,3 +109,19 @@ def test_bench_data_measures_the_stream_reader_its_bound_and_a_resume():
     assert resume["blocks_skipped"]["row_0"] == 0 < resume["blocks_skipped"]["row_1e6"]
     text = format_stream_figures({"reader": reader, "resume": resume})
     assert "x iter_batches" in text and "blocks skipped unread" in text
+
+
+def test_a_stream_needs_a_cpu_the_workers_leave_free(text):
+    """Ray Data's tasks take a CPU each: workers holding all of a fixed cluster's (4 here) would
+    leave its first read waiting until it timed out. Refused on a fixed cluster, a warning on
+    one that may grow; half a CPU a worker leaves room."""
+    def job(cpu: float):
+        return load_job(None, [*LEDGER_JOB, _stream(text), "scaling.workers=4", f"scaling.resources_per_worker={{CPU: {cpu}}}"])
+
+    with pytest.raises(ConfigError, match=r"field 'scaling.resources_per_worker': a ray_data stream runs its pipeline in "
+                       r"Ray tasks of a CPU each, and 4 workers x 1 CPU leave 0 of the cluster's 4"):
+        leave_room_for_streams(job(1), fixed_cluster=True, warn=print)
+    warned: list[str] = []
+    leave_room_for_streams(job(1), fixed_cluster=False, warn=warned.append)
+    leave_room_for_streams(job(0.5), fixed_cluster=True, warn=warned.append)
+    assert len(warned) == 1 and "leave 0 of the cluster's 4" in warned[0]
