@@ -4,9 +4,10 @@
   shards: the per-index shuffle, the windows gathered from the files' memory maps, batched by
   the default collate), against a plain sequential reader (``np.memmap`` windows in file order, stacked):
   alternating rounds, medians.
-* **Data wait**: the GPT recipe trained from the directory, and from the Ray Data example
-  (``ringleader_examples/text_stream.py``) (``ringleader run``, fresh processes): the share of
-  each worker's step time spent waiting for its data (``stalled_s``), steps 3 on.
+* **Data wait**: the GPT recipe trained from the directory and from the Ray Data example
+  (``ringleader_examples/text_stream.py``), and the tinylm recipe (``ringleader run``, fresh
+  processes): the share of each worker's step time spent waiting for its data
+  (``stalled_s``), steps 3 on.
 * **Ray Data**: ``benchmarks/data_stream.py``'s figures.
 * **Resume at 10^6 samples**: what a resumed run pays for its data before its first step: the
   index re-checked (a stat a file) and the first shard's indices at the step after 10^6
@@ -114,36 +115,38 @@ def resume_figures(index: DataIndex, batch: int, shards: int) -> dict[str, Any]:
     return {"index_check_s": check_s, "files": len(index.files), "first_shard_indices_s": timed}
 
 
-#: The GPT recipe's data, as each data-wait figure feeds it (``{directory}``: the token files),
-#: and what else the job needs for it.
-FED_FROM = {
-    "files": ("dataset={{files: '{directory}/*.bin', format: tokens, seq_len: 128}}",),
-    # Half a CPU a worker: Ray Data's tasks need one the workers leave free (of 2 here).
-    "ray_data": ("dataset={{ray_data: ringleader_examples.text_stream:make_dataset, column: tokens}}",
-                 "scaling.resources_per_worker={{CPU: 0.5}}"),
+#: The jobs whose data wait is measured: (recipe, what it reads, overrides; ``{directory}``: the
+#: token files). Half a CPU a worker from Ray Data: its tasks need one the workers leave free.
+DATA_WAIT_JOBS = {
+    "gpt_files": ("gpt", "token files", ("dataset={{files: '{directory}/*.bin', format: tokens, seq_len: 128}}",)),
+    "gpt_ray_data": ("gpt", "the Ray Data example", (
+        "dataset={{ray_data: ringleader_examples.text_stream:make_dataset, column: tokens}}",
+        "scaling.resources_per_worker={{CPU: 0.5}}",
+    )),
+    "tinylm": ("tinylm", "its in-memory dataset", ()),
 }
 
 
-def data_wait_figures(source: str, directory: Path, workers: int, steps: int, scratch: Path) -> dict[str, Any]:
-    """The GPT recipe trained from ``FED_FROM[source]``: the share of step time its workers
-    waited for their data."""
-    job = workload_job("gpt", workers, steps, *(item.format(directory=directory) for item in FED_FROM[source]), "eval=null")
-    run_dir, wall_s = run_ringleader(job, scratch / f"gpt-{source}", 900, f"gpt from {source}")
+def data_wait_figures(name: str, directory: Path, workers: int, steps: int, scratch: Path) -> dict[str, Any]:
+    """``DATA_WAIT_JOBS[name]`` trained: the share of step time its workers waited for their data."""
+    recipe, source, overrides = DATA_WAIT_JOBS[name]
+    job = workload_job(recipe, workers, steps, *(item.format(directory=directory) for item in overrides), "eval=null")
+    run_dir, wall_s = run_ringleader(job, scratch / name, 900, f"{recipe} from {source}")
     summary, _ = read_run(run_dir)
     telemetry = read_telemetry(run_dir / "telemetry.jsonl")
     warm = [r for r in telemetry if r["step"] >= 3]
     waited, total = sum(r["stalled_s"] for r in warm), sum(r["step_s"] for r in warm)
-    return {"workers": workers, "steps": steps, "status": summary["status"], "wall_s": wall_s,
-            "data_wait_fraction": waited / total if total else float("nan")}
+    return {"recipe": recipe, "source": source, "workers": workers, "steps": steps, "status": summary["status"],
+            "wall_s": wall_s, "data_wait_fraction": waited / total if total else float("nan")}
 
 
 def format_figures(figures: dict[str, Any]) -> str:
     reader, resume = figures["reader"], figures["resume"]
     timed = resume["first_shard_indices_s"]
     waits = [
-        f"data wait (GPT recipe from {source}, {wait['workers']} workers, {wait['steps']} steps, {wait['status']}): "
-        f"{100 * wait['data_wait_fraction']:.2f}% of step time"
-        for source, wait in figures["data_wait"].items()
+        f"data wait ({wait['recipe']} from {wait['source']}, {wait['workers']} workers, {wait['steps']} steps, "
+        f"{wait['status']}): {100 * wait['data_wait_fraction']:.2f}% of step time"
+        for wait in figures["data_wait"].values()
     ]
     return "\n".join([
         f"reader ({reader['samples']} samples of {reader['seq_len']} tokens in {reader['files']} files):",
@@ -167,7 +170,7 @@ def main(tokens: int, shard_tokens: int, seq_len: int, samples: int, rounds: int
         figures = {
             "reader": reader_figures(index, batch=32, shards=8, samples=samples, rounds=rounds),
             "resume": resume_figures(index, batch=32, shards=8),
-            "data_wait": {source: data_wait_figures(source, directory, workers, steps, Path(scratch)) for source in FED_FROM},
+            "data_wait": {name: data_wait_figures(name, directory, workers, steps, Path(scratch)) for name in DATA_WAIT_JOBS},
             "stream": stream_figures(stream_rows, seq_len, rounds),
         }
     print(format_figures(figures))

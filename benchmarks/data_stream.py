@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 import tempfile
 import time
@@ -128,6 +129,7 @@ def stream_figures(rows: int, seq_len: int, rounds: int) -> dict[str, Any]:
             from ray.data import DataContext
 
             DataContext.get_current().enable_progress_bars = False
+            logging.getLogger("ray.data").setLevel(logging.WARNING)  # a line per pass otherwise
             return {
                 "reader": reader_figures(rows, seq_len, batch=32, shards=8, rounds=rounds),
                 "resume": resume_figures(RESUME_ROWS, seq_len=8, chunk_rows=32),

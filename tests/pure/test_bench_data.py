@@ -20,9 +20,9 @@ def test_the_reader_and_resume_figures_are_measured_on_real_files(tmp_path):
     resume = resume_figures(index, batch=8, shards=4)
     assert resume["files"] == 4 and resume["index_check_s"] > 0
     assert set(resume["first_shard_indices_s"]) == {"step_0", "after_1e6_samples"} and RESUME_SAMPLES == 10**6
-    wait = {"workers": 2, "steps": 10, "status": "finished", "data_wait_fraction": 0.004}
-    text = format_figures({"reader": reader, "resume": resume, "data_wait": {"files": wait, "ray_data": wait}})
-    assert "x plain" in text and "from ray_data, 2 workers" in text and "0.40% of step time" in text
+    wait = {"recipe": "gpt", "source": "token files", "workers": 2, "steps": 10, "status": "finished", "data_wait_fraction": 0.004}
+    text = format_figures({"reader": reader, "resume": resume, "data_wait": {"gpt_files": wait}})
+    assert "x plain" in text and "(gpt from token files, 2 workers" in text and "0.40% of step time" in text
     assert "resume at 10^6 samples" in text
 
 
