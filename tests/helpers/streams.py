@@ -45,3 +45,27 @@ def stream_ids(directory: str, **kwargs: Any) -> np.ndarray:
     dataset = make_stream(directory, **kwargs)
     dataset.context.execution_options.preserve_order = True
     return np.array([row["tokens"][0] for row in dataset.take_all()])
+
+
+def _id_rows() -> Any:
+    for i in range(SAMPLES):
+        yield {"tokens": [i] * SEQ}
+
+
+def make_hf_map_dataset() -> Any:
+    """A map-style Hugging Face dataset of the ids (as tensors): a dataset factory's, as it is."""
+    import datasets
+
+    return datasets.Dataset.from_dict({"tokens": [[i] * SEQ for i in range(SAMPLES)]}).with_format("torch")
+
+
+def make_hf_stream(shuffle_seed: int | None = None) -> Any:
+    """A streaming Hugging Face dataset of the ids through ``ray.data.from_huggingface``;
+    shuffled with a seed (and a small buffer) with ``shuffle_seed``."""
+    import datasets
+    import ray.data
+
+    stream = datasets.IterableDataset.from_generator(_id_rows)
+    if shuffle_seed is not None:
+        stream = stream.shuffle(seed=shuffle_seed, buffer_size=8)
+    return ray.data.from_huggingface(stream)

@@ -75,7 +75,8 @@ class StepRunner(PassRunner):
             opening = pick_work(claims.me, ctx.plan, dict.fromkeys(range(ctx.plan.num_shards), FREE), {})
             first_pass = list(opening.shards) if isinstance(opening, RunShards) else mine
             started = time.monotonic()
-            self.start_reading(step, first_pass, lambda: self.chaos.stall(step, "fetch"))
+            stall = (lambda: self.chaos.stall(step, "fetch")) if self.chaos.stall_s(step, "fetch") else None
+            self.start_reading(step, first_pass, stall)
             look_from = started + _first_look_s(ctx.plan)
             work.gave_up = not self.prefetch.wait(
                 lambda: ctx.abort.is_set() or (time.monotonic() >= look_from and claims.block_taken())
@@ -84,6 +85,8 @@ class StepRunner(PassRunner):
                 raise CollectiveAborted(f"step {step} aborted by the driver while reading its data")
             work.stalled_s = time.monotonic() - started
             work.data_ready = self.prefetch.ready
+            if not work.gave_up:  # a worker that gave up waiting reads the next step anew
+                self.read_next(step, first_pass)
         self.on_phase(Phase.COMPUTE)
         if ctx.plan.clean:  # nothing to claim: my shards are mine unless I gave them up
             if mine and not work.gave_up:
