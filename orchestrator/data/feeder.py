@@ -1,5 +1,6 @@
-"""The feeder: a Ray actor that runs a job's Ray Data stream and holds its rows in Ray's object
-store, cut into chunks the workers take by reference (docs/data.md, "Ray Data").
+"""The feeder: a Ray actor that runs a job's stream (a Ray Data pipeline or a Hugging Face
+streaming dataset: ``stream_passes.py``) and holds its rows in Ray's object store, cut into
+chunks the workers take by reference (docs/data.md, "Ray Data").
 
 Every epoch is one pass of the same dataset in the same order (``preserve_order``; shuffles
 without a seed are refused before it starts), so chunk ``c`` is the same rows whenever it is
@@ -16,23 +17,14 @@ produces them (Ray Data cannot start a pass in the middle of its inputs).
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import ray
 
-#: A chunk: the chunk's rows of each column.
-Chunk = dict[str, np.ndarray]
-#: A pass's rows a block at a time, from a row on.
-Pass = Generator[Chunk, None, None]
-# Blocks a pass reads ahead of the chunks being made, on a thread of its own: Ray Data hands
-# out a block only when asked (polling its executor meanwhile), so a pass read on demand sat
-# idle between chunks (0.3x Ray Data's own prefetching iterator, measured).
-PREFETCH_BLOCKS = 4
+from orchestrator.data.stream_passes import PREFETCH_BLOCKS, Chunk, Pass, passes_of, read_ahead
 
 
 def unseeded_shuffles(dataset: Any) -> list[str]:
@@ -51,16 +43,6 @@ def unseeded_shuffles(dataset: Any) -> list[str]:
         if config is not None and getattr(config, "seed", None) is None:
             found.append(type(op).__name__)
     return found
-
-
-def _block_rows(bundle: Any) -> Iterator[tuple[Any, int, int]]:
-    """(block ref, first row, end row) of each block a bundle delivers (a slice, or all of it)."""
-    slices = bundle.slices or (None,) * len(bundle.block_refs)
-    for ref, metadata, part in zip(bundle.block_refs, bundle.metadata, slices):
-        if part is None:
-            yield ref, 0, metadata.num_rows
-        else:
-            yield ref, part.start_offset, part.end_offset
 
 
 class ChunkCutter:
@@ -144,86 +126,19 @@ class ChunkCutter:
 
 
 class StreamFeeder(ChunkCutter):
-    """The actor: ``dataset``'s (a ``ray.data.Dataset``) passes cut into chunks held in the
-    object store (owned by this actor). Not thread-safe and needs not be: a Ray actor runs one
-    call at a time, so passes advance in one order. ``timeout_s`` bounds each block's fetch."""
+    """The actor: ``dataset``'s passes (``stream_passes.passes_of``: a ``ray.data.Dataset`` or a
+    Hugging Face ``IterableDataset``) cut into chunks held in the object store (owned by this
+    actor). Not thread-safe and needs not be: a Ray actor runs one call at a time, so passes
+    advance in one order. ``timeout_s`` bounds the wait for each block."""
 
     def __init__(self, dataset: Any, chunk_rows: int, held_chunks: int, timeout_s: float) -> None:
-        dataset.context.execution_options.preserve_order = True
-        self.dataset = dataset
-        self.timeout_s = timeout_s
         super().__init__(chunk_rows, held_chunks, self._pass_from, ray.put)
+        self.passes = passes_of(dataset, timeout_s, self.counts)
+        self.timeout_s = timeout_s
 
     def samples(self) -> int:
-        """Rows in one pass (this runs the whole pipeline once)."""
-        return self.dataset.count()
+        """Rows in one pass (a whole pass runs to count them)."""
+        return self.passes.rows()
 
     def _pass_from(self, first_row: int) -> Pass:
-        """A pass's rows from ``first_row`` on (``_blocks_from``), read ahead."""
-        return read_ahead(self._blocks_from(first_row), PREFETCH_BLOCKS, self.timeout_s)
-
-    def _blocks_from(self, first_row: int) -> Iterator[Chunk]:
-        """A pass's rows from ``first_row`` on, a block at a time; blocks wholly before it are
-        skipped by their row counts, never fetched."""
-        from ray.data.block import BlockAccessor
-
-        row = 0
-        for bundle in self.dataset.iter_internal_ref_bundles():
-            for ref, start, end in _block_rows(bundle):
-                if end is not None and row + (end - start) <= first_row:
-                    row += end - start
-                    self.counts["blocks_skipped"] += 1
-                    self.counts["rows_skipped"] += end - start
-                    continue
-                block = BlockAccessor.for_block(ray.get(ref, timeout=self.timeout_s))
-                end = block.num_rows() if end is None else end
-                columns = BlockAccessor.for_block(block.slice(start, end, copy=False)).to_numpy()
-                rows = len(next(iter(columns.values())))
-                skip = max(0, first_row - row)
-                row += rows
-                if skip < rows:
-                    yield {name: values[skip:] for name, values in columns.items()}
-
-
-_END = object()
-
-
-def read_ahead(blocks: Iterator[Chunk], depth: int, timeout_s: float) -> Pass:
-    """``blocks`` read by a thread of their own, at most ``depth`` ahead of the consumer. An
-    error reading them is raised to the consumer; closing the generator stops the thread at
-    its next block; a block not come within ``timeout_s`` is a TimeoutError."""
-    ready: queue.Queue[Any] = queue.Queue(depth)
-    stop = threading.Event()
-
-    def offer(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def fill() -> None:
-        try:
-            for block in blocks:
-                if not offer(block):
-                    return
-            offer(_END)
-        except BaseException as err:  # noqa: BLE001 - handed to the consumer, who raises it
-            offer(err)
-
-    threading.Thread(target=fill, name="feeder-read-ahead", daemon=True).start()
-    try:
-        while True:
-            try:
-                item = ready.get(timeout=timeout_s)
-            except queue.Empty:
-                raise TimeoutError(f"no block of the stream came within {timeout_s:.0f}s") from None
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
+        return read_ahead(self.passes.blocks_from(first_row), PREFETCH_BLOCKS, self.timeout_s)

@@ -21,6 +21,7 @@ from jobspec.recipe import DataSource
 from jobspec.stream import FedStream
 from orchestrator.data.feeder import StreamFeeder, unseeded_shuffles
 from orchestrator.data.index import refused
+from orchestrator.data.stream_passes import is_hf_stream
 
 
 def stream_path(run_dir: Path, name: str) -> Path:
@@ -55,13 +56,19 @@ def feeder_path(run_dir: Path, name: str) -> Path:
 
 def build_stream(source: DataSource, name: str) -> Any:
     """``source.ray_data`` called with its ``kwargs``: a ``ray.data.Dataset`` whose plan runs in
-    the same order every pass. Raises ConfigError naming the field otherwise."""
+    the same order every pass, or a Hugging Face ``IterableDataset``. Raises ConfigError naming
+    the field otherwise."""
     import ray.data  # heavy: only for jobs that stream
 
     assert source.ray_data is not None
     dataset = factories.build(source.ray_data, source.kwargs)
+    if is_hf_stream(dataset):  # iterated in its own order by the feeder
+        return dataset
     if not isinstance(dataset, ray.data.Dataset):
-        raise refused(f"{name}.ray_data", f"{source.ray_data!r} returned a {type(dataset).__name__}, expected a ray.data.Dataset")
+        raise refused(
+            f"{name}.ray_data", f"{source.ray_data!r} returned a {type(dataset).__name__}, expected a ray.data.Dataset "
+            "or a Hugging Face datasets.IterableDataset",
+        )
     unseeded = unseeded_shuffles(dataset)
     if unseeded:
         raise refused(

@@ -45,8 +45,9 @@ class Ledger(torch.nn.Module):
         super().__init__()
         self.counts = torch.nn.Parameter(torch.zeros(samples))
 
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        return self.counts[batch[:, 0]]
+    def forward(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+        tokens = batch["tokens"] if isinstance(batch, dict) else batch  # a row of columns, or its tokens
+        return self.counts[tokens[:, 0]]
 
 
 def make_ledger(samples: int = SAMPLES) -> Ledger:

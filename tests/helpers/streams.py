@@ -1,6 +1,7 @@
-"""Ray Data streams for the tests: a few parquet files of numbered text rows, read by Ray Data
-and tokenized by ``map_batches`` into rows whose ``tokens`` carry the row's id (``ledger.SEQ``
-copies), the source ``tests/helpers/ledger.py`` counts."""
+"""Streams for the tests: a few parquet files of numbered text rows, read by Ray Data and
+tokenized by ``map_batches`` into rows whose ``tokens`` carry the row's id (``ledger.SEQ``
+copies), the source ``tests/helpers/ledger.py`` counts; the same ids as Hugging Face datasets,
+map-style and streaming."""
 
 from __future__ import annotations
 
@@ -60,12 +61,14 @@ def make_hf_map_dataset() -> Any:
 
 
 def make_hf_stream(shuffle_seed: int | None = None) -> Any:
-    """A streaming Hugging Face dataset of the ids through ``ray.data.from_huggingface``;
-    shuffled with a seed (and a small buffer) with ``shuffle_seed``."""
+    """A streaming Hugging Face dataset of the ids (``datasets.IterableDataset``), fed as it is;
+    shuffled by a buffer of 8 with ``shuffle_seed``."""
     import datasets
-    import ray.data
 
     stream = datasets.IterableDataset.from_generator(_id_rows)
-    if shuffle_seed is not None:
-        stream = stream.shuffle(seed=shuffle_seed, buffer_size=8)
-    return ray.data.from_huggingface(stream)
+    return stream if shuffle_seed is None else stream.shuffle(seed=shuffle_seed, buffer_size=8)
+
+
+def hf_stream_ids(**kwargs: Any) -> np.ndarray:
+    """The ids of ``make_hf_stream``'s rows in the order it yields them."""
+    return np.array([row["tokens"][0] for row in make_hf_stream(**kwargs)])

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from orchestrator.data.feeder import Chunk, ChunkCutter
+from orchestrator.data.feeder import ChunkCutter
+from orchestrator.data.stream_passes import Chunk
 
 ROWS = 23
 BLOCKS = (5, 1, 7, 4, 6)  # uneven blocks: chunks straddle them

@@ -60,6 +60,17 @@ def test_parquet_rows_across_row_groups_and_jsonl_lines(tmp_path: Path):
     assert [jsonl[i].tolist() for i in range(5)] == [[i, 2 * i] for i in range(5)]
 
 
+def test_a_map_style_hugging_face_dataset_is_a_factory_source_as_it_is():
+    """Its batched fetch (``__getitems__``) gives each sampled row, by index, as a dict."""
+    from workers.data.batches import fetch_batch
+    from workers.data.sampler import ShardSampler
+
+    data = open_source(DatasetSpec(factory="tests.helpers.streams:make_hf_map_dataset"), None)
+    indices = ShardSampler(len(data), 16, 4, seed=0).indices(3, [1, 2])
+    batch = fetch_batch(data, indices, None)
+    assert torch.equal(batch["tokens"][:, 0], torch.as_tensor(indices)) and batch["tokens"].shape == (8, 2)
+
+
 def test_a_factory_source_builds_its_dataset_and_a_file_source_needs_its_index(tmp_path: Path):
     built = open_source(DatasetSpec(factory="ringleader_examples.digits:make_dataset", kwargs={"split": "test"}), None)
     assert len(built) > 0

@@ -1,7 +1,7 @@
-"""Ray Data streams (``dataset.ray_data``) in whole jobs on a real cluster: parquet files read
-and tokenized by Ray Data, fed through a feeder actor; every sample once by the ledger through
-a SIGKILL with stragglers and across a resume on another worker count mid-epoch; a shuffle
-without a seed refused before training."""
+"""Streams (``dataset.ray_data``) in whole jobs on a real cluster: parquet files read and
+tokenized by Ray Data, and a streaming Hugging Face dataset, fed through a feeder actor; every
+sample once by the ledger through a SIGKILL with stragglers and across a resume on another
+worker count mid-epoch; a shuffle without a seed refused before training."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from orchestrator.data.streams import feeder_path, leave_room_for_streams
 from orchestrator.launch import run_job
 from tests.helpers.jobs import jsonl, params, run
 from tests.helpers.ledger import BATCH, LEDGER_JOB, SEQ, assert_exactly_once, consumed, expected
-from tests.helpers.streams import make_stream, stream_ids, write_numbered_text
+from tests.helpers.streams import hf_stream_ids, make_stream, stream_ids, write_numbered_text
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -125,3 +125,15 @@ def test_a_stream_needs_a_cpu_the_workers_leave_free(text):
     leave_room_for_streams(job(1), fixed_cluster=False, warn=warned.append)
     leave_room_for_streams(job(0.5), fixed_cluster=True, warn=warned.append)
     assert len(warned) == 1 and "leave 0 of the cluster's 4" in warned[0]
+
+
+def test_a_streaming_hugging_face_dataset_trains_every_sample_once(tmp_path):
+    """A ``datasets.IterableDataset`` (shuffled by a seeded buffer) through the same feeder: its
+    rows without a ``column`` are dicts, as the dataset yields them."""
+    order = hf_stream_ids(shuffle_seed=5)
+    assert sorted(order) == list(range(40)) and list(order) != sorted(order)
+    result = run(
+        tmp_path, "hf", *LEDGER_JOB, "steps=6", "scaling.workers=2",
+        "dataset={ray_data: tests.helpers.streams:make_hf_stream, kwargs: {shuffle_seed: 5}}",
+    )
+    assert_exactly_once(consumed(params(result.run_dir)), expected(6, stream=order), "a Hugging Face stream")
