@@ -16,7 +16,7 @@ from jobspec.fields import ConfigError
 from orchestrator.job.reading import load_job
 from orchestrator.data.streams import feeder_path, leave_room_for_streams
 from orchestrator.launch import run_job
-from tests.helpers.jobs import jsonl, params, run
+from tests.helpers.jobs import assert_control_differs, assert_same_params, jsonl, params, run
 from tests.helpers.ledger import BATCH, LEDGER_JOB, SEQ, assert_exactly_once, consumed, expected
 from tests.helpers.streams import hf_stream_ids, make_stream, stream_ids, write_numbered_text
 
@@ -137,3 +137,24 @@ def test_a_streaming_hugging_face_dataset_trains_every_sample_once(tmp_path):
         "dataset={ray_data: tests.helpers.streams:make_hf_stream, kwargs: {shuffle_seed: 5}}",
     )
     assert_exactly_once(consumed(params(result.run_dir)), expected(6, stream=order), "a Hugging Face stream")
+
+
+def test_a_stream_gives_one_workers_trajectory_on_three_through_a_kill(tmp_path, one_worker):
+    """The GPT recipe from the Ray Data example: 3 workers and a SIGKILL end where one worker
+    does (within the job's yardstick), and another block order does not (the control)."""
+    seq = 32
+    gpt = (
+        f"model={{factory: ringleader_examples.gpt:make_model, kwargs: {{block_size: {seq}, n_layer: 1, n_head: 2, n_embd: 32}}}}",
+        "loss=causal_lm", "batch_size=16", "shards=4", "steps=6",
+    )
+
+    def stream(blocks_seed: int) -> str:
+        return (f"dataset={{ray_data: ringleader_examples.text_stream:make_dataset, "
+                f"kwargs: {{block_size: {seq}, blocks_seed: {blocks_seed}}}, column: tokens}}")
+
+    reference = one_worker(*gpt, stream(0))
+    killed = run(tmp_path, "kill", *gpt, stream(0), "scaling.workers=3", "chaos.kill=[{at_step: 2, worker: 1, how: sigkill}]")
+    assert killed.summary["events"]["failures"] == 1
+    assert_same_params(params(killed.run_dir), reference, "a stream on 3 workers through a SIGKILL")
+    other = run(tmp_path, "other", *gpt, stream(1), "scaling.workers=3")
+    assert_control_differs(params(other.run_dir), reference, "the stream's blocks in another order")
