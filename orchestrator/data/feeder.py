@@ -28,20 +28,26 @@ from orchestrator.data.stream_passes import PREFETCH_BLOCKS, Chunk, Pass, passes
 
 
 def unseeded_shuffles(dataset: Any) -> list[str]:
-    """The operators of ``dataset``'s plan that shuffle without a seed (a different order each
-    pass): ``random_shuffle()``, ``randomize_block_order()``, a read's ``shuffle="files"``."""
+    """The operators of ``dataset``'s plan whose order differs from pass to pass:
+    ``random_shuffle()``, ``randomize_block_order()`` or a read's file shuffle without a seed,
+    or with one Ray Data mixes with the pass's number (``reseed_after_execution``), or drawn
+    anew each time it is asked for (``shuffle="files"``: a timestamp)."""
     found: list[str] = []
     stack = [dataset._logical_plan.dag]
     while stack:
         op = stack.pop()
         stack.extend(op.input_dependencies)
-        seed_config = getattr(op, "seed_config", None) or getattr(op, "_seed_config", None)
-        if seed_config is not None and getattr(seed_config, "seed", None) is None:
-            found.append(type(op).__name__)
-        shuffle_config = getattr(op, "shuffle_config_factory", None)
-        config = shuffle_config() if callable(shuffle_config) else None
-        if config is not None and getattr(config, "seed", None) is None:
-            found.append(type(op).__name__)
+        config = getattr(op, "seed_config", None) or getattr(op, "_seed_config", None)
+        factory = getattr(op, "shuffle_config_factory", None)
+        drawn = [factory(), factory()] if callable(factory) else []
+        if drawn and drawn[0] is not None and getattr(drawn[0], "seed", None) != getattr(drawn[1], "seed", None):
+            found.append(f"{type(op).__name__}: a new seed each pass")
+            continue
+        for each in ([config] if config is not None else []) + [d for d in drawn[:1] if d is not None]:
+            if getattr(each, "seed", None) is None:
+                found.append(type(op).__name__)
+            elif getattr(each, "reseed_after_execution", False):
+                found.append(f"{type(op).__name__}: reseeded each pass")
     return found
 
 
@@ -82,19 +88,28 @@ class ChunkCutter:
     def _make_through(self, chunk: int, keep: set[int]) -> None:
         # Behind the pass, or further ahead than is held: a new pass that starts at the chunk.
         if self._blocks is None or not self._next <= chunk <= self._next + self.held_chunks:
-            if self._blocks is not None:
-                self._blocks.close()  # the old pass stops reading
+            self._end_pass()
             self._blocks = self._start(chunk * self.chunk_rows)
-            self._left = None
             self._next = chunk
             self.counts["passes"] += 1
-        while self._next <= chunk:
-            rows = self._read(self.chunk_rows)
-            self._drop_oldest(keep, room=1)
-            self.held[self._next] = (self._store(rows), sum(column.nbytes for column in rows.values()))
-            self.counts["chunks_made"] += 1
-            self.counts["max_held_bytes"] = max(self.counts["max_held_bytes"], sum(b for _, b in self.held.values()))
-            self._next += 1
+        try:
+            while self._next <= chunk:
+                rows = self._read(self.chunk_rows)
+                self._drop_oldest(keep, room=1)
+                self.held[self._next] = (self._store(rows), sum(column.nbytes for column in rows.values()))
+                self.counts["chunks_made"] += 1
+                self.counts["max_held_bytes"] = max(self.counts["max_held_bytes"], sum(b for _, b in self.held.values()))
+                self._next += 1
+        except BaseException:
+            # The pass may have lost rows on the way (read, not yet held): the next request
+            # starts a new one where it needs, so row i stays row i.
+            self._end_pass()
+            raise
+
+    def _end_pass(self) -> None:
+        if self._blocks is not None:
+            self._blocks.close()  # the pass stops reading
+        self._blocks, self._left = None, None
 
     def _drop_oldest(self, keep: set[int], room: int = 0) -> None:
         """Drop the oldest chunks not in ``keep`` until ``room`` more fit under the bound."""

@@ -32,9 +32,10 @@ class StreamPasses(Protocol):
         """Rows in one pass (a whole pass runs to count them)."""
         ...
 
-    def blocks_from(self, first_row: int) -> Iterator[Chunk]:
-        """A new pass's rows from ``first_row`` on, a block at a time; ``counts`` (the
-        feeder's) says what was skipped on the way."""
+    def blocks_from(self, first_row: int) -> Iterator[Chunk | None]:
+        """A new pass's rows from ``first_row`` on, a block at a time, and None for each block
+        skipped on the way (progress, so a long skip is not silence); ``counts`` (the
+        feeder's) says what was skipped."""
         ...
 
 
@@ -65,7 +66,7 @@ class RayDataPasses:
     def rows(self) -> int:
         return int(self.dataset.count())
 
-    def blocks_from(self, first_row: int) -> Iterator[Chunk]:
+    def blocks_from(self, first_row: int) -> Iterator[Chunk | None]:
         from ray.data.block import BlockAccessor
 
         row = 0
@@ -75,6 +76,7 @@ class RayDataPasses:
                     row += end - start
                     self.counts["blocks_skipped"] += 1
                     self.counts["rows_skipped"] += end - start
+                    yield None
                     continue
                 block = BlockAccessor.for_block(ray.get(ref, timeout=self.timeout_s))
                 end = block.num_rows() if end is None else end
@@ -107,7 +109,7 @@ class IterablePasses:
     def rows(self) -> int:
         return sum(len(next(iter(batch.values()))) for batch in self.dataset.iter(batch_size=ITERABLE_BATCH_ROWS))
 
-    def blocks_from(self, first_row: int) -> Iterator[Chunk]:
+    def blocks_from(self, first_row: int) -> Iterator[Chunk | None]:
         row = 0
         for batch in self.dataset.iter(batch_size=ITERABLE_BATCH_ROWS):
             rows = len(next(iter(batch.values())))
@@ -115,6 +117,7 @@ class IterablePasses:
                 row += rows
                 self.counts["blocks_skipped"] += 1
                 self.counts["rows_skipped"] += rows
+                yield None
                 continue
             skip = max(0, first_row - row)
             row += rows
@@ -132,12 +135,14 @@ def _column(values: Any) -> np.ndarray:
 
 
 _END = object()
+_PROGRESS = object()
 
 
-def read_ahead(blocks: Iterator[Chunk], depth: int, timeout_s: float) -> Pass:
-    """``blocks`` read by a thread of their own, at most ``depth`` ahead of the consumer. An
-    error reading them is raised to the consumer; closing the generator stops the thread at
-    its next block; a block not come within ``timeout_s`` is a TimeoutError."""
+def read_ahead(blocks: Iterator[Chunk | None], depth: int, timeout_s: float) -> Pass:
+    """``blocks`` read by a thread of their own, at most ``depth`` ahead of the consumer (a
+    None among them, a block skipped, is progress and not handed on). An error reading them
+    is raised to the consumer; closing the generator stops the thread at its next block and
+    closes ``blocks``; ``timeout_s`` without a block or progress is a TimeoutError."""
     ready: queue.Queue[Any] = queue.Queue(depth)
     stop = threading.Event()
 
@@ -153,11 +158,15 @@ def read_ahead(blocks: Iterator[Chunk], depth: int, timeout_s: float) -> Pass:
     def fill() -> None:
         try:
             for block in blocks:
-                if not offer(block):
+                if not offer(_PROGRESS if block is None else block):
                     return
             offer(_END)
         except BaseException as err:  # noqa: BLE001 - handed to the consumer, who raises it
             offer(err)
+        finally:
+            close = getattr(blocks, "close", None)
+            if close is not None:
+                close()  # a Ray Data pass's iterator ends (and its executor with it)
 
     threading.Thread(target=fill, name="feeder-read-ahead", daemon=True).start()
     try:
@@ -168,6 +177,8 @@ def read_ahead(blocks: Iterator[Chunk], depth: int, timeout_s: float) -> Pass:
                 raise TimeoutError(f"no block of the stream came within {timeout_s:.0f}s") from None
             if item is _END:
                 return
+            if item is _PROGRESS:
+                continue
             if isinstance(item, BaseException):
                 raise item
             yield item

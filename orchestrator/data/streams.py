@@ -72,8 +72,9 @@ def build_stream(source: DataSource, name: str) -> Any:
     unseeded = unseeded_shuffles(dataset)
     if unseeded:
         raise refused(
-            f"{name}.ray_data", f"the dataset shuffles without a seed ({', '.join(unseeded)}): every pass would read another "
-            "order, and a redone shard other samples; give the shuffle a seed",
+            f"{name}.ray_data", f"the dataset's order changes from pass to pass ({', '.join(unseeded)}): every epoch "
+            "and every redone shard would read other samples; give each shuffle a fixed seed "
+            "(seed=N; for a file shuffle FileShuffleConfig(seed=N, reseed_after_execution=False))",
         )
     return dataset
 
@@ -95,13 +96,26 @@ def fed_streams(
                if source is not None and source.ray_data is not None}
     finally:
         for name, feeder in feeders.items():
-            try:
-                figures = ray.get(feeder.stats.remote(), timeout=timeout_s)
-            except Exception as err:  # noqa: BLE001 - the figures are a report; the feeder is stopped whatever happened
-                figures = {"error": f"{type(err).__name__}: {err}"}
-            ray.kill(feeder)
-            text = json.dumps(figures).encode()
-            write_atomic(feeder_path(run_dir, name), lambda out: out.write(text))
+            _stop(name, feeder, run_dir, timeout_s)
+
+
+def _stop(name: str, feeder: Any, run_dir: Path, timeout_s: float) -> None:
+    """Keep ``feeder``'s figures in ``feeder_path`` (its error, if it cannot give them) and
+    stop it; never raises, so the job's own outcome is what a caller sees."""
+    try:
+        figures = ray.get(feeder.stats.remote(), timeout=timeout_s)
+    except Exception as err:  # noqa: BLE001 - the figures are a report
+        figures = {"error": f"{type(err).__name__}: {err}"}
+    try:
+        ray.kill(feeder)
+    except Exception:  # noqa: BLE001 - gone already: nothing to stop
+        pass
+    text = json.dumps(figures).encode()
+    try:
+        feeder_path(run_dir, name).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(feeder_path(run_dir, name), lambda out: out.write(text))
+    except OSError:  # the report is lost; the error the job ended with is the one to see
+        pass
 
 
 def _start(

@@ -29,16 +29,20 @@ def tokenize(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"tokens": np.repeat(numbers[:, None], SEQ, axis=1)}
 
 
-def make_stream(directory: str, blocks_seed: int | None = None, unseeded: bool = False) -> Any:
+def make_stream(directory: str, blocks_seed: int | None = None, unseeded: str = "") -> Any:
     """The tokenized rows of the parquet files in ``directory``; blocks in a seeded random order
-    with ``blocks_seed``; ``unseeded``: shuffled without a seed (to be refused)."""
+    with ``blocks_seed``. To be refused, an order that changes from pass to pass: ``unseeded``
+    ``rows`` (``random_shuffle()``), ``files`` (the read's ``shuffle="files"``, seeded from the
+    clock) or ``reseeded`` (a file shuffle's seed, which Ray Data mixes with the pass's number
+    by default)."""
     import ray.data
 
     # Ray Data reads small files into one block: 8 blocks of 5 rows, for block order and skips.
-    dataset = ray.data.read_parquet(directory).repartition(8).map_batches(tokenize, batch_format="numpy")
+    shuffle = {"files": "files", "reseeded": ray.data.FileShuffleConfig(seed=3)}.get(unseeded)
+    dataset = ray.data.read_parquet(directory, shuffle=shuffle).repartition(8).map_batches(tokenize, batch_format="numpy")
     if blocks_seed is not None:
         dataset = dataset.randomize_block_order(seed=blocks_seed)
-    return dataset.random_shuffle() if unseeded else dataset
+    return dataset.random_shuffle() if unseeded == "rows" else dataset
 
 
 def stream_ids(directory: str, **kwargs: Any) -> np.ndarray:

@@ -69,3 +69,23 @@ def test_a_chunk_past_the_end_is_an_error():
     cutter, _ = _cutter()
     with pytest.raises(ValueError, match="chunk 8 is past the end of the stream"):
         cutter.chunks([8])
+
+
+def test_a_pass_that_fails_is_dropped_and_the_next_request_starts_a_new_one_at_its_row():
+    """Rows a failed pass read and no chunk held would shift every row after them: the request
+    after the failure starts a new pass where it needs, and gets the rows it should."""
+    starts: list[int] = []
+    failures = [True]
+
+    def start_pass(first_row: int) -> Iterator[Chunk]:
+        starts.append(first_row)
+        yield {"id": np.arange(first_row, first_row + 2)}  # read, not yet a whole chunk
+        if failures.pop() if failures else False:
+            raise TimeoutError("no block of the stream came")
+        yield {"id": np.arange(first_row + 2, ROWS)}
+
+    cutter = ChunkCutter(3, 4, start_pass, store=lambda chunk: chunk)
+    with pytest.raises(TimeoutError):
+        cutter.chunks([0])
+    assert _ids(cutter.chunks([0])[0]) == [0, 1, 2] and _ids(cutter.chunks([1])[0]) == [3, 4, 5]
+    assert starts == [0, 0]

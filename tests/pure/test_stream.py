@@ -48,3 +48,12 @@ def test_without_a_column_a_sample_is_every_column_and_ragged_rows_stay_apart():
 def test_a_column_the_rows_lack_is_named():
     with pytest.raises(KeyError, match=r"no column 'text' \(they have \['ragged', 'tokens'\]\)"):
         _Rows("text").__getitems__([0])
+
+
+def test_text_columns_stay_text():
+    from workers.data.stream import _tensors
+
+    assert _tensors(np.array(["a", "bc"])) == ["a", "bc"]
+    ragged = np.empty(2, dtype=object)
+    ragged[:] = ["x", "yz"]
+    assert _tensors(ragged) == ["x", "yz"]

@@ -28,7 +28,8 @@ def test_a_pass_from_a_row_skips_the_batches_before_it_and_slices_the_one_it_is_
     counts = {"blocks_skipped": 0, "rows_skipped": 0}
     passes = IterablePasses(_Batches(), counts)
     assert passes.rows() == 10
-    blocks = list(passes.blocks_from(5))
+    skipped, *blocks = list(passes.blocks_from(5))
+    assert skipped is None  # progress: the batch before row 5, read and dropped
     assert [b["id"].tolist() for b in blocks] == [[5, 6, 7], [8, 9]]
     assert counts == {"blocks_skipped": 1, "rows_skipped": 4}
     assert blocks[0]["ragged"].dtype == object and blocks[0]["ragged"][0].tolist() == [0, 1]
@@ -75,3 +76,15 @@ def test_a_source_that_sends_nothing_times_out():
     with pytest.raises(TimeoutError, match="no block of the stream came within 0s"):
         next(read_ahead(silent(), 2, 0.2))
     release.set()
+
+
+def test_a_long_skip_is_progress_not_silence():
+    """Blocks skipped on the way to a resume's row come as None: each resets the timeout, none
+    reaches the reader."""
+    def skipping() -> Iterator[dict | None]:
+        for _ in range(6):
+            time.sleep(0.1)
+            yield None
+        yield {"x": np.arange(3)}
+
+    assert [b["x"].tolist() for b in read_ahead(skipping(), 2, 0.3)] == [[0, 1, 2]]

@@ -67,14 +67,19 @@ def test_a_stream_resumes_mid_epoch_on_another_worker_count(tmp_path, text):
     assert _feeder(resumed.run_dir)["blocks_skipped"] > 0
 
 
-@pytest.mark.parametrize("how", ["job", "api"])
-def test_a_stream_shuffled_without_a_seed_is_refused_before_training(tmp_path, text, how):
-    match = r"field 'dataset.ray_data': the dataset shuffles without a seed \(RandomShuffle\)"
+@pytest.mark.parametrize(("unseeded", "how", "named"), [
+    ("rows", "job", r"RandomShuffle"),
+    ("rows", "api", r"RandomShuffle"),
+    ("files", "job", r"ListFiles: a new seed each pass"),
+    ("reseeded", "job", r"ListFiles: reseeded each pass"),
+])
+def test_a_stream_whose_order_changes_from_pass_to_pass_is_refused_before_training(tmp_path, text, unseeded, how, named):
+    match = rf"field 'dataset.ray_data': the dataset's order changes from pass to pass \({named}\)"
     with pytest.raises(ConfigError, match=match):
         if how == "job":  # the job names the function
-            run_job(load_job(None, [*LEDGER_JOB, _stream(text, unseeded="true"), "steps=2"]), run_dir=tmp_path / "run")
+            run_job(load_job(None, [*LEDGER_JOB, _stream(text, unseeded=unseeded), "steps=2"]), run_dir=tmp_path / "run")
         else:  # ringleader.run(..., dataset=ds)
-            ringleader.run(None, tmp_path / "run", overrides=[*LEDGER_JOB, "steps=2"], dataset=make_stream(text, unseeded=True))
+            ringleader.run(None, tmp_path / "run", overrides=[*LEDGER_JOB, "steps=2"], dataset=make_stream(text, unseeded=unseeded))
     assert not [e for e in jsonl(tmp_path / "run" / "events.jsonl") if e["event"] in ("workers_ready", "step")]
 
 

@@ -70,15 +70,16 @@ class StreamRows(Dataset):
 
     def _values_of(self, chunks: list[int]) -> list[dict[str, np.ndarray]]:
         with self._lock:
-            missing = [chunk for chunk in chunks if chunk not in self._values]
+            found = {chunk: self._values[chunk] for chunk in chunks if chunk in self._values}
+        missing = [chunk for chunk in chunks if chunk not in found]
         if missing:
-            fetched = ray.get(self._refs_of(missing), timeout=self.stream.timeout_s)
-            with self._lock:
-                self._values.update(zip(missing, fetched))
-                for old in [chunk for chunk in self._values if chunk not in chunks][: max(0, len(self._values) - VALUES_KEPT)]:
+            fetched = dict(zip(missing, ray.get(self._refs_of(missing), timeout=self.stream.timeout_s)))
+            found.update(fetched)
+            with self._lock:  # the other thread may have kept and dropped chunks meanwhile
+                self._values.update(fetched)
+                for old in [chunk for chunk in self._values if chunk not in found][: max(0, len(self._values) - VALUES_KEPT)]:
                     del self._values[old]
-        with self._lock:
-            return [self._values[chunk] for chunk in chunks]
+        return [found[chunk] for chunk in chunks]
 
     def _refs_of(self, chunks: list[int]) -> list[Any]:
         with self._lock:
@@ -101,8 +102,11 @@ class StreamRows(Dataset):
         return [dict(zip(named, values)) for values in zip(*named.values())]
 
 
-def _tensors(values: np.ndarray) -> list[torch.Tensor]:
-    """One tensor per row of ``values`` (copied out of the read-only shared chunk)."""
+def _tensors(values: np.ndarray) -> list[Any]:
+    """One tensor per row of ``values`` (copied out of the read-only shared chunk); text stays
+    text (a string a row, for a collate that tokenizes)."""
+    if values.dtype.kind in "US" or (values.dtype == object and len(values) and isinstance(values[0], (str, bytes))):
+        return [value.item() if isinstance(value, np.generic) else value for value in values]
     if values.dtype == object:  # rows of unequal length
         return [torch.as_tensor(np.array(value)) for value in values]
     return list(torch.from_numpy(np.array(values)).unbind(0))
