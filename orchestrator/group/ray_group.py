@@ -91,7 +91,8 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         Ray's object store once for every actor to take."""
         super().__init__(job.scaling)
         self.job = job
-        self.data = ray.put(data or {})
+        self._data = data or {}
+        self._data_ref: Any = None  # put in the object store with the first actor (the constructor starts nothing)
         self.fixed_cluster = fixed_cluster  # its resources are all it will have: refuse the impossible at once
         self._on_wait = on_wait
         self._on_collective = on_collective
@@ -179,8 +180,14 @@ class RayWorkerGroup(Membership[Member, Joiner]):
         actor = RemoteTrainWorker.options(
             **actor_options(self.scaling),
             scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement, placement_group_bundle_index=slot.index),
-        ).remote(self.job, worker, None, self.data)
+        ).remote(self.job, worker, None, self._shared_data())
         return actor, worker
+
+    def _shared_data(self) -> Any:
+        """The data indexes and feeders, put in Ray's object store once for every actor to take."""
+        if self._data_ref is None:
+            self._data_ref = ray.put(self._data)
+        return self._data_ref
 
     @ray_errors_as_group_errors
     def form_group(self, store: RendezvousStore, step: int = -1) -> float:

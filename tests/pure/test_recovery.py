@@ -244,11 +244,16 @@ def test_a_worker_judged_dead_never_leads_even_if_it_answers(tmp_path):
     assert ran.of("group_reformed")[0]["workers"] == [1, 2]
 
 
-def test_leading_with_a_worker_that_is_not_a_member_is_an_error():
-    from orchestrator.group.ray_group import RayWorkerGroup  # its constructor starts nothing
+def test_leading_with_a_worker_that_is_not_a_member_is_an_error(monkeypatch):
+    import ray
 
+    from orchestrator.group.ray_group import RayWorkerGroup
+
+    # Its constructor starts nothing: a put would start a Ray of its own in this process (and a
+    # later ray.init in the session fail: "called twice").
+    monkeypatch.setattr(ray, "put", lambda *args, **kwargs: pytest.fail("RayWorkerGroup() put something in the object store"))
     with pytest.raises(WorkerGroupError, match="worker 7 is not a member"):
-        RayWorkerGroup(fake_job()).lead_with(7)
+        RayWorkerGroup(fake_job(), data={}).lead_with(7)
 
 
 def test_a_death_during_re_forming_starts_it_over(tmp_path):
