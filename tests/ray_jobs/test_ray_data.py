@@ -14,7 +14,7 @@ import ringleader
 from benchmarks.data_stream import format_stream_figures, reader_figures, resume_figures
 from jobspec.fields import ConfigError
 from orchestrator.job.reading import load_job
-from orchestrator.data.streams import feeder_path, leave_room_for_streams
+from orchestrator.data.streams import fed_streams, feeder_path, leave_room_for_streams, stream_path
 from orchestrator.launch import run_job
 from tests.helpers.jobs import assert_control_differs, assert_same_params, jsonl, params, run
 from tests.helpers.ledger import BATCH, LEDGER_JOB, SEQ, assert_exactly_once, consumed, expected
@@ -163,3 +163,16 @@ def test_a_stream_gives_one_workers_trajectory_on_three_through_a_kill(tmp_path,
     assert_same_params(params(killed.run_dir), reference, "a stream on 3 workers through a SIGKILL")
     other = run(tmp_path, "other", *gpt, stream(1), "scaling.workers=3")
     assert_control_differs(params(other.run_dir), reference, "the stream's blocks in another order")
+
+
+def test_a_resumed_run_whose_stream_changed_length_is_refused(tmp_path, text):
+    """The row count a run began with is kept in its run directory: a resume whose pipeline
+    yields another count (a file added, a filter changed) would read other rows at every step,
+    and is refused before a worker starts; the feeder started to count is stopped."""
+    source = load_job(None, [*LEDGER_JOB, _stream(text)]).dataset
+    stream_path(tmp_path, "dataset").parent.mkdir()
+    stream_path(tmp_path, "dataset").write_text(json.dumps({"samples": 39}))
+    with pytest.raises(ConfigError, match=r"field 'dataset.ray_data': the stream changed since the run began: 40 rows a pass, it had 39"):
+        with fed_streams({"dataset": (source, 16, 16)}, tmp_path, resuming=True, timeout_s=120, note=print):
+            pass
+    assert json.loads(feeder_path(tmp_path, "dataset").read_text())["chunks_made"] == 0
