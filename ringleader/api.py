@@ -93,7 +93,8 @@ class LaunchOptions(TypedDict, total=False):
     simulated Ray nodes on this machine (0: none). ``progress``: a progress bar on stderr.
     ``warn``: called with each warning for the user. ``dataset``: a ``ray.data.Dataset`` to
     train on, in place of the job's ``dataset`` source (its ``column``, ``collate`` and
-    ``ahead_steps`` stay); pass it again to ``resume``. A bad value of any is a ConfigError,
+    ``ahead_steps`` stay). To ``resume`` such a run, pass the job and the dataset again (job.json
+    records the dataset as a callable that does not import). A bad value of any is a ConfigError,
     raised before Ray starts.
     """
 
