@@ -58,9 +58,15 @@ def test_a_stream_trains_every_sample_once_through_a_kill_and_stragglers(tmp_pat
 
 
 def test_a_stream_resumes_mid_epoch_on_another_worker_count(tmp_path, text):
+    """Through the Python API, as docs/python-api.md says: the job and the dataset passed again."""
     order = stream_ids(text)
-    run(tmp_path, "run", *LEDGER_JOB, _stream(text), "steps=4", "scaling.workers=2", "checkpoint.every_steps=4")
-    resumed = run(tmp_path, "run", *LEDGER_JOB, _stream(text), "steps=12", "scaling.workers=3")
+    first = ringleader.run(None, tmp_path / "run", dataset=make_stream(text), overrides=[
+        *LEDGER_JOB, "dataset.column=tokens", "steps=4", "scaling.workers=2", "checkpoint.every_steps=4",
+    ])
+    assert first.status == "finished", first.error
+    job = load_job(None, [*LEDGER_JOB, "dataset.column=tokens", "steps=12", "scaling.workers=3", "checkpoint.every_steps=4"])
+    resumed = ringleader.resume(tmp_path / "run", job, dataset=make_stream(text))
+    assert resumed.status == "finished", resumed.error
     assert [e["checkpoint"] for e in jsonl(resumed.run_dir / "events.jsonl") if e["event"] == "resume"] == ["step-00000004"]
     assert_exactly_once(consumed(params(resumed.run_dir)), expected(12, stream=order), "a stream resumed on 3 workers")
     # The resumed feeder started its first pass 24 rows in: the blocks before were skipped unread.
