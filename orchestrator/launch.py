@@ -314,8 +314,6 @@ def run_job(
         from orchestrator.data.index import run_indexes
         from orchestrator.data.streams import fed_streams, leave_room_for_streams
 
-        leave_room_for_streams(job, session.started_here and not job.chaos.add_node, warn)
-
         def noted(message: str) -> None:
             run.event("data_index", message=message)
 
@@ -329,7 +327,10 @@ def run_job(
             "dataset": (job.dataset, job.batch_size, job.batch_size),
             "eval": (job.eval, job.eval.batch_size, job.eval.batch_size) if job.eval is not None else (None, 1, 1),
         }
-        data.update(held.enter_context(fed_streams(streams, run.path, resuming, job.timeouts.start_s, noted)))
+        fixed = session.started_here and not job.chaos.add_node
+        data.update(held.enter_context(fed_streams(
+            streams, run.path, resuming, job.timeouts.start_s, noted, lambda: leave_room_for_streams(job, fixed, warn),
+        )))
         group, chaos = _worker_group(job, run, session, local_nodes, within, warn, data)
         store = driver_store(job.timeouts.rendezvous_s, job.stragglers.claim_store_count(job.scaling.max_workers))
         try:

@@ -82,16 +82,18 @@ def build_stream(source: DataSource, name: str) -> Any:
 @contextmanager
 def fed_streams(
     sources: dict[str, tuple[DataSource | None, int, int]], run_dir: Path, resuming: bool, timeout_s: float,
-    note: Callable[[str], None],
+    note: Callable[[str], None], before_ray_data: Callable[[], None] = lambda: None,
 ) -> Iterator[dict[str, FedStream]]:
     """A feeder for each ``ray_data`` source of ``sources`` (name -> (source, rows a step reads,
     rows a chunk holds)),
     running while the block runs; on the way out each feeder is stopped, its ``stats`` kept in
     ``feeder_path``. Raises ConfigError for a bad source,
-    or one whose row count differs from the count the run recorded when it began."""
+    or one whose row count differs from the count the run recorded when it began.
+    ``before_ray_data()`` is called before a Ray Data pipeline's feeder starts (not a Hugging
+    Face stream's: the feeder iterates that one itself, in no task of its own)."""
     feeders: dict[str, Any] = {}
     try:
-        yield {name: _start(name, source, step_rows, chunk_rows, run_dir, resuming, timeout_s, feeders, note)
+        yield {name: _start(name, source, step_rows, chunk_rows, run_dir, resuming, timeout_s, feeders, note, before_ray_data)
                for name, (source, step_rows, chunk_rows) in sources.items()
                if source is not None and source.ray_data is not None}
     finally:
@@ -120,9 +122,11 @@ def _stop(name: str, feeder: Any, run_dir: Path, timeout_s: float) -> None:
 
 def _start(
     name: str, source: DataSource, step_rows: int, chunk_rows: int, run_dir: Path, resuming: bool, timeout_s: float,
-    feeders: dict[str, Any], note: Callable[[str], None],
+    feeders: dict[str, Any], note: Callable[[str], None], before_ray_data: Callable[[], None],
 ) -> FedStream:
     dataset = build_stream(source, name)
+    if not is_hf_stream(dataset):
+        before_ray_data()
     # A step's chunks, one more for a step that starts mid-chunk, for each step held ahead.
     held = source.ahead_steps * (math.ceil(step_rows / chunk_rows) + 1)
     feeder = ray.remote(StreamFeeder).options(num_cpus=0, max_restarts=-1, max_task_retries=-1).remote(
