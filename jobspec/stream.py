@@ -23,9 +23,6 @@ class FedStream:
     column: str | None
     timeout_s: float
 
-    def chunk_of(self, row: int) -> int:
-        return row // self.chunk_rows
-
 
 #: What the driver hands the workers for a data source: its files' index or its stream's feeder.
 DataFeed = DataIndex | FedStream

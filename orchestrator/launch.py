@@ -323,10 +323,9 @@ def run_job(
         # A stream's chunk is a step's rows (an eval batch's): a worker takes its shards' rows
         # from one or two chunks a step, one call to the feeder; rows from several calls
         # cost more than a worker's share of a step moved (measured: docs/benchmarks.md#data).
-        streams = {
-            "dataset": (job.dataset, job.batch_size, job.batch_size),
-            "eval": (job.eval, job.eval.batch_size, job.eval.batch_size) if job.eval is not None else (None, 1, 1),
-        }
+        streams = {"dataset": (job.dataset, job.batch_size)}
+        if job.eval is not None:
+            streams["eval"] = (job.eval, job.eval.batch_size)
         fixed = session.started_here and not job.chaos.add_node
         data.update(held.enter_context(fed_streams(
             streams, run.path, resuming, job.timeouts.start_s, noted, lambda: leave_room_for_streams(job, fixed, warn),

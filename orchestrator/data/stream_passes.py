@@ -9,7 +9,8 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -67,25 +68,19 @@ class RayDataPasses:
         return int(self.dataset.count())
 
     def blocks_from(self, first_row: int) -> Iterator[Chunk | None]:
+        def blocks() -> Iterator[tuple[int | None, Callable[[], Chunk]]]:
+            for bundle in self.dataset.iter_internal_ref_bundles():
+                for ref, start, end in _block_rows(bundle):
+                    yield (None if end is None else end - start), partial(self._read_block, ref, start, end)
+
+        return _from_row(blocks(), first_row, self.counts)
+
+    def _read_block(self, ref: Any, start: int, end: int | None) -> Chunk:
         from ray.data.block import BlockAccessor
 
-        row = 0
-        for bundle in self.dataset.iter_internal_ref_bundles():
-            for ref, start, end in _block_rows(bundle):
-                if end is not None and row + (end - start) <= first_row:
-                    row += end - start
-                    self.counts["blocks_skipped"] += 1
-                    self.counts["rows_skipped"] += end - start
-                    yield None
-                    continue
-                block = BlockAccessor.for_block(ray.get(ref, timeout=self.timeout_s))
-                end = block.num_rows() if end is None else end
-                columns = BlockAccessor.for_block(block.slice(start, end, copy=False)).to_numpy()
-                rows = len(next(iter(columns.values())))
-                skip = max(0, first_row - row)
-                row += rows
-                if skip < rows:
-                    yield {name: values[skip:] for name, values in columns.items()}
+        block = BlockAccessor.for_block(ray.get(ref, timeout=self.timeout_s))
+        end = block.num_rows() if end is None else end
+        return BlockAccessor.for_block(block.slice(start, end, copy=False)).to_numpy()
 
 
 def _block_rows(bundle: Any) -> Iterator[tuple[Any, int, int]]:
@@ -107,21 +102,41 @@ class IterablePasses:
         self.counts = counts
 
     def rows(self) -> int:
-        return sum(len(next(iter(batch.values()))) for batch in self.dataset.iter(batch_size=ITERABLE_BATCH_ROWS))
+        return sum(_rows(batch) for batch in self.dataset.iter(batch_size=ITERABLE_BATCH_ROWS))
 
     def blocks_from(self, first_row: int) -> Iterator[Chunk | None]:
-        row = 0
-        for batch in self.dataset.iter(batch_size=ITERABLE_BATCH_ROWS):
-            rows = len(next(iter(batch.values())))
-            if row + rows <= first_row:
-                row += rows
-                self.counts["blocks_skipped"] += 1
-                self.counts["rows_skipped"] += rows
-                yield None
-                continue
-            skip = max(0, first_row - row)
-            row += rows
-            yield {name: _column(values)[skip:] for name, values in batch.items()}
+        batches = self.dataset.iter(batch_size=ITERABLE_BATCH_ROWS)
+        return _from_row(((_rows(batch), partial(_columns, batch)) for batch in batches), first_row, self.counts)
+
+
+def _rows(batch: dict[str, Any]) -> int:
+    return len(next(iter(batch.values())))
+
+
+def _columns(batch: dict[str, Any]) -> Chunk:
+    return {name: _column(values) for name, values in batch.items()}
+
+
+def _from_row(
+    blocks: Iterator[tuple[int | None, Callable[[], Chunk]]], first_row: int, counts: dict[str, int],
+) -> Iterator[Chunk | None]:
+    """A pass's rows from ``first_row`` on, out of its ``blocks`` (each its row count, when
+    known, and how to read it): a block wholly before the row is skipped by its count, unread,
+    and stands as None (progress); the block the row is in is cut there."""
+    row = 0
+    for known, read in blocks:
+        if known is not None and row + known <= first_row:
+            row += known
+            counts["blocks_skipped"] += 1
+            counts["rows_skipped"] += known
+            yield None
+            continue
+        columns = read()
+        rows = _rows(columns)
+        skip = max(0, first_row - row)
+        row += rows
+        if skip < rows:
+            yield {name: values[skip:] for name, values in columns.items()}
 
 
 def _column(values: Any) -> np.ndarray:

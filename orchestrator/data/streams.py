@@ -6,7 +6,6 @@ end the feeders' figures recorded and the feeders stopped. The driver never touc
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,7 +36,7 @@ def leave_room_for_streams(job: JobConfig, fixed_cluster: bool, warn: Callable[[
         return
     total = ray.cluster_resources().get("CPU", 0.0)
     per_worker = job.scaling.resources_per_worker.get("CPU", 0.0)
-    left = total - (job.scaling.max_workers or job.scaling.workers) * per_worker
+    left = total - job.scaling.max_workers * per_worker
     if left >= 1:
         return
     problem = (
@@ -81,21 +80,25 @@ def build_stream(source: DataSource, name: str) -> Any:
 
 @contextmanager
 def fed_streams(
-    sources: dict[str, tuple[DataSource | None, int, int]], run_dir: Path, resuming: bool, timeout_s: float,
+    sources: dict[str, tuple[DataSource | None, int]], run_dir: Path, resuming: bool, timeout_s: float,
     note: Callable[[str], None], before_ray_data: Callable[[], None] = lambda: None,
 ) -> Iterator[dict[str, FedStream]]:
-    """A feeder for each ``ray_data`` source of ``sources`` (name -> (source, rows a step reads,
-    rows a chunk holds)),
-    running while the block runs; on the way out each feeder is stopped, its ``stats`` kept in
-    ``feeder_path``. Raises ConfigError for a bad source,
-    or one whose row count differs from the count the run recorded when it began.
-    ``before_ray_data()`` is called before a Ray Data pipeline's feeder starts (not a Hugging
-    Face stream's: the feeder iterates that one itself, in no task of its own)."""
+    """A feeder for each ``ray_data`` source of ``sources`` (name -> (source, rows a step
+    reads: a chunk's)), running while the block runs; on the way out each feeder is stopped,
+    its ``stats`` kept in ``feeder_path``. Raises ConfigError for a bad source, or one whose
+    row count differs from the count the run recorded when it began. ``before_ray_data()`` is
+    called once, before any feeder starts, if a source is a Ray Data pipeline (not for a
+    Hugging Face stream: the feeder iterates that one itself, in no task of its own)."""
+    built = {
+        name: (source, build_stream(source, name), step_rows)
+        for name, (source, step_rows) in sources.items() if source is not None and source.ray_data is not None
+    }
+    if any(not is_hf_stream(dataset) for _, dataset, _ in built.values()):
+        before_ray_data()
     feeders: dict[str, Any] = {}
     try:
-        yield {name: _start(name, source, step_rows, chunk_rows, run_dir, resuming, timeout_s, feeders, note, before_ray_data)
-               for name, (source, step_rows, chunk_rows) in sources.items()
-               if source is not None and source.ray_data is not None}
+        yield {name: _start(name, source, dataset, step_rows, run_dir, resuming, timeout_s, feeders, note)
+               for name, (source, dataset, step_rows) in built.items()}
     finally:
         for name, feeder in feeders.items():
             _stop(name, feeder, run_dir, timeout_s)
@@ -121,14 +124,12 @@ def _stop(name: str, feeder: Any, run_dir: Path, timeout_s: float) -> None:
 
 
 def _start(
-    name: str, source: DataSource, step_rows: int, chunk_rows: int, run_dir: Path, resuming: bool, timeout_s: float,
-    feeders: dict[str, Any], note: Callable[[str], None], before_ray_data: Callable[[], None],
+    name: str, source: DataSource, dataset: Any, chunk_rows: int, run_dir: Path, resuming: bool, timeout_s: float,
+    feeders: dict[str, Any], note: Callable[[str], None],
 ) -> FedStream:
-    dataset = build_stream(source, name)
-    if not is_hf_stream(dataset):
-        before_ray_data()
-    # A step's chunks, one more for a step that starts mid-chunk, for each step held ahead.
-    held = source.ahead_steps * (math.ceil(step_rows / chunk_rows) + 1)
+    # A step's chunk and the next (a step that crosses an epoch's end spans two), for each
+    # step held ahead.
+    held = 2 * source.ahead_steps
     feeder = ray.remote(StreamFeeder).options(num_cpus=0, max_restarts=-1, max_task_retries=-1).remote(
         dataset, chunk_rows, held, timeout_s
     )
@@ -147,4 +148,3 @@ def _start(
         write_atomic(path, lambda out: out.write(text))
     note(f"{name}: {samples} rows a pass from {source.ray_data!r}, {held} chunks of {chunk_rows} held at most")
     return FedStream(feeder, samples, chunk_rows, source.column, timeout_s)
-

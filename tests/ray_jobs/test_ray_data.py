@@ -180,7 +180,7 @@ def test_a_resumed_run_whose_stream_changed_length_is_refused(tmp_path, text):
     stream_path(tmp_path, "dataset").write_text(json.dumps({"samples": 39}))
     checked: list[str] = []
     with pytest.raises(ConfigError, match=r"field 'dataset.ray_data': the stream changed since the run began: 40 rows a pass, it had 39"):
-        with fed_streams({"dataset": (source, 16, 16)}, tmp_path, True, 120, print, lambda: checked.append("room")):
+        with fed_streams({"dataset": (source, 16)}, tmp_path, True, 120, print, lambda: checked.append("room")):
             pass
     assert json.loads(feeder_path(tmp_path, "dataset").read_text())["chunks_made"] == 0
     assert checked == ["room"]  # a Ray Data pipeline's tasks need a CPU: the launch checks there is one
@@ -190,5 +190,5 @@ def test_a_hugging_face_stream_needs_no_cpu_of_its_own(tmp_path):
     """The feeder iterates it itself: no Ray Data task, so no CPU check (a fixed cluster whose
     workers hold every CPU runs it)."""
     source = load_job(None, [*LEDGER_JOB, "dataset={ray_data: tests.helpers.streams:make_hf_stream}"]).dataset
-    with fed_streams({"dataset": (source, 16, 16)}, tmp_path, False, 120, print, lambda: pytest.fail("checked")) as fed:
+    with fed_streams({"dataset": (source, 16)}, tmp_path, False, 120, print, lambda: pytest.fail("checked")) as fed:
         assert fed["dataset"].samples == 40
